@@ -1,0 +1,21 @@
+# One place for the set-up: a virtual environment outside the clone, reused while its recipe is unchanged.
+VENV ?= $(HOME)/.cache/xkv/venv-vllm-0.29.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.xkv-stamp
+
+.PHONY: install demo test lint
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh "$(VENV)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	PYTHONHASHSEED=0 $(PY) examples/store_and_restore.py
+
+test: install
+	bash scripts/test.sh "$(PY)"
+
+lint: install
+	$(VENV)/bin/ruff check xkv xkv_vllm_connector tests bench
