@@ -1,0 +1,290 @@
+"""The connector's side of the gateway: a DEALER socket with request ids and a deadline per call.
+
+No call ever blocks past its deadline: a dead gateway, a restarted one (new epoch) or a deadline
+miss raise :class:`GatewayUnavailable`, and the client then stays unavailable (its layout ids and
+leases belong to a gateway process that is gone); the connector turns itself off and a new
+``GatewayClient`` is needed after the gateway restarts. A refusal of one request (bad input,
+unknown layout, ...) raises :class:`GatewayError` and leaves the client usable.
+
+Thread-safe (one lock around each round trip). Not fork-safe: create clients after forking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from xkv.gateway import protocol as P
+from xkv.gateway.card import open_card
+from xkv.gateway.protocol import ChunkSlots, LayoutInfo, LookupResult, PingReply, ReserveStatus
+
+
+class GatewayError(Exception):
+    """The gateway refused a request (bad request, wrong version, unknown layout, ...).
+    ``code`` is a :class:`protocol.ErrorCode` or None for client-side failures."""
+
+    def __init__(self, message: str, code: P.ErrorCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class GatewayUnavailable(GatewayError):
+    """The gateway is dead, restarted (its epoch changed) or missed a deadline."""
+
+
+class Reservation(msgspec.Struct, frozen=True, gc=False):
+    """Slots to write one key: per shard, the byte offset in the card and its generation."""
+
+    key: bytes
+    offsets: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class ReserveResult(list):
+    """``list[Reservation | None]`` (None = not reserved) with ``status[i]``: a ReserveStatus
+    (OK, EXISTS: stored or being written by someone else, NO_SPACE)."""
+
+    status: list[ReserveStatus]
+
+
+def _default_host() -> str:
+    return os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost"
+
+
+class GatewayClient:
+    def __init__(self, host: str | None = None, port: int = 5557, *, timeout_s: float = 0.05,
+                 setup_timeout_s: float = 2.0, curve_server_key: bytes | str | None = None,
+                 curve_client_keys: tuple[bytes, bytes] | None = None):
+        """``timeout_s``: deadline of lookup/reserve/commit/abort/release/ping (seconds);
+        ``setup_timeout_s``: of register_layout, map_card and stats. ``curve_server_key``: the
+        gateway's z85 public key when it runs with CURVE; the client then uses
+        ``curve_client_keys`` (public, secret) or a fresh key pair."""
+        self.host = host or _default_host()
+        self.port = port
+        self.endpoint = f"tcp://{self.host}:{port}"
+        self.timeout_s = timeout_s
+        self.setup_timeout_s = setup_timeout_s
+        if isinstance(curve_server_key, str):
+            curve_server_key = curve_server_key.encode()
+        self._curve = curve_server_key
+        if curve_server_key is not None and curve_client_keys is None:
+            curve_client_keys = zmq.curve_keypair()
+        self._curve_client = curve_client_keys
+        #: The gateway's epoch, learned from the first reply (None before any).
+        self.epoch: int | None = None
+        self._broken: str | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock: zmq.Socket | None = None
+        self._card = None
+        self._gens = None
+        self._gen_q: memoryview | None = None
+        self._alignment = 0
+
+    # ------------------------------------------------------------------ transport
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a gateway that is not there
+            s.setsockopt(zmq.RECONNECT_IVL, 50)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if self._curve is not None:
+                s.curve_serverkey = self._curve
+                s.curve_publickey, s.curve_secretkey = self._curve_client
+            s.connect(self.endpoint)
+            self._sock = s
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        # A request lost in a dead connection would otherwise be answered later, out of turn.
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _call(self, req, expect: type, timeout_s: float | None):
+        if self._broken is not None:
+            raise GatewayUnavailable(self._broken)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        name = type(req).__name__.upper()
+        body = P.encoder.encode(req)
+        with self._lock:
+            deadline = time.monotonic() + timeout
+            rid = next(self._ids)
+            sock = self._socket()
+            try:
+                if not sock.poll(_ms(deadline), zmq.POLLOUT):
+                    raise zmq.Again()
+                sock.send_multipart([P.pack_id(rid), body], zmq.NOBLOCK)
+                while True:
+                    if not sock.poll(_ms(deadline), zmq.POLLIN):
+                        raise zmq.Again()
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    if len(frames) == 2 and P.unpack_id(frames[0]) == rid:
+                        break  # anything else is a late reply to an abandoned request
+            except zmq.Again:
+                self._drop_socket()
+                raise GatewayUnavailable(
+                    f"no reply from the xkv gateway at {self.endpoint} to {name} within "
+                    f"{timeout * 1000:.0f} ms (is xkv-gateway running?)") from None
+            except zmq.ZMQError as e:
+                self._drop_socket()
+                raise GatewayUnavailable(f"xkv gateway at {self.endpoint}: {e}") from None
+        try:
+            reply = P.reply_decoder.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise GatewayError(f"undecodable reply to {name} from {self.endpoint}: {e}") from None
+        if self.epoch is None:
+            self.epoch = reply.epoch
+        elif reply.epoch != self.epoch:
+            self._broken = (f"the xkv gateway at {self.endpoint} restarted (epoch "
+                            f"{self.epoch:016x} -> {reply.epoch:016x}): its layouts, leases and "
+                            f"card are gone")
+            raise GatewayUnavailable(self._broken)
+        if isinstance(reply, P.ErrorReply):
+            code = P.ErrorCode(reply.code) if reply.code in P.ErrorCode._value2member_map_ else None
+            if code is P.ErrorCode.BAD_EPOCH:
+                self._broken = reply.message
+                raise GatewayUnavailable(reply.message)
+            raise GatewayError(f"{name} refused ({code.name if code else reply.code}): "
+                               f"{reply.message}", code)
+        if not isinstance(reply, expect):
+            raise GatewayError(f"{name}: expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    def _epoch(self) -> int:
+        if self.epoch is None:
+            raise GatewayError("no layout registered yet: call register_layout() first")
+        return self.epoch
+
+    # ------------------------------------------------------------------ API
+
+    def register_layout(self, namespace: str, fingerprint: str, num_shards: int,
+                        shard_bytes: int, *, timeout_s: float | None = None) -> LayoutInfo:
+        """HELLO. Returns LayoutInfo(epoch, layout_id, slot_bytes, num_shards, shard_bytes,
+        capacity_bytes, lease_ttl_s, write_ttl_s); the same arguments give the same layout_id."""
+        req = P.Hello(P.PROTOCOL_VERSION, namespace, fingerprint, num_shards, shard_bytes,
+                      os.getpid())
+        return self._call(req, LayoutInfo, timeout_s or self.setup_timeout_s)
+
+    def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], *, lease: bool = True,
+               timeout_s: float | None = None) -> LookupResult:
+        """Longest prefix of chunks stored in every group. ``groups``: (layout_id, ordered keys),
+        same number of keys each. Result: num_chunks, lease_id (0 = none taken) and
+        ``slots[g][c]`` = ChunkSlots(offsets per shard, generations per shard)."""
+        if not groups:
+            raise ValueError("lookup needs at least one (layout_id, keys) group")
+        total = sum(len(keys) for _, keys in groups)
+        if total > P.MAX_KEYS:
+            raise ValueError(f"lookup of {total} keys: at most {P.MAX_KEYS} per request")
+        req = P.Lookup(self._epoch(), [P.LookupGroup(lid, list(keys)) for lid, keys in groups],
+                       lease)
+        return self._call(req, LookupResult, timeout_s)
+
+    def reserve(self, layout_id: int, keys: Sequence[bytes], *,
+                timeout_s: float | None = None) -> ReserveResult:
+        """Slots to write each key, or None (see ``.status``: EXISTS or NO_SPACE)."""
+        _check_keys(keys)
+        reply = self._call(P.Reserve(self._epoch(), layout_id, list(keys)), P.ReserveReply,
+                           timeout_s)
+        out = ReserveResult(None if c is None else Reservation(k, c.offsets, c.generations)
+                            for k, c in zip(keys, reply.slots))
+        out.status = [ReserveStatus(s) for s in reply.status]
+        return out
+
+    def commit(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+               timeout_s: float | None = None) -> int:
+        """This shard of each key is written; an object is visible once all shards committed.
+        Returns how many keys were still reserved (expired/aborted ones are skipped)."""
+        _check_keys(keys)
+        return self._call(P.Commit(self._epoch(), layout_id, shard, list(keys)), P.Ack,
+                          timeout_s).count
+
+    def abort(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+              timeout_s: float | None = None) -> int:
+        """Give up writing ``keys`` (frees the whole objects); returns how many were freed."""
+        _check_keys(keys)
+        return self._call(P.Abort(self._epoch(), layout_id, shard, list(keys)), P.Ack,
+                          timeout_s).count
+
+    def release(self, lease_id: int, *, timeout_s: float | None = None) -> int:
+        """Drop a lookup's lease; returns 0 if it had already expired. lease_id 0 is a no-op."""
+        if not lease_id:
+            return 0
+        return self._call(P.Release(self._epoch(), lease_id), P.Ack, timeout_s).count
+
+    def ping(self, *, timeout_s: float | None = None) -> PingReply:
+        """PingReply(epoch, protocol_version, capacity_bytes, used_bytes, uptime_s)."""
+        return self._call(P.Ping(), PingReply, timeout_s)
+
+    def stats(self, *, timeout_s: float | None = None) -> dict:
+        """Counters and gauges (bytes, objects, requests by type, errors by code)."""
+        return self._call(P.Stats(), P.StatsReply, timeout_s or self.setup_timeout_s).stats
+
+    def map_card(self, *, timeout_s: float | None = None) -> memoryview:
+        """Writable view of the whole card (mapped once; same host only)."""
+        if self._card is None:
+            info = self._call(P.Card(), P.CardInfo, timeout_s or self.setup_timeout_s)
+            try:
+                arena, gens = open_card(info.kind, info.path, info.gen_path,
+                                        info.capacity_bytes, info.epoch,
+                                        timeout_s or self.setup_timeout_s)
+            except OSError as e:
+                raise GatewayError(f"cannot map the card of {self.endpoint} ({info.kind} "
+                                   f"{info.path}): {e}; the card is only reachable from the "
+                                   f"gateway's host, by the same user") from None
+            self._card, self._gens = arena, gens
+            self._gen_q = memoryview(gens).cast("Q")
+            self._alignment = info.slot_alignment
+        return memoryview(self._card)
+
+    def slot_generation(self, offset: int) -> int:
+        """Current generation of the slot starting at byte ``offset`` of the card (read from the
+        mapped generation table, no round trip). Maps the card on first use."""
+        if self._gen_q is None:
+            self.map_card()
+        page, rem = divmod(offset, self._alignment)
+        if rem or not 0 <= offset < len(self._card):
+            raise ValueError(f"offset {offset} is not a slot offset of the card "
+                             f"({len(self._card)} bytes, slots aligned to {self._alignment})")
+        return self._gen_q[page]
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_socket()
+            self._ctx.term()
+            self._broken = self._broken or "client closed"
+        if self._gen_q is not None:
+            with contextlib.suppress(BufferError):
+                self._gen_q.release()
+                self._gens.close()
+                self._card.close()  # BufferError while a view (e.g. a tensor) still uses it
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    if len(keys) > P.MAX_KEYS:
+        raise ValueError(f"{len(keys)} keys in one request: at most {P.MAX_KEYS}")
+
+
+def _ms(deadline: float) -> int:
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+__all__ = ["ChunkSlots", "GatewayClient", "GatewayError", "GatewayUnavailable", "LayoutInfo",
+           "LookupResult", "PingReply", "Reservation", "ReserveResult", "ReserveStatus"]

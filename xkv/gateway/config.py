@@ -1,0 +1,159 @@
+"""Command line of ``xkv-gateway`` (also ``python -m xkv.gateway``)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512M', '1G', '1.5GiB', '64k' (binary units, case-insensitive)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected a number of bytes with an optional K/M/G/T suffix, "
+            f"e.g. 512M or 1G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _quota(text: str) -> tuple[str, int]:
+    ns, sep, size = text.partition("=")
+    if not sep or not ns:
+        raise argparse.ArgumentTypeError(f"invalid quota {text!r}: expected NAMESPACE=SIZE")
+    return ns, parse_size(size)
+
+
+@dataclass
+class GatewayConfig:
+    capacity_bytes: int = 1 << 30
+    host: str = "localhost"
+    bind_address: str = "127.0.0.1"
+    port: int = 5557
+    slot_alignment: int = 4096
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+    lease_ttl_s: float = 30.0
+    write_ttl_s: float = 60.0
+    namespace_quota_bytes: int = 0
+    quotas: dict[str, int] = field(default_factory=dict)
+    curve_secret_key: bytes | None = None
+    curve_allowed_clients: str | None = None
+    card_kind: str = "auto"
+    prefault: bool = False
+    stats_interval_s: float = 60.0
+    port_file: str | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="xkv-gateway",
+        description="xkv gateway: owns the card (a shared-memory arena of KV slots) and its index. "
+                    "vLLM workers on this host map the card; the connector talks to the gateway "
+                    "over ZMQ. Binds loopback unless CURVE keys are given.")
+    p.add_argument("--capacity", type=parse_size, default="1G",
+                   help="bytes of the card, e.g. 512M, 64G (default 1G); rounded down to the "
+                        "slot alignment")
+    p.add_argument("--host", default=os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost",
+                   help="address to bind (default $XKV_GATEWAY_HOSTNAME, else localhost); a "
+                        "non-loopback address needs --curve-secret-key")
+    p.add_argument("--port", type=int, default=5557,
+                   help="control port (default 5557, the connector's xkv_gateway_port; vLLM's "
+                        "KV-events publisher defaults to 5557 too); 0 picks a free port")
+    p.add_argument("--slot-alignment", type=parse_size, default=4096,
+                   help="slot sizes are rounded up to this many bytes (power of two, default 4096)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics "
+                        "(default: off; 0 picks a free port)")
+    p.add_argument("--log-level", default=os.environ.get("XKV_LOG_LEVEL", "INFO").upper(),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level (default $XKV_LOG_LEVEL, else INFO)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS",
+                   help="a lookup's lease on its slots ends after this long unless released "
+                        "earlier (default 30)")
+    p.add_argument("--write-ttl", type=float, default=60.0, metavar="SECONDS",
+                   help="a reserved object not committed by every shard within this long is "
+                        "freed (default 60)")
+    p.add_argument("--namespace-quota", type=parse_size, default=0, metavar="SIZE",
+                   help="bytes of the card any one namespace may hold (default 0 = no quota)")
+    p.add_argument("--quota", type=_quota, action="append", default=[], metavar="NS=SIZE",
+                   help="quota for one namespace, overrides --namespace-quota (repeatable)")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="ZMQ CURVE certificate of the gateway (zmq.auth.create_certificates "
+                        "format, with its secret key); enables encryption and allows a "
+                        "non-loopback --host. Clients need its public key.")
+    p.add_argument("--curve-allowed-clients", metavar="DIR",
+                   help="directory of client public certificates; with it only those clients are "
+                        "served (default: any client that knows the gateway's public key)")
+    p.add_argument("--card", dest="card_kind", choices=["auto", "memfd", "shm"], default="auto",
+                   help="how the card is shared: memfd handed over a unix socket (default on "
+                        "Linux) or a 0600 file in /dev/shm")
+    p.add_argument("--prefault", action="store_true",
+                   help="touch every page of the card at start (slower start, no page faults "
+                        "later)")
+    p.add_argument("--stats-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="log one stats line this often (default 60; 0 = never)")
+    p.add_argument("--port-file", metavar="PATH",
+                   help="write the bound port to PATH once listening (useful with --port 0)")
+    return p
+
+
+def _resolve(host: str) -> str:
+    if host in ("*", ""):
+        return "0.0.0.0"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise SystemExit(f"xkv-gateway: cannot resolve --host {host!r}: {e}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    args = build_parser().parse_args(argv)
+    align = args.slot_alignment
+    if align < 64 or align & (align - 1):
+        raise SystemExit(f"xkv-gateway: --slot-alignment must be a power of two >= 64, got {align}")
+    if args.capacity < align:
+        raise SystemExit(f"xkv-gateway: --capacity {args.capacity} is smaller than one slot "
+                         f"alignment ({align} bytes)")
+    if not 0 <= args.port < 65536:
+        raise SystemExit(f"xkv-gateway: --port must be 0..65535, got {args.port}")
+    if args.lease_ttl <= 0 or args.write_ttl <= 0:
+        raise SystemExit("xkv-gateway: --lease-ttl and --write-ttl must be > 0 seconds")
+    address = _resolve(args.host)
+    secret = None
+    if args.curve_secret_key:
+        import zmq.auth
+
+        try:
+            _, secret = zmq.auth.load_certificate(args.curve_secret_key)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"xkv-gateway: cannot read --curve-secret-key: {e}") from None
+        if not secret:
+            raise SystemExit(f"xkv-gateway: {args.curve_secret_key} has no secret key (pass the "
+                             f"*.key_secret certificate)")
+    if args.curve_allowed_clients and not secret:
+        raise SystemExit("xkv-gateway: --curve-allowed-clients needs --curve-secret-key")
+    if not ipaddress.ip_address(address).is_loopback and secret is None:
+        raise SystemExit(
+            f"xkv-gateway: refusing to bind {args.host} ({address}): it is not a loopback address "
+            f"and no --curve-secret-key was given. Anyone who can reach the port could read and "
+            f"fill the cache. Bind localhost, or create keys with "
+            f"python -c 'import zmq.auth; zmq.auth.create_certificates(\".\", \"gateway\")' and "
+            f"pass --curve-secret-key gateway.key_secret.")
+    return GatewayConfig(
+        capacity_bytes=args.capacity, host=args.host, bind_address=address, port=args.port,
+        slot_alignment=align, metrics_port=args.metrics_port, log_level=args.log_level,
+        lease_ttl_s=args.lease_ttl, write_ttl_s=args.write_ttl,
+        namespace_quota_bytes=args.namespace_quota, quotas=dict(args.quota),
+        curve_secret_key=secret, curve_allowed_clients=args.curve_allowed_clients,
+        card_kind=args.card_kind, prefault=args.prefault, stats_interval_s=args.stats_interval,
+        port_file=args.port_file)

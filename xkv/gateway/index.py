@@ -1,0 +1,424 @@
+"""The gateway's index: what is stored where, what is being written, who is reading, what to evict.
+
+Pure logic, no sockets and no clock: every call that depends on time takes ``now`` (seconds,
+monotonic), so the whole state machine can be driven by a hypothesis stateful test.
+
+Card geometry. The card is ``capacity_bytes`` of shared memory cut into *pages* of
+``slot_alignment`` bytes. A layout (namespace, fingerprint, num_shards, shard_bytes) has slots of
+``slot_bytes = round_up(shard_bytes, slot_alignment)``; one *object* (one key of one layout) takes
+``num_shards`` consecutive slots, one per shard, allocated as one page range.
+
+Object life: RESERVE creates it STAGED (invisible to lookups, write deadline = now + write_ttl);
+each shard's COMMIT sets its bit; when all shards committed it is READY (visible). ABORT of any
+shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in an
+LRU and are evicted, oldest first, only when a RESERVE needs room (or its namespace quota).
+
+Generations: ``generations[page]`` is a uint64 per page (the card's generation table). When an
+object is freed, the generation at each of its slots' first page is incremented, so a reader that
+noted the generation at lookup and finds the same value after copying knows the object it read
+was still the one stored there.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict, deque
+from collections.abc import MutableSequence, Sequence
+from dataclasses import dataclass, field
+
+from xkv.gateway.protocol import ChunkSlots, ErrorCode, ReserveStatus
+
+
+class RequestError(Exception):
+    """A request the index refuses; the server turns it into an ErrorReply with ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PageAllocator:
+    """Best-fit allocator of page ranges with coalescing; O(log k) in the number k of distinct
+    free-range lengths (one or two when all objects share a layout)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free_pages = 0
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: dict[int, dict[int, None]] = {}
+        self._sizes: list[int] = []
+        if num_pages:
+            self._add(0, num_pages)
+
+    def _add(self, start: int, n: int) -> None:
+        self._by_start[start] = n
+        self._by_end[start + n] = start
+        bucket = self._by_size.get(n)
+        if bucket is None:
+            bucket = self._by_size[n] = {}
+            bisect.insort(self._sizes, n)
+        bucket[start] = None
+        self.free_pages += n
+
+    def _remove(self, start: int, n: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + n]
+        bucket = self._by_size[n]
+        del bucket[start]
+        if not bucket:
+            del self._by_size[n]
+            del self._sizes[bisect.bisect_left(self._sizes, n)]
+        self.free_pages -= n
+
+    def alloc(self, n: int) -> int | None:
+        """First page of a free range of ``n`` pages, or None if no free range is that long."""
+        i = bisect.bisect_left(self._sizes, n)
+        if i == len(self._sizes):
+            return None
+        size = self._sizes[i]
+        start = next(iter(self._by_size[size]))
+        self._remove(start, size)
+        if size > n:
+            self._add(start + n, size - n)
+        return start
+
+    def free(self, start: int, n: int) -> None:
+        prev_start = self._by_end.get(start)
+        if prev_start is not None:
+            prev_n = self._by_start[prev_start]
+            self._remove(prev_start, prev_n)
+            start, n = prev_start, n + prev_n
+        next_n = self._by_start.get(start + n)
+        if next_n is not None:
+            self._remove(start + n, next_n)
+            n += next_n
+        self._add(start, n)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return sorted(self._by_start.items())
+
+
+@dataclass(eq=False)
+class Layout:
+    layout_id: int
+    namespace: str
+    fingerprint: str
+    num_shards: int
+    shard_bytes: int
+    slot_bytes: int
+    slot_pages: int
+    objects: dict[bytes, Obj] = field(default_factory=dict)
+
+    @property
+    def object_pages(self) -> int:
+        return self.slot_pages * self.num_shards
+
+
+class Obj:
+    """One stored object. ``leases`` counts live leases; only READY objects with none are in LRU."""
+
+    __slots__ = ("layout", "key", "start", "ready", "committed", "leases", "deadline", "alive")
+
+    def __init__(self, layout: Layout, key: bytes, start: int, deadline: float):
+        self.layout = layout
+        self.key = key
+        self.start = start
+        self.ready = False
+        self.committed = 0  # bit r set = shard r committed
+        self.leases = 0
+        self.deadline = deadline
+        self.alive = True
+
+
+class Index:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        slot_alignment: int = 4096,
+        lease_ttl_s: float = 30.0,
+        write_ttl_s: float = 60.0,
+        default_quota_bytes: int = 0,
+        quotas: dict[str, int] | None = None,
+        generations: MutableSequence[int] | None = None,
+    ):
+        if slot_alignment <= 0 or slot_alignment & (slot_alignment - 1):
+            raise ValueError(f"slot_alignment must be a power of two, got {slot_alignment}")
+        self.alignment = slot_alignment
+        self.num_pages = capacity_bytes // slot_alignment
+        self.capacity_bytes = self.num_pages * slot_alignment
+        self.lease_ttl_s = lease_ttl_s
+        self.write_ttl_s = write_ttl_s
+        self.default_quota_bytes = default_quota_bytes
+        self.quotas = dict(quotas or {})
+        self.generations = generations if generations is not None else [0] * self.num_pages
+        if len(self.generations) < self.num_pages:
+            raise ValueError("generation table shorter than the number of pages")
+        self.alloc = PageAllocator(self.num_pages)
+        self.layouts: dict[int, Layout] = {}
+        self._layout_by_name: dict[tuple[str, str], Layout] = {}
+        self._lru: OrderedDict[Obj, None] = OrderedDict()
+        self._ns_lru: dict[str, OrderedDict[Obj, None]] = {}
+        self.ns_used: dict[str, int] = {}
+        self._leases: dict[int, list[Obj]] = {}
+        self._lease_q: deque[tuple[float, int]] = deque()
+        self._write_q: deque[tuple[float, Obj]] = deque()
+        self._next_lease = 1
+        # Gauges kept incrementally so metrics never walk the objects.
+        self.ready_objects = self.staged_objects = self.leased_objects = 0
+        self.ready_bytes = self.staged_bytes = 0
+        self.counters = dict.fromkeys(
+            ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
+             "committed", "aborted", "evicted", "write_expired", "lease_expired", "released"), 0)
+
+    # ------------------------------------------------------------- layouts
+
+    def register_layout(self, namespace: str, fingerprint: str, num_shards: int,
+                        shard_bytes: int) -> Layout:
+        """The layout of (namespace, fingerprint); registering the same again returns it."""
+        old = self._layout_by_name.get((namespace, fingerprint))
+        if old is not None:
+            if (old.num_shards, old.shard_bytes) != (num_shards, shard_bytes):
+                raise RequestError(
+                    ErrorCode.LAYOUT_MISMATCH,
+                    f"namespace {namespace!r} fingerprint {fingerprint!r} is registered with "
+                    f"num_shards={old.num_shards} shard_bytes={old.shard_bytes}, not "
+                    f"num_shards={num_shards} shard_bytes={shard_bytes}")
+            return old
+        if num_shards < 1 or shard_bytes < 1:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"num_shards and shard_bytes must be >= 1, got {num_shards}, {shard_bytes}")
+        slot_pages = -(-shard_bytes // self.alignment)
+        object_bytes = slot_pages * num_shards * self.alignment
+        limit = self._quota(namespace) or self.capacity_bytes
+        if object_bytes > min(limit, self.capacity_bytes):
+            raise RequestError(ErrorCode.NO_SPACE,
+                               f"one object of {object_bytes} bytes ({num_shards} slots) exceeds the "
+                               f"card ({self.capacity_bytes} bytes) or the quota of {namespace!r}")
+        layout = Layout(len(self.layouts) + 1, namespace, fingerprint, num_shards, shard_bytes,
+                        slot_pages * self.alignment, slot_pages)
+        self.layouts[layout.layout_id] = layout
+        self._layout_by_name[(namespace, fingerprint)] = layout
+        return layout
+
+    def _layout(self, layout_id: int) -> Layout:
+        layout = self.layouts.get(layout_id)
+        if layout is None:
+            raise RequestError(ErrorCode.UNKNOWN_LAYOUT, f"unknown layout_id {layout_id}")
+        return layout
+
+    def _quota(self, namespace: str) -> int:
+        return self.quotas.get(namespace, self.default_quota_bytes)
+
+    # ------------------------------------------------------------- reading
+
+    def slots_of(self, obj: Obj) -> ChunkSlots:
+        layout, gens, a = obj.layout, self.generations, self.alignment
+        pages = [obj.start + r * layout.slot_pages for r in range(layout.num_shards)]
+        return ChunkSlots(tuple(p * a for p in pages), tuple(gens[p] for p in pages))
+
+    def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
+               lease: bool = True) -> tuple[int, int, list[list[ChunkSlots]]]:
+        """(num_chunks, lease_id, slots[g][c]): the longest prefix READY in every group.
+
+        With ``lease`` the hit objects are leased (kept from eviction) until release or
+        ``lease_ttl_s``; lease_id is 0 when nothing was hit or ``lease`` is False."""
+        layouts = [self._layout(layout_id) for layout_id, _ in groups]
+        n = len(groups[0][1]) if groups else 0
+        if any(len(keys) != n for _, keys in groups):
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"groups must have the same number of keys, got "
+                               f"{[len(keys) for _, keys in groups]}")
+        self.counters["lookups"] += 1
+        self.counters["lookup_keys"] += n * len(groups)
+        hits: list[list[Obj]] = [[] for _ in groups]
+        num = 0
+        for c in range(n):
+            found = []
+            for layout, (_, keys) in zip(layouts, groups):
+                obj = layout.objects.get(keys[c])
+                if obj is None or not obj.ready:
+                    break
+                found.append(obj)
+            else:
+                for g, obj in enumerate(found):
+                    hits[g].append(obj)
+                num += 1
+                continue
+            break
+        self.counters["hit_chunks"] += num
+        lease_id = 0
+        if num and lease:
+            lease_id = self._next_lease
+            self._next_lease += 1
+            held = [obj for row in hits for obj in row]
+            for obj in held:
+                if obj.leases == 0:
+                    del self._lru[obj]
+                    del self._ns_lru[obj.layout.namespace][obj]
+                    self.leased_objects += 1
+                obj.leases += 1
+            self._leases[lease_id] = held
+            self._lease_q.append((now + self.lease_ttl_s, lease_id))
+        elif num:
+            for row in hits:
+                for obj in row:
+                    if obj.leases == 0:
+                        self._lru.move_to_end(obj)
+                        self._ns_lru[obj.layout.namespace].move_to_end(obj)
+        return num, lease_id, [[self.slots_of(obj) for obj in row] for row in hits]
+
+    def release(self, lease_id: int) -> int:
+        """Drop a lease; returns 1, or 0 for an unknown (expired or released) lease."""
+        held = self._leases.pop(lease_id, None)
+        if held is None:
+            return 0
+        for obj in held:
+            obj.leases -= 1
+            if obj.leases == 0:
+                self._lru[obj] = None
+                self._ns_lru[obj.layout.namespace][obj] = None
+                self.leased_objects -= 1
+        self.counters["released"] += 1
+        return 1
+
+    # ------------------------------------------------------------- writing
+
+    def reserve(self, layout_id: int, keys: Sequence[bytes],
+                now: float) -> list[tuple[ReserveStatus, ChunkSlots | None]]:
+        """Per key: (OK, slots to write), (EXISTS, None) or (NO_SPACE, None). First writer wins."""
+        layout = self._layout(layout_id)
+        out: list[tuple[ReserveStatus, ChunkSlots | None]] = []
+        pages = layout.object_pages
+        nbytes = pages * self.alignment
+        ns = layout.namespace
+        quota = self._quota(ns)
+        for key in keys:
+            if key in layout.objects:
+                self.counters["exists"] += 1
+                out.append((ReserveStatus.EXISTS, None))
+                continue
+            start = None
+            if not quota or self._make_quota_room(ns, nbytes, quota):
+                start = self.alloc.alloc(pages)
+                while start is None and self._lru:
+                    self._evict(next(iter(self._lru)))
+                    start = self.alloc.alloc(pages)
+            if start is None:
+                self.counters["no_space"] += 1
+                out.append((ReserveStatus.NO_SPACE, None))
+                continue
+            obj = Obj(layout, key, start, now + self.write_ttl_s)
+            layout.objects[key] = obj
+            self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
+            self._write_q.append((obj.deadline, obj))
+            self.staged_objects += 1
+            self.staged_bytes += nbytes
+            self.counters["reserved"] += 1
+            out.append((ReserveStatus.OK, self.slots_of(obj)))
+        return out
+
+    def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
+        lru = self._ns_lru.get(ns)
+        while self.ns_used.get(ns, 0) + nbytes > quota:
+            if not lru:
+                return False
+            self._evict(next(iter(lru)))
+        return True
+
+    def _check_shard(self, layout: Layout, shard: int) -> None:
+        if not 0 <= shard < layout.num_shards:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"shard {shard} out of range for layout {layout.layout_id} "
+                               f"with {layout.num_shards} shards")
+
+    def commit(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
+        """Mark ``shard`` written for each STAGED key; returns how many keys it applied to
+        (a key whose reservation expired or was aborted is skipped)."""
+        layout = self._layout(layout_id)
+        self._check_shard(layout, shard)
+        full = (1 << layout.num_shards) - 1
+        done = 0
+        for key in keys:
+            obj = layout.objects.get(key)
+            if obj is None or obj.ready:
+                continue
+            obj.committed |= 1 << shard
+            done += 1
+            if obj.committed == full:
+                obj.ready = True
+                nbytes = layout.object_pages * self.alignment
+                self.staged_objects -= 1
+                self.staged_bytes -= nbytes
+                self.ready_objects += 1
+                self.ready_bytes += nbytes
+                self._lru[obj] = None
+                self._ns_lru.setdefault(layout.namespace, OrderedDict())[obj] = None
+                self.counters["committed"] += 1
+        return done
+
+    def abort(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
+        """Free the STAGED objects of ``keys`` (every shard: the object can no longer complete)."""
+        layout = self._layout(layout_id)
+        self._check_shard(layout, shard)
+        done = 0
+        for key in keys:
+            obj = layout.objects.get(key)
+            if obj is not None and not obj.ready:
+                self._free(obj)
+                self.counters["aborted"] += 1
+                done += 1
+        return done
+
+    # ------------------------------------------------------------- freeing
+
+    def _evict(self, obj: Obj) -> None:
+        del self._lru[obj]
+        del self._ns_lru[obj.layout.namespace][obj]
+        self._free(obj)
+        self.counters["evicted"] += 1
+
+    def _free(self, obj: Obj) -> None:
+        layout = obj.layout
+        for r in range(layout.num_shards):
+            self.generations[obj.start + r * layout.slot_pages] += 1
+        self.alloc.free(obj.start, layout.object_pages)
+        del layout.objects[obj.key]
+        nbytes = layout.object_pages * self.alignment
+        self.ns_used[layout.namespace] -= nbytes
+        if obj.ready:
+            self.ready_objects -= 1
+            self.ready_bytes -= nbytes
+        else:
+            self.staged_objects -= 1
+            self.staged_bytes -= nbytes
+        obj.alive = False
+
+    def expire(self, now: float) -> None:
+        """Drop leases and unfinished writes whose deadline is <= now."""
+        q = self._lease_q
+        while q and q[0][0] <= now:
+            if self.release(q.popleft()[1]):
+                self.counters["released"] -= 1
+                self.counters["lease_expired"] += 1
+        w = self._write_q
+        while w and w[0][0] <= now:
+            obj = w.popleft()[1]
+            if obj.alive and not obj.ready:
+                self._free(obj)
+                self.counters["write_expired"] += 1
+
+    # ------------------------------------------------------------- accounting
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - self.alloc.free_pages) * self.alignment
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters and gauges (bytes, objects); O(1), safe to call every loop."""
+        return dict(self.counters, capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
+                    ready_objects=self.ready_objects, staged_objects=self.staged_objects,
+                    ready_bytes=self.ready_bytes, staged_bytes=self.staged_bytes,
+                    leased_objects=self.leased_objects, leases=len(self._leases),
+                    layouts=len(self.layouts))

@@ -1,0 +1,120 @@
+"""Prometheus text exposition of the gateway's counters, served on 127.0.0.1 by http.server.
+
+No client library: the gateway's numbers already live in plain dicts, so rendering the text format
+(https://prometheus.io/docs/instrumenting/exposition_formats/) is a few lines. Names carry the
+``xkv_gateway_`` prefix and base units (bytes, seconds); counters end in ``_total``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+#: Upper bounds (seconds) of the request-duration histogram buckets; +Inf is implicit.
+BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 1e-1)
+
+
+class Histogram:
+    """Request durations per request type (single writer: the gateway loop)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        row = self.counts.get(kind)
+        if row is None:
+            row = self.counts[kind] = [0] * (len(BUCKETS) + 1)
+            self.sums[kind] = 0.0
+        row[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.sums[kind] += seconds
+
+
+# (metric, snapshot key, type, help, labels)
+_GAUGES = (
+    ("xkv_gateway_capacity_bytes", "capacity_bytes", "gauge", "Bytes of the card.", ""),
+    ("xkv_gateway_used_bytes", "used_bytes", "gauge", "Bytes of the card held by objects.", ""),
+    ("xkv_gateway_object_bytes", "ready_bytes", "gauge", "Bytes held by objects, by state.",
+     'state="ready"'),
+    ("xkv_gateway_object_bytes", "staged_bytes", "gauge", "", 'state="staged"'),
+    ("xkv_gateway_objects", "ready_objects", "gauge", "Stored objects, by state.", 'state="ready"'),
+    ("xkv_gateway_objects", "staged_objects", "gauge", "", 'state="staged"'),
+    ("xkv_gateway_leased_objects", "leased_objects", "gauge", "Objects held by a lease.", ""),
+    ("xkv_gateway_leases", "leases", "gauge", "Live leases.", ""),
+    ("xkv_gateway_layouts", "layouts", "gauge", "Registered layouts.", ""),
+    ("xkv_gateway_lookups_total", "lookups", "counter", "LOOKUP requests served.", ""),
+    ("xkv_gateway_lookup_keys_total", "lookup_keys", "counter", "Keys asked for by lookups.", ""),
+    ("xkv_gateway_hit_chunks_total", "hit_chunks", "counter", "Chunks found by lookups.", ""),
+    ("xkv_gateway_reserve_results_total", "reserved", "counter", "RESERVE answers per key.",
+     'result="ok"'),
+    ("xkv_gateway_reserve_results_total", "exists", "counter", "", 'result="exists"'),
+    ("xkv_gateway_reserve_results_total", "no_space", "counter", "", 'result="no_space"'),
+    ("xkv_gateway_committed_objects_total", "committed", "counter",
+     "Objects that became visible (all shards committed).", ""),
+    ("xkv_gateway_freed_objects_total", "evicted", "counter", "Objects freed, by reason.",
+     'reason="lru"'),
+    ("xkv_gateway_freed_objects_total", "aborted", "counter", "", 'reason="abort"'),
+    ("xkv_gateway_freed_objects_total", "write_expired", "counter", "", 'reason="write_ttl"'),
+    ("xkv_gateway_lease_expired_total", "lease_expired", "counter",
+     "Leases dropped by the lease TTL instead of a RELEASE.", ""),
+)
+
+
+def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], hist: Histogram,
+           info: dict[str, str]) -> str:
+    out: list[str] = []
+    labels = ",".join(f'{k}="{v}"' for k, v in info.items())
+    out += ["# HELP xkv_gateway_info Gateway identity (value is always 1).",
+            "# TYPE xkv_gateway_info gauge", f"xkv_gateway_info{{{labels}}} 1"]
+    seen: set[str] = set()
+    for name, key, kind, help_, lab in _GAUGES:
+        if name not in seen:
+            seen.add(name)
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        out.append(f"{name}{{{lab}}} {snapshot.get(key, 0)}" if lab else f"{name} {snapshot.get(key, 0)}")
+    out += ["# HELP xkv_gateway_uptime_seconds Seconds since the gateway started.",
+            "# TYPE xkv_gateway_uptime_seconds gauge",
+            f"xkv_gateway_uptime_seconds {snapshot.get('uptime_s', 0.0):.3f}"]
+    out += ["# HELP xkv_gateway_requests_total Requests received, by type.",
+            "# TYPE xkv_gateway_requests_total counter"]
+    out += [f'xkv_gateway_requests_total{{type="{k}"}} {v}' for k, v in sorted(requests.items())]
+    out += ["# HELP xkv_gateway_errors_total Error replies sent, by code.",
+            "# TYPE xkv_gateway_errors_total counter"]
+    out += [f'xkv_gateway_errors_total{{code="{k}"}} {v}' for k, v in sorted(errors.items())]
+    out += ["# HELP xkv_gateway_request_duration_seconds Time to handle one request, by type.",
+            "# TYPE xkv_gateway_request_duration_seconds histogram"]
+    for kind, row in sorted(hist.counts.items()):
+        total = 0
+        for le, n in zip((*BUCKETS, "+Inf"), row):
+            total += n
+            out.append(f'xkv_gateway_request_duration_seconds_bucket{{type="{kind}",le="{le}"}} {total}')
+        out.append(f'xkv_gateway_request_duration_seconds_sum{{type="{kind}"}} {hist.sums[kind]:.6f}')
+        out.append(f'xkv_gateway_request_duration_seconds_count{{type="{kind}"}} {total}')
+    return "\n".join(out) + "\n"
+
+
+def serve_metrics(port: int, text: Callable[[], str]) -> ThreadingHTTPServer:
+    """Serve ``text()`` at http://127.0.0.1:port/metrics from a daemon thread; returns the server
+    (call ``shutdown()`` to stop). Port 0 picks a free port (``server.server_address[1]``)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="xkv-metrics", daemon=True).start()
+    return server

@@ -1,0 +1,241 @@
+"""The gateway wire protocol: every message that crosses the control socket, and nothing else.
+
+Transport: the client's ZMQ DEALER sends two frames, ``[request_id, body]``; the gateway's ROUTER
+answers ``[request_id, body]`` on the same connection. ``request_id`` is 8 bytes (little-endian
+uint64 chosen by the client); ``body`` is one msgpack-encoded tagged :class:`msgspec.Struct`.
+The gateway echoes the request id even when it cannot decode the body, so a client can always
+match (and discard late) replies. Never pickle.
+
+Every reply carries ``epoch``: a random 64-bit number drawn at each gateway start. Requests that
+name gateway state (layout ids, leases) carry the epoch the client learned; the gateway refuses a
+stale one with ``ErrorCode.BAD_EPOCH`` because that state died with the previous process.
+
+Version history (``PROTOCOL_VERSION``, checked at HELLO):
+  1 — first version: HELLO/CARD/LOOKUP/RESERVE/COMMIT/ABORT/RELEASE/PING/STATS.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Largest message (one frame) the gateway accepts; ZMQ_MAXMSGSIZE disconnects a bigger sender.
+MAX_MESSAGE_BYTES = 1 << 20
+#: Most keys in one request (for LOOKUP: summed over all groups).
+MAX_KEYS = 4096
+#: Longest key; keys are opaque bytes derived from vLLM block hashes (32 bytes for sha256).
+MAX_KEY_BYTES = 256
+MAX_NAME_CHARS = 256
+MAX_GROUPS = 64
+MAX_SHARDS = 1024
+
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+Shard = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SHARDS)]
+
+
+class RequestType(enum.IntEnum):
+    HELLO = 1
+    CARD = 2
+    LOOKUP = 3
+    RESERVE = 4
+    COMMIT = 5
+    ABORT = 6
+    RELEASE = 7
+    PING = 8
+    STATS = 9
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1  # not a decodable request, or a field out of range
+    TOO_LARGE = 2  # message or key count over the limits above
+    BAD_VERSION = 3  # HELLO with another PROTOCOL_VERSION
+    BAD_EPOCH = 4  # request names state of a previous gateway process
+    UNKNOWN_LAYOUT = 5
+    LAYOUT_MISMATCH = 6  # same (namespace, fingerprint) registered with another shape
+    BAD_REQUEST = 7  # well-formed but inconsistent (group lengths differ, shard out of range, ...)
+    NO_SPACE = 8  # HELLO: a slot of this layout can never fit in the card or quota
+    INTERNAL = 9
+
+
+class ReserveStatus(enum.IntEnum):
+    OK = 0
+    EXISTS = 1  # stored or being written by another writer: first writer wins
+    NO_SPACE = 2  # nothing evictable frees enough room (or the namespace quota is full)
+
+
+_S = dict(tag=True, omit_defaults=True, gc=False, forbid_unknown_fields=True)
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(msgspec.Struct, **_S):
+    """Register (or find) a layout. ``shard_bytes``: bytes of one shard of one object."""
+
+    version: int
+    namespace: Name
+    fingerprint: Name
+    num_shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_SHARDS)]
+    shard_bytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
+    pid: int = 0
+
+
+class Card(msgspec.Struct, **_S):
+    """Ask how to map the card (same host only)."""
+
+
+class LookupGroup(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    layout_id: U64
+    keys: Keys
+
+
+class Lookup(msgspec.Struct, **_S):
+    epoch: U64
+    groups: Annotated[list[LookupGroup], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+    lease: bool = True
+
+
+class Reserve(msgspec.Struct, **_S):
+    epoch: U64
+    layout_id: U64
+    keys: Keys
+
+
+class Commit(msgspec.Struct, **_S):
+    epoch: U64
+    layout_id: U64
+    shard: Shard
+    keys: Keys
+
+
+class Abort(msgspec.Struct, **_S):
+    epoch: U64
+    layout_id: U64
+    shard: Shard
+    keys: Keys
+
+
+class Release(msgspec.Struct, **_S):
+    epoch: U64
+    lease_id: U64
+
+
+class Ping(msgspec.Struct, **_S):
+    pass
+
+
+class Stats(msgspec.Struct, **_S):
+    pass
+
+
+Request = Union[Hello, Card, Lookup, Reserve, Commit, Abort, Release, Ping, Stats]
+
+# ---------------------------------------------------------------- replies
+
+
+class ChunkSlots(msgspec.Struct, array_like=True, gc=False):
+    """Where one object lives: per shard, its byte offset in the card and the slot generation."""
+
+    offsets: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class LayoutInfo(msgspec.Struct, tag=True, gc=False):
+    """HELLO reply. ``slot_bytes`` = shard_bytes rounded up to the slot alignment."""
+
+    epoch: int
+    layout_id: int
+    slot_bytes: int
+    num_shards: int
+    shard_bytes: int
+    capacity_bytes: int
+    lease_ttl_s: float
+    write_ttl_s: float
+
+
+class CardInfo(msgspec.Struct, tag=True, gc=False):
+    """CARD reply. kind "memfd": fetch both fds from the unix socket ``path``; kind "shm":
+    open ``path`` (card) and ``gen_path`` (generation table) directly."""
+
+    epoch: int
+    kind: str
+    path: str
+    gen_path: str
+    capacity_bytes: int
+    slot_alignment: int
+
+
+class LookupResult(msgspec.Struct, tag=True, gc=False):
+    """``slots[g][c]`` for group g and chunk c < num_chunks; ``lease_id`` 0 = no lease taken."""
+
+    epoch: int
+    num_chunks: int
+    lease_id: int
+    slots: list[list[ChunkSlots]]
+
+
+class ReserveReply(msgspec.Struct, tag=True, gc=False):
+    epoch: int
+    status: list[int]
+    slots: list[Union[ChunkSlots, None]]
+
+
+class Ack(msgspec.Struct, tag=True, gc=False):
+    """COMMIT/ABORT/RELEASE reply; ``count`` = keys (or leases) the request applied to."""
+
+    epoch: int
+    count: int = 0
+
+
+class PingReply(msgspec.Struct, tag=True, gc=False):
+    epoch: int
+    protocol_version: int
+    capacity_bytes: int
+    used_bytes: int
+    uptime_s: float
+
+
+class StatsReply(msgspec.Struct, tag=True, gc=False):
+    epoch: int
+    stats: dict[str, Union[int, float]]
+
+
+class ErrorReply(msgspec.Struct, tag=True, gc=False):
+    epoch: int
+    code: int
+    message: str
+
+
+Reply = Union[LayoutInfo, CardInfo, LookupResult, ReserveReply, Ack, PingReply, StatsReply, ErrorReply]
+
+#: The type table: request type -> (request struct, success reply struct).
+SPEC: dict[RequestType, tuple[type, type]] = {
+    RequestType.HELLO: (Hello, LayoutInfo),
+    RequestType.CARD: (Card, CardInfo),
+    RequestType.LOOKUP: (Lookup, LookupResult),
+    RequestType.RESERVE: (Reserve, ReserveReply),
+    RequestType.COMMIT: (Commit, Ack),
+    RequestType.ABORT: (Abort, Ack),
+    RequestType.RELEASE: (Release, Ack),
+    RequestType.PING: (Ping, PingReply),
+    RequestType.STATS: (Stats, StatsReply),
+}
+REQUEST_TYPE: dict[type, RequestType] = {req: t for t, (req, _) in SPEC.items()}
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()
+
+def pack_id(request_id: int) -> bytes:
+    return request_id.to_bytes(8, "little")
+
+
+def unpack_id(frame: bytes) -> int:
+    """The request id of an 8-byte frame; 0 when the frame is not 8 bytes (malformed)."""
+    return int.from_bytes(frame, "little") if len(frame) == 8 else 0

@@ -1,0 +1,80 @@
+"""Embedded gateway for tests and demos: a real ``xkv-gateway`` subprocess on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+from xkv.gateway.client import GatewayClient, GatewayUnavailable
+
+
+def spawn_gateway(capacity: int | str = "256M", port: int = 0, *, host: str = "127.0.0.1",
+                  extra_args: list[str] | tuple[str, ...] = (), timeout_s: float = 30.0,
+                  stderr=None) -> tuple[subprocess.Popen, int]:
+    """Start ``python -m xkv.gateway`` and wait until it answers PING.
+
+    ``capacity``: bytes or a size string ('64M'); ``port`` 0 lets the gateway pick a free port.
+    ``extra_args``: more command-line flags (e.g. ``["--lease-ttl", "1"]``).
+    Returns (process, port). Stop it with :func:`stop_gateway` (SIGTERM, then SIGKILL).
+    Raises RuntimeError, with the gateway's exit code, if it does not come up in ``timeout_s``.
+    """
+    fd, port_file = tempfile.mkstemp(prefix="xkv-gateway-port-")
+    os.close(fd)
+    os.unlink(port_file)
+    cmd = [sys.executable, "-m", "xkv.gateway", "--capacity", str(capacity), "--host", host,
+           "--port", str(port), "--port-file", port_file, "--log-level", "WARNING",
+           *extra_args]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not os.path.exists(port_file):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"xkv-gateway did not start (exit code {proc.poll()}): "
+                                   f"{' '.join(cmd)}")
+            time.sleep(0.02)
+        with open(port_file) as f:
+            bound = int(f.read())
+        with GatewayClient(host, bound, timeout_s=0.5) as probe:
+            while True:
+                try:
+                    probe.ping()
+                    break
+                except GatewayUnavailable:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"xkv-gateway on port {bound} never answered PING "
+                                           f"(exit code {proc.poll()})") from None
+    except BaseException:
+        stop_gateway(proc)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(port_file)
+    return proc, bound
+
+
+def stop_gateway(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """SIGTERM (clean shutdown: the card's names are removed), SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def running_gateway(capacity: int | str = "256M", **kwargs) -> Iterator[int]:
+    """``with running_gateway("64M") as port: ...`` — spawn_gateway + stop_gateway."""
+    proc, port = spawn_gateway(capacity, **kwargs)
+    try:
+        yield port
+    finally:
+        stop_gateway(proc)
