@@ -1,0 +1,248 @@
+"""``FusIOnXConnector``: vLLM's KV connector (V1 API, with SupportsHMA), a thin role façade.
+
+The scheduler-role instance forwards to ``SchedulerSide``, the worker-role instance to
+``WorkerSide``; this module only translates vLLM objects (KVCacheBlocks, SchedulerOutput,
+KVConnectorOutput, metadata and stats base classes) and builds both halves from the validated
+configuration. Importing it pulls in vLLM's connector base (vLLM imports the class in several
+processes), but no network, no CUDA: those start only in ``__init__`` / ``register_kv_caches``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from xkv.connector import compat
+from xkv.connector.config import ConfigError, ConnectorConfig
+from xkv.connector.keys import fingerprint
+from xkv.connector.metadata import StepMetadata, WorkerReport
+from xkv.connector.registry import build_registry
+from xkv.connector.scheduler import SchedulerSide
+from xkv.connector.stats import StatsMixin
+from xkv.connector.worker import WorkerSide
+
+log = logging.getLogger("xkv.connector")
+
+
+class FusIOnXConnectorMetadata(KVConnectorMetadata):
+    """vLLM's metadata type around our ``StepMetadata``."""
+
+    def __init__(self, step: StepMetadata):
+        self.step = step
+
+
+class FusIOnXWorkerMetadata(KVConnectorWorkerMetadata):
+    def __init__(self, report: WorkerReport):
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, FusIOnXWorkerMetadata)
+        return FusIOnXWorkerMetadata(self.report.aggregate(other.report))
+
+
+class FusIOnXConnectorStats(StatsMixin, KVConnectorStats):
+    """Connector counters in vLLM's 'KV Transfer metrics' line (``xkv.connector.stats``)."""
+
+    def __init__(self, data: dict[str, Any] | None = None):
+        StatsMixin.__init__(self, data)
+
+
+def _route_logs() -> None:
+    """Send the ``xkv`` logger's records to vLLM's handlers (same format, same stream)."""
+    xl = logging.getLogger("xkv")
+    if xl.handlers:
+        return
+    vl = logging.getLogger("vllm")
+    for h in vl.handlers:
+        xl.addHandler(h)
+    if vl.handlers:
+        xl.setLevel(vl.level or logging.INFO)
+        xl.propagate = False
+
+
+def _gateway_factory(cfg: ConnectorConfig, timeout_s: float):
+    def make():
+        from xkv.gateway.client import GatewayClient
+
+        return GatewayClient(cfg.gateway_host, cfg.xkv_gateway_port, timeout_s=timeout_s)
+
+    return make
+
+
+class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
+    """External prefix cache on the xkv gateway's card. See docs/architecture.md."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _route_logs()
+        compat.require_supported()
+        ktc = self._kv_transfer_config
+        cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        if cfg.gateway_host in ("localhost", "127.0.0.1", "::1"):
+            cfg.check_port_clash(compat.kv_events_endpoint(vllm_config))
+        if kv_cache_config is None:
+            raise ConfigError("xkv: vLLM passed no kv_cache_config; this vLLM is not supported")
+        tp, pp, world = compat.parallel_sizes(vllm_config)
+        cfg.check_fanout_groups(tp)
+        groups = compat.cache_groups(kv_cache_config)
+        sizes = {g.block_size for g in groups}
+        if len(sizes) > 1:
+            raise ConfigError(f"xkv: KV cache groups with different block sizes {sorted(sizes)}")
+        chunk = cfg.resolve_chunk_size(groups[0].block_size if groups else 1)
+        self._cfg = cfg
+        self._registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk)
+        fps = [
+            fingerprint(compat.fingerprint_fields(vllm_config, kv_cache_config, p))
+            for p in self._registry.groups
+        ]
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._num_blocks = kv_cache_config.num_blocks
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                cfg,
+                self._registry,
+                fps,
+                hash_block_size=compat.hash_block_size(vllm_config, kv_cache_config),
+                world_size=world,
+                gateway_factory=_gateway_factory(cfg, cfg.gateway_timeout_ms / 1000),
+                load=ktc.is_kv_consumer,
+                save=ktc.is_kv_producer,
+            )
+        else:
+            self._tp_rank = compat.tp_rank()
+            self._worker = WorkerSide(
+                self._registry,
+                fps,
+                namespace=cfg.key_namespace,
+                tp_rank=self._tp_rank,
+                gateway_factory=_gateway_factory(cfg, cfg.gateway_timeout_ms / 1000),
+                handler_factory=_handler_factory,
+            )
+
+    # ================================================================ scheduler role
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(
+            request, blocks.get_block_ids(), num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return FusIOnXConnectorMetadata(self._scheduler.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, FusIOnXWorkerMetadata):
+            self._scheduler.update_connector_output(meta.report)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, [])
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: nothing is lost if a save is dropped
+
+    # ================================================================ worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        lines = self._worker.register_kv_caches(kv_caches, num_blocks=self._num_blocks)
+        if self._tp_rank == 0:
+            for line in lines:
+                log.info(line)
+            for line in self._registry.describe_layout():
+                log.debug(line)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(
+            connector_metadata, FusIOnXConnectorMetadata
+        )
+        self._worker.bind(connector_metadata.step)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs):
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        assert self._worker is not None
+        self._worker.get_finished()
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        report = self._worker.take_report()
+        return FusIOnXWorkerMetadata(report) if report is not None else None
+
+    # ================================================================ both roles
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler or self._worker
+        data = side.stats.take() if side is not None else None
+        return FusIOnXConnectorStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return FusIOnXConnectorStats(data)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # restores and saves hang on the per-layer hooks
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # pages move as bytes; the resolved layout is part of the fingerprint
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.shutdown()
+
+
+def _handler_factory(device: torch.device):
+    from xkv.connector.transfer import CudaTransferHandler, SyncTransferHandler
+
+    return CudaTransferHandler(device) if device.type == "cuda" else SyncTransferHandler()

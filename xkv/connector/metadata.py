@@ -1,0 +1,91 @@
+"""What the scheduler side tells every worker for one engine step, and what workers answer.
+
+Frozen dataclasses keyed by job ids the scheduler assigns (never by request id alone: a request can
+be preempted and re-admitted with new blocks). No vLLM types: the façade wraps ``StepMetadata`` in
+vLLM's ``KVConnectorMetadata`` and ``WorkerReport`` in ``KVConnectorWorkerMetadata``.
+
+Offsets are byte offsets into the card; a chunk's object for one shard starts at its slot offset
+and is layer-major: layer ``l``, block ``j`` of the chunk at ``offset + (l * k + j) * block_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One stored object of one group: its key and, per shard, slot offset and generation."""
+
+    key: bytes
+    offsets: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupTransfer:
+    """Blocks of one cache group moved between the paged cache and the card.
+
+    ``block_ids[i]`` (a scheduler block of this group) is block ``block_in_chunk[i]`` of
+    ``chunks[chunk_of[i]]``. For saves every chunk is complete (all k blocks listed).
+    """
+
+    group: int
+    block_ids: tuple[int, ...]
+    chunk_of: tuple[int, ...]
+    block_in_chunk: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.block_ids)
+        if len(self.chunk_of) != n or len(self.block_in_chunk) != n:
+            raise ValueError(
+                f"GroupTransfer(group={self.group}): {n} block ids but {len(self.chunk_of)} "
+                f"chunk indices and {len(self.block_in_chunk)} in-chunk positions"
+            )
+        if any(not 0 <= c < len(self.chunks) for c in self.chunk_of):
+            raise ValueError(f"GroupTransfer(group={self.group}): chunk index out of range")
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """A load (card -> pages) or a save (pages -> card) of one request in one step."""
+
+    job_id: int
+    req_id: str
+    groups: tuple[GroupTransfer, ...]
+    num_tokens: int  # tokens this job covers (for stats)
+
+    def block_ids(self) -> set[int]:
+        return {b for g in self.groups for b in g.block_ids}
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Everything workers need for one step. ``epoch``: the gateway process the offsets belong
+    to; ``layout_ids[g]``: the gateway's id of group g's layout; ``turned_off``: the scheduler
+    side lost the gateway (workers turn off too, once)."""
+
+    loads: tuple[TransferJob, ...] = ()
+    saves: tuple[TransferJob, ...] = ()
+    epoch: int = 0
+    layout_ids: tuple[int, ...] = ()
+    turned_off: bool = False
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves and not self.turned_off
+
+
+@dataclass
+class WorkerReport:
+    """Worker -> scheduler, aggregated over ranks: how many ranks finished each load job.
+
+    ``loads_done[job_id]`` counts ranks; the scheduler releases a load's lease once every reader
+    rank finished it (a backstop release happens when the request finishes).
+    """
+
+    loads_done: Counter = field(default_factory=Counter)
+
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
+        return WorkerReport(loads_done=self.loads_done + other.loads_done)

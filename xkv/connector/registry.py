@@ -1,0 +1,157 @@
+"""Who writes and who reads every KV cache the engine allocated, decided once at start.
+
+compat.py turns vLLM's ``KVCacheConfig`` into ``CacheGroup`` rows (no vLLM types here). For every
+group the registry decides the sharding (decision 3 of the notes):
+
+* ``attention`` — heads split by tensor parallelism: one shard per TP rank; rank r writes and
+  reads shard r.
+* ``mla`` — one latent replicated on every TP rank: one shard, written by TP rank 0, read by
+  every rank.
+
+Any other kind (Mamba states, sliding-window or cross-attention caches, ...) would be a cache that
+nobody writes, so restoring the others would resume from a state that was never stored: the
+registry refuses the model at start with ``RegistryError`` naming the group and its layers.
+(Hybrid Mamba groups become a sharded kind in a later issue; the plan is per group already.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHARDED_KINDS = ("attention",)
+REPLICATED_KINDS = ("mla",)
+
+
+class RegistryError(ValueError):
+    """A cache the connector cannot give a writer to, or an unsupported parallel layout."""
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group as the engine allocated it (per TP rank).
+
+    ``block_size``: tokens per scheduler block. ``block_bytes``: bytes of one scheduler block of
+    one layer on one rank (all runs of the page). ``spec``: vLLM's spec class name, for messages.
+    """
+
+    index: int
+    kind: str
+    layer_names: tuple[str, ...]
+    block_size: int
+    block_bytes: int
+    spec: str = ""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    group: CacheGroup
+    num_shards: int  # shards of one stored object
+    writer_ranks: tuple[int, ...]  # TP ranks that write (and commit) their shard
+    reader_ranks: tuple[int, ...]  # TP ranks that restore
+    chunk_size: int  # tokens per object
+    blocks_per_chunk: int  # k scheduler blocks per object
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of one shard of one object: layers x k blocks x block bytes (layer-major)."""
+        return len(self.group.layer_names) * self.blocks_per_chunk * self.group.block_bytes
+
+    def shard_of(self, tp_rank: int) -> int:
+        """The shard rank ``tp_rank`` reads (and writes, if it is a writer)."""
+        return tp_rank if self.num_shards > 1 else 0
+
+    def writes(self, tp_rank: int) -> bool:
+        return tp_rank in self.writer_ranks
+
+
+@dataclass(frozen=True)
+class Registry:
+    groups: tuple[GroupPlan, ...]
+    tp_size: int
+
+    @property
+    def num_caches(self) -> int:
+        return sum(len(p.group.layer_names) for p in self.groups)
+
+    def log_lines(self) -> list[str]:
+        """The start-up lines of the spec (rank 0), after the 'registered for exchange' line."""
+        w = ", ".join(
+            f"g{p.group.index}[{p.group.kind}]={_ranks(p.writer_ranks, self.tp_size, 'own shard')}"
+            for p in self.groups
+        )
+        r = ", ".join(
+            f"g{p.group.index}[{p.group.kind}]="
+            f"{_ranks(p.reader_ranks, self.tp_size, 'own shard' if p.num_shards > 1 else 'shard 0')}"
+            for p in self.groups
+        )
+        return [
+            f"KV cache registry: {self.num_caches} cache(s) in {len(self.groups)} group(s); "
+            f"writers: {w} ; readers: {r}",
+            f"KV cache layout: {len(self.groups)} group(s)",
+        ]
+
+    def describe_layout(self) -> list[str]:
+        return [
+            f"  g{p.group.index}: {p.group.kind} ({p.group.spec}), {len(p.group.layer_names)} "
+            f"layer(s), block {p.group.block_size} tokens = {p.group.block_bytes} B/layer, "
+            f"chunk {p.chunk_size} tokens ({p.blocks_per_chunk} blocks), "
+            f"{p.num_shards} shard(s) of {p.shard_bytes} B"
+            for p in self.groups
+        ]
+
+
+def build_registry(
+    groups: list[CacheGroup], *, tp_size: int, pp_size: int, chunk_size: int
+) -> Registry:
+    """Decide shards, writers and readers for every group; refuse caches nobody would write."""
+    if pp_size != 1:
+        raise RegistryError(
+            f"pipeline parallel size {pp_size}: FusIOnXConnector supports tensor parallelism "
+            "only (pipeline_parallel_size=1)"
+        )
+    if tp_size < 1:
+        raise RegistryError(f"tensor parallel size {tp_size}: expected >= 1")
+    if not groups:
+        raise RegistryError("the engine allocated no KV cache group: nothing to exchange")
+    plans = []
+    for g in groups:
+        if g.kind in SHARDED_KINDS:
+            shards, writers = tp_size, tuple(range(tp_size))
+        elif g.kind in REPLICATED_KINDS:
+            shards, writers = 1, (0,)
+        else:
+            raise RegistryError(
+                f"KV cache group {g.index} ({g.spec or g.kind}, layers {list(g.layer_names)[:4]}"
+                f"{'...' if len(g.layer_names) > 4 else ''}) has no writer: FusIOnXConnector "
+                "stores full-attention and MLA caches only, so restoring the other groups would "
+                "resume from a state nobody saved. This model is not supported yet."
+            )
+        if not g.layer_names:
+            raise RegistryError(f"KV cache group {g.index} has no layers")
+        if g.block_size <= 0 or g.block_bytes <= 0:
+            raise RegistryError(
+                f"KV cache group {g.index}: block_size={g.block_size} tokens, "
+                f"block_bytes={g.block_bytes}: expected positive values"
+            )
+        if chunk_size % g.block_size:
+            raise RegistryError(
+                f"chunk_size={chunk_size} is not a multiple of group {g.index}'s block size "
+                f"{g.block_size}"
+            )
+        plans.append(
+            GroupPlan(
+                group=g,
+                num_shards=shards,
+                writer_ranks=writers,
+                reader_ranks=tuple(range(tp_size)),
+                chunk_size=chunk_size,
+                blocks_per_chunk=chunk_size // g.block_size,
+            )
+        )
+    return Registry(groups=tuple(plans), tp_size=tp_size)
+
+
+def _ranks(ranks: tuple[int, ...], tp_size: int, what: str) -> str:
+    if len(ranks) == tp_size:
+        return f"all {tp_size} rank(s) ({what})" if tp_size > 1 else f"rank 0 ({what})"
+    return f"rank(s) {','.join(map(str, ranks))} ({what})"

@@ -1,0 +1,402 @@
+"""Scheduler side: lookups, load plans, save reservations, leases. No vLLM types, no tensors.
+
+One request's life (see docs/architecture.md):
+
+1. ``get_num_new_matched_tokens`` — chunk keys from ``request.block_hashes``; one LOOKUP (leased)
+   for the chunks past the local hit; answer the tokens of the stored prefix, at most
+   ``num_tokens - 1 - num_computed_tokens`` (a synchronous full hit crashes vLLM's scheduler).
+   vLLM may ask several times: the answer is cached per (request, local hit), so a repeated
+   question sends no message and takes no second lease.
+2. ``update_state_after_alloc`` — turn the promised tokens into a load job (block ids per group,
+   chunk slot offsets); release the lease at once if nothing is loaded.
+3. ``build_connector_meta`` — the step's loads, plus saves: prompt chunks that become complete in
+   this step are reserved on the gateway (first writer wins) and handed to workers.
+4. Workers report finished loads (``update_connector_output``); the lease is released once every
+   rank finished, and in any case when the request finishes.
+
+Failure: a dead gateway (``GatewayUnavailable``) turns the connector off for good: zero hits, no
+saves, and ``StepMetadata.turned_off`` tells every worker to turn off too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from xkv.connector.config import ConnectorConfig
+from xkv.connector.keys import chunk_keys
+from xkv.connector.metadata import (
+    ChunkRef,
+    GroupTransfer,
+    StepMetadata,
+    TransferJob,
+    WorkerReport,
+)
+from xkv.connector.registry import Registry
+from xkv.connector.stats import ConnectorStats
+from xkv.gateway.client import GatewayError, GatewayUnavailable
+
+log = logging.getLogger("xkv.connector")
+
+
+def request_opted_out(request: Any) -> bool:
+    """``kv_transfer_params: {"xkv_store": false}`` keeps a request off the card entirely.
+
+    Anything but an absent key or ``True`` counts as opting out: an unexpected value can only
+    reduce caching, never widen it.
+    """
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or "xkv_store" not in params:
+        return False
+    return params["xkv_store"] is not True
+
+
+@dataclass
+class _Lookup:
+    """A LOOKUP answer, reused while vLLM asks the same question again."""
+
+    local: int  # tokens vLLM already had (block aligned)
+    num_hashes: int
+    start: int  # first chunk looked up
+    hits: int  # chunks present from `start`
+    ext: int  # tokens promised
+    lease_id: int | None
+    slots: list[list[Any]]  # [group][chunk - start] -> ChunkSlots
+    keys: list[bytes]
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    block_ids: list[list[int]]
+    next_save_chunk: int = 0
+    present: set[int] = field(default_factory=set)  # chunks the gateway reported stored
+    lease_ids: set[int] = field(default_factory=set)
+
+
+class SchedulerSide:
+    """The scheduler-role half of FusIOnXConnector (one per engine)."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        registry: Registry,
+        fingerprints: Sequence[str],
+        *,
+        hash_block_size: int,
+        world_size: int,
+        gateway_factory: Callable[[], Any],
+        load: bool = True,
+        save: bool = True,
+    ):
+        self.cfg = cfg
+        self.load, self.save = load, save  # kv_role: consumer loads only, producer saves only
+        self.registry = registry
+        self.chunk_size = registry.groups[0].chunk_size
+        if self.chunk_size % hash_block_size:
+            raise ValueError(
+                f"chunk_size={self.chunk_size} is not a multiple of vLLM's hash block size "
+                f"{hash_block_size}"
+            )
+        self.hashes_per_chunk = self.chunk_size // hash_block_size
+        self.world_size = world_size
+        self.stats = ConnectorStats()
+        self.turned_off = False
+        self._lookups: dict[str, _Lookup] = {}
+        self._states: dict[str, _ReqState] = {}
+        self._pending_loads: list[TransferJob] = []
+        self._load_leases: dict[int, tuple[str, int]] = {}  # job id -> (req id, lease id)
+        self._loads_done: Counter = Counter()
+        self._next_job = 1
+        self.gw = None
+        self.layout_ids: tuple[int, ...] = ()
+        self.epoch = 0
+        try:
+            self.gw = gateway_factory()
+            infos = [
+                self.gw.register_layout(cfg.key_namespace, fp, p.num_shards, p.shard_bytes)
+                for p, fp in zip(registry.groups, fingerprints, strict=True)
+            ]
+            self.layout_ids = tuple(i.layout_id for i in infos)
+            self.epoch = infos[0].epoch
+        except GatewayError as e:  # dead, or refused our layout (e.g. larger than the card)
+            self._turn_off(f"unusable at start: {e}")
+
+    # ------------------------------------------------------------------ lookups
+
+    def _eligible(self, request: Any) -> bool:
+        if self.turned_off or request_opted_out(request):
+            return False
+        # require_cache_salt: an unsalted request never reaches the gateway (no message at all).
+        return bool(getattr(request, "cache_salt", None)) or not self.cfg.require_cache_salt
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens loadable past ``num_computed_tokens`` (block-aligned local hit)."""
+        if (
+            not self.load
+            or not self._eligible(request)
+            or getattr(request, "skip_reading_prefix_cache", False)
+        ):
+            return 0
+        req_id = request.request_id
+        num_hashes = len(request.block_hashes)
+        cached = self._lookups.get(req_id)
+        if cached and cached.local == num_computed_tokens and cached.num_hashes == num_hashes:
+            return cached.ext
+        if cached:
+            self._drop_lookup(req_id)
+        stop = min(num_hashes // self.hashes_per_chunk, (request.num_tokens - 1) // self.chunk_size)
+        start = num_computed_tokens // self.chunk_size
+        if stop <= start:
+            return 0
+        keys = chunk_keys(request.block_hashes, self.hashes_per_chunk, start, stop)
+        try:
+            res = self.gw.lookup(
+                [(lid, keys) for lid in self.layout_ids],
+                lease=True,
+                timeout_s=self.cfg.lookup_timeout_ms / 1000,
+            )
+        except GatewayUnavailable as e:
+            self._turn_off(f"LOOKUP failed: {e}")
+            return 0
+        except GatewayError as e:
+            self.stats.add("gateway_errors")
+            log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
+            return 0
+        self.stats.add("lookups")
+        hits = min(res.num_chunks, stop - start)
+        ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
+        ext = min(ext, request.num_tokens - 1 - num_computed_tokens)
+        lease = res.lease_id or None  # the gateway answers 0 when it took no lease
+        if ext == 0 and lease is not None:
+            self._release(lease)
+            lease = None
+        self.stats.add("lookup_chunks_hit", hits)
+        self._lookups[req_id] = _Lookup(
+            local=num_computed_tokens,
+            num_hashes=num_hashes,
+            start=start,
+            hits=hits,
+            ext=ext,
+            lease_id=lease,
+            slots=[list(g) for g in res.slots],
+            keys=keys,
+        )
+        return ext
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """After vLLM allocated the request's blocks (all groups); plan the load if any."""
+        req_id = request.request_id
+        lk = self._lookups.pop(req_id, None)
+        old = self._states.pop(req_id, None)
+        if old:  # re-admitted after preemption: its earlier leases are useless now
+            for lease in old.lease_ids:
+                self._release(lease)
+        st = _ReqState(request=request, block_ids=[list(b) for b in block_ids])
+        self._states[req_id] = st
+        if lk is not None:
+            st.present.update(range(lk.start, lk.start + lk.hits))
+        if num_external_tokens == 0:
+            if lk is not None and lk.lease_id is not None:
+                self._release(lk.lease_id)
+            return
+        if lk is None or lk.ext != num_external_tokens:
+            # vLLM never admits external tokens we did not offer; refusing beats loading garbage.
+            raise RuntimeError(
+                f"xkv: request {req_id} admitted with {num_external_tokens} external tokens but "
+                f"the connector offered {lk.ext if lk else 'none'}"
+            )
+        groups = []
+        for g, plan in enumerate(self.registry.groups):
+            bs, k = plan.group.block_size, plan.blocks_per_chunk
+            ids = st.block_ids[plan.group.index]
+            first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
+            if last > len(ids):
+                raise RuntimeError(
+                    f"xkv: request {req_id} group {g}: {len(ids)} blocks allocated, "
+                    f"{last} needed for {lk.local + num_external_tokens} tokens"
+                )
+            chunks_used = sorted({i // k for i in range(first, last)})
+            index = {c: n for n, c in enumerate(chunks_used)}
+            refs = tuple(
+                ChunkRef(
+                    key=lk.keys[c - lk.start],
+                    offsets=tuple(lk.slots[g][c - lk.start].offsets),
+                    generations=tuple(lk.slots[g][c - lk.start].generations),
+                )
+                for c in chunks_used
+            )
+            groups.append(
+                GroupTransfer(
+                    group=g,
+                    block_ids=tuple(ids[first:last]),
+                    chunk_of=tuple(index[i // k] for i in range(first, last)),
+                    block_in_chunk=tuple(i % k for i in range(first, last)),
+                    chunks=refs,
+                )
+            )
+        job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
+        self._pending_loads.append(job)
+        if lk.lease_id is not None:
+            st.lease_ids.add(lk.lease_id)
+            self._load_leases[job.job_id] = (req_id, lk.lease_id)
+        self.stats.add("tokens_promised", num_external_tokens)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_connector_meta(self, so: Any) -> StepMetadata:
+        """The step's loads and saves. ``so``: vLLM's SchedulerOutput (duck-typed)."""
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        saves: list[TransferJob] = []
+        for new in so.scheduled_new_reqs:
+            st = self._states.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(b) for b in new.block_ids]
+            self._plan_save(st, new.num_computed_tokens, so.num_scheduled_tokens, saves)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._states.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in resumed:
+                    st.block_ids = [list(b) for b in new_ids]
+                else:
+                    for g, b in enumerate(new_ids):
+                        st.block_ids[g].extend(b)
+            self._plan_save(st, cached.num_computed_tokens[i], so.num_scheduled_tokens, saves)
+        return StepMetadata(
+            loads=loads,
+            saves=tuple(saves),
+            epoch=self.epoch,
+            layout_ids=self.layout_ids,
+            turned_off=self.turned_off,
+        )
+
+    def _plan_save(
+        self, st: _ReqState, computed: int, scheduled: dict[str, int], out: list[TransferJob]
+    ) -> None:
+        req = st.request
+        if not self.save or not self._eligible(req):
+            return
+        end = min(computed + scheduled.get(req.request_id, 0), req.num_prompt_tokens)
+        c_end = min(end // self.chunk_size, len(req.block_hashes) // self.hashes_per_chunk)
+        cands = [c for c in range(st.next_save_chunk, c_end) if c not in st.present]
+        st.next_save_chunk = max(st.next_save_chunk, c_end)
+        if not cands:
+            return
+        groups = []
+        for g, plan in enumerate(self.registry.groups):
+            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
+            todo = [c for c in cands if (c + 1) * k <= len(ids)]
+            if not todo:
+                continue
+            keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in todo]
+            try:
+                res = self.gw.reserve(self.layout_ids[g], keys)
+            except GatewayUnavailable as e:
+                self._turn_off(f"RESERVE failed: {e}")
+                return
+            except GatewayError as e:
+                self.stats.add("gateway_errors")
+                log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
+                continue
+            refs, blocks, chunk_of, pos = [], [], [], []
+            for c, r in zip(todo, res, strict=True):
+                if r is None:  # stored already, being written elsewhere, or no space
+                    continue
+                n = len(refs)
+                refs.append(ChunkRef(r.key, tuple(r.offsets), tuple(r.generations)))
+                blocks.extend(ids[c * k : (c + 1) * k])
+                chunk_of.extend([n] * k)
+                pos.extend(range(k))
+            if refs:
+                self.stats.add("chunks_reserved", len(refs))
+                groups.append(
+                    GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs))
+                )
+        if groups:
+            ntok = len(cands) * self.chunk_size
+            out.append(TransferJob(self._job_id(), req.request_id, tuple(groups), ntok))
+
+    def update_connector_output(self, report: WorkerReport | None) -> None:
+        if report is None:
+            return
+        for job_id, n in report.loads_done.items():
+            self._loads_done[job_id] += n
+            if self._loads_done[job_id] >= self.world_size:
+                del self._loads_done[job_id]
+                req_lease = self._load_leases.pop(job_id, None)
+                if req_lease:
+                    req_id, lease = req_lease
+                    st = self._states.get(req_id)
+                    if st:
+                        st.lease_ids.discard(lease)
+                    self._release(lease)
+
+    def request_finished(self, request: Any) -> None:
+        req_id = request.request_id
+        self._drop_lookup(req_id)
+        st = self._states.pop(req_id, None)
+        if st:
+            for lease in st.lease_ids:
+                self._release(lease)
+        for job_id in [j for j, (r, _) in self._load_leases.items() if r == req_id]:
+            del self._load_leases[job_id]
+            self._loads_done.pop(job_id, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _drop_lookup(self, req_id: str) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk and lk.lease_id is not None:
+            self._release(lk.lease_id)
+
+    def _release(self, lease_id: int) -> None:
+        if self.turned_off or self.gw is None:
+            return
+        try:
+            self.gw.release(lease_id)
+        except GatewayUnavailable as e:
+            self._turn_off(f"RELEASE failed: {e}")
+        except GatewayError as e:
+            self.stats.add("gateway_errors")
+            log.debug("xkv: RELEASE %s refused: %s", lease_id, e)
+
+    def _job_id(self) -> int:
+        self._next_job += 1
+        return self._next_job - 1
+
+    def _turn_off(self, reason: str) -> None:
+        if self.turned_off:
+            return
+        self.turned_off = True
+        self.stats.add("gateway_errors")
+        log.warning(
+            "xkv scheduler: gateway %s:%d %s; answering zero hits and saving nothing from now on "
+            "(restart the gateway and vLLM together to turn it back on)",
+            self.cfg.gateway_host,
+            self.cfg.xkv_gateway_port,
+            reason,
+        )
+
+    def shutdown(self) -> None:
+        for req_id in list(self._states):
+            st = self._states.pop(req_id)
+            for lease in st.lease_ids:
+                self._release(lease)
+        for req_id in list(self._lookups):
+            self._drop_lookup(req_id)
+        if self.gw is not None:
+            try:
+                self.gw.close()
+            except Exception:  # closing a dead socket must not mask shutdown
+                log.debug("xkv: gateway close failed", exc_info=True)

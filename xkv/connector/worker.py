@@ -1,0 +1,300 @@
+"""Worker side (every TP rank): byte-page views, restores, saves, commits, load errors.
+
+Pages are moved as whole bytes (``xkv.layout.PagePool``), never per token or per K/V half: on
+vLLM's CPU backend a page is ``[heads, 2*block_size, head_dim]`` (K rows then V rows), on GPU
+backends K and V share the last dim; byte pages are right for both.
+
+Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
+the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
+layer only; ``save_kv_layer`` copies the layer's pages of reserved chunks to their slots;
+``wait_for_save`` commits shards whose every layer was written (otherwise aborts them);
+``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
+error, never wrong bytes) and collects the step's load errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
+from xkv.connector.registry import GroupPlan, Registry
+from xkv.connector.stats import ConnectorStats
+from xkv.connector.transfer import SyncTransferHandler
+from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.layout import PagePool, describe_cache
+
+log = logging.getLogger("xkv.connector")
+
+TURNED_OFF_LINE = "External KV cache turned off on this rank"
+
+
+class WorkerSide:
+    """The worker-role half of FusIOnXConnector (one per TP rank)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        fingerprints: list[str],
+        *,
+        namespace: str,
+        tp_rank: int,
+        gateway_factory: Callable[[], Any],
+        handler_factory: Callable[[torch.device], Any] | None = None,
+    ):
+        self.registry = registry
+        self.fingerprints = fingerprints
+        self.namespace = namespace
+        self.tp_rank = tp_rank
+        self._gateway_factory = gateway_factory
+        self._handler_factory = handler_factory
+        self.stats = ConnectorStats()
+        self.turned_off = False
+        self.gw = None
+        self.card: torch.Tensor | None = None
+        self.epoch = 0
+        self.layout_ids: tuple[int, ...] = ()
+        self.pools: dict[str, PagePool] = {}
+        self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group, index in group)
+        self.handler: Any = SyncTransferHandler()
+        self._meta: StepMetadata | None = None
+        self._load_checks: list[tuple[GroupTransfer, int]] = []  # (transfer, chunk index)
+        self._loads_done: Counter = Counter()
+        self._load_errors: set[int] = set()
+        self._saved: dict[tuple[int, int], set[int]] = {}  # (job, group) -> layers written
+        self._t_load = 0.0
+
+    # ------------------------------------------------------------------ start
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
+    ) -> list[str]:
+        """Byte-page views of every cache; HELLO per group; map the card. Returns log lines
+        (the façade logs them on TP rank 0)."""
+        expected = {n: (p.group.index, i) for p in self.registry.groups
+                    for i, n in enumerate(p.group.layer_names)}
+        unknown = sorted(set(kv_caches) - set(expected))
+        if unknown:
+            raise ValueError(
+                f"xkv: KV cache tensors {unknown} belong to no KV cache group: nobody would "
+                "write them, refusing to start"
+            )
+        missing = sorted(set(expected) - set(kv_caches))
+        if missing:
+            raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
+        for plan in self.registry.groups:
+            for name in plan.group.layer_names:
+                pool = describe_cache(
+                    kv_caches[name], num_blocks=num_blocks, page_bytes=plan.group.block_bytes
+                )
+                if pool.block_bytes != plan.group.block_bytes:
+                    raise ValueError(
+                        f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
+                        f"{plan.group.block_bytes} expected from the KV cache spec"
+                    )
+                self.pools[name] = pool
+        self.layer_pos = expected
+        device = next(iter(self.pools.values())).base.device if self.pools else torch.device("cpu")
+        if self._handler_factory is not None:
+            self.handler = self._handler_factory(device)
+        try:
+            self.gw = self._gateway_factory()
+            infos = [
+                self.gw.register_layout(self.namespace, fp, p.num_shards, p.shard_bytes)
+                for p, fp in zip(self.registry.groups, self.fingerprints, strict=True)
+            ]
+            self.layout_ids = tuple(i.layout_id for i in infos)
+            self.epoch = infos[0].epoch
+            self.card = torch.frombuffer(self.gw.map_card(), dtype=torch.uint8)
+            if device.type == "cuda":
+                from xkv import kernels
+
+                self.card = kernels.register_host(self.card)
+        except GatewayError as e:  # dead, refused our layout, or its card is not mappable here
+            self.turn_off(f"gateway unusable at start: {e}")
+        lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
+        return lines + self.registry.log_lines()
+
+    # ------------------------------------------------------------------ loads
+
+    def bind(self, meta: StepMetadata) -> None:
+        self._meta = meta
+        if meta.turned_off and not self.turned_off:
+            self.turn_off("the scheduler side lost the gateway")
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads:
+            return
+        usable = (
+            not self.turned_off and self.card is not None and meta.epoch == self.epoch
+        )
+        if not usable:
+            if not self.turned_off and meta.epoch != self.epoch:
+                self.turn_off(f"gateway epoch changed ({self.epoch} -> {meta.epoch})")
+            for job in meta.loads:
+                self._fail(job.block_ids())
+                self._loads_done[job.job_id] += 1
+            return
+        t0 = time.perf_counter()
+        self.handler.begin_loads()
+        by_group: dict[int, list[GroupTransfer]] = {}
+        for job in meta.loads:
+            for gt in job.groups:
+                by_group.setdefault(gt.group, []).append(gt)
+                self._load_checks.extend((gt, c) for c in range(len(gt.chunks)))
+            self._loads_done[job.job_id] += 1
+        for g, transfers in by_group.items():
+            plan = self.registry.groups[g]
+            blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+            for layer, name in enumerate(plan.group.layer_names):
+                offs = self._offsets(plan, transfers, layer)
+                self.handler.load_layer(name, self.card, offs, self.pools[name], blocks)
+            nbytes = len(blocks) * plan.group.block_bytes * len(plan.group.layer_names)
+            self.stats.add("bytes_restored", nbytes)
+            self.stats.add("blocks_restored", len(blocks))
+        self._t_load = time.perf_counter() - t0
+
+    def _offsets(self, plan: GroupPlan, transfers: list[GroupTransfer], layer: int) -> torch.Tensor:
+        """int64 [n]: byte offset on the card of each block of ``transfers`` for ``layer``."""
+        shard = plan.shard_of(self.tp_rank)
+        k, bb = plan.blocks_per_chunk, plan.group.block_bytes
+        return torch.tensor(
+            [
+                gt.chunks[c].offsets[shard] + (layer * k + j) * bb
+                for gt in transfers
+                for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True)
+            ],
+            dtype=torch.int64,
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.handler.wait_layer(layer_name)
+
+    # ------------------------------------------------------------------ saves
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        meta = self._meta
+        if meta is None or not meta.saves or self.turned_off or self.card is None:
+            return
+        pos = self.layer_pos.get(layer_name)
+        if pos is None:
+            return
+        g, layer = pos
+        plan = self.registry.groups[g]
+        if not plan.writes(self.tp_rank) or meta.epoch != self.epoch:
+            return
+        t0 = time.perf_counter()
+        transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
+        if not transfers:
+            return
+        blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids], dtype=torch.int64)
+        offs = self._offsets(plan, [gt for _, gt in transfers], layer)
+        self.handler.save_layer(layer_name, self.pools[layer_name], blocks, self.card, offs)
+        for job, _ in transfers:
+            self._saved.setdefault((job.job_id, g), set()).add(layer)
+        self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)
+        self.stats.add("seconds_saved", time.perf_counter() - t0)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.saves:
+            return
+        t0 = time.perf_counter()
+        self.handler.flush_saves()
+        for job in meta.saves:
+            for gt in job.groups:
+                plan = self.registry.groups[gt.group]
+                if not plan.writes(self.tp_rank):
+                    continue
+                layers = self._saved.pop((job.job_id, gt.group), set())
+                keys = [c.key for c in gt.chunks]
+                complete = len(layers) == len(plan.group.layer_names)
+                self._finish_save(plan, gt.group, keys, complete, job)
+        self._saved.clear()
+        self.stats.add("seconds_saved", time.perf_counter() - t0)
+
+    def _finish_save(self, plan: GroupPlan, g: int, keys: list[bytes], ok: bool, job) -> None:
+        if self.turned_off or self.gw is None:
+            self.stats.add("save_errors", len(keys))
+            return
+        shard = plan.shard_of(self.tp_rank)
+        try:
+            if ok:
+                self.gw.commit(self.layout_ids[g], shard, keys)
+                self.stats.add("chunks_saved", len(keys))
+            else:
+                # A layer without a save hook call (CUDA graph replay, a layer vLLM skipped):
+                # committing would publish bytes that were never written.
+                log.warning(
+                    "xkv: request %s group %d: not every layer was saved this step; "
+                    "aborting %d chunk(s)", job.req_id, g, len(keys))
+                self.gw.abort(self.layout_ids[g], shard, keys)
+                self.stats.add("save_errors", len(keys))
+        except GatewayUnavailable as e:
+            self.stats.add("save_errors", len(keys))
+            self.turn_off(f"COMMIT failed: {e}")
+        except GatewayError as e:
+            self.stats.add("save_errors", len(keys))
+            self.stats.add("gateway_errors")
+            log.warning("xkv: COMMIT refused for request %s: %s", job.req_id, e)
+
+    # ------------------------------------------------------------------ end of step
+
+    def get_finished(self) -> None:
+        """Wait for the step's reads and verify every slot read still holds what was leased."""
+        if not self._load_checks:
+            return
+        t0 = time.perf_counter()
+        self.handler.sync_loads()
+        for gt, c in self._load_checks:
+            plan = self.registry.groups[gt.group]
+            shard = plan.shard_of(self.tp_rank)
+            ref = gt.chunks[c]
+            try:
+                ok = self.gw.slot_generation(ref.offsets[shard]) == ref.generations[shard]
+            except (GatewayError, ValueError):
+                ok = False
+            if not ok:
+                self._fail(b for b, cc in zip(gt.block_ids, gt.chunk_of, strict=True) if cc == c)
+        self._load_checks = []
+        self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
+        self._t_load = 0.0
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def take_report(self) -> WorkerReport | None:
+        if not self._loads_done:
+            return None
+        done, self._loads_done = self._loads_done, Counter()
+        return WorkerReport(loads_done=done)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    # ------------------------------------------------------------------ failure
+
+    def _fail(self, block_ids) -> None:
+        before = len(self._load_errors)
+        self._load_errors.update(block_ids)
+        self.stats.add("load_errors", len(self._load_errors) - before)
+
+    def turn_off(self, reason: str) -> None:
+        if self.turned_off:
+            return
+        self.turned_off = True
+        log.warning("%s (tp rank %d: %s)", TURNED_OFF_LINE, self.tp_rank, reason)
+
+    def shutdown(self) -> None:
+        if self.gw is not None:
+            try:
+                self.gw.close()
+            except Exception:
+                log.debug("xkv: gateway close failed", exc_info=True)
