@@ -81,14 +81,14 @@ def plan_segment(seg: int, n_blocks: int, block_bytes: int, n_ranks: int, slot_b
     """Rounds of one segment: balanced runs of whole blocks, each fitting one slot."""
     if n_blocks < 0:
         raise PlanError(f"n_blocks={n_blocks}: expected >= 0")
+    if n_blocks == 0:
+        return []
     cap = max_blocks_per_round(block_bytes, n_ranks, slot_bytes, align)
     if cap == 0:
         raise PlanError(
             f"a staging slot of {slot_bytes} bytes cannot hold one block of {block_bytes} bytes "
             f"split over {n_ranks} ranks; raise nvlink_fanout_staging_bytes"
         )
-    if n_blocks == 0:
-        return []
     n_rounds = -(-n_blocks // cap)
     bounds = [k * n_blocks // n_rounds for k in range(n_rounds + 1)]
     return [
