@@ -63,24 +63,31 @@ def test_exactly_one_warning_per_process(caplog):
 
 
 # ---- facts from duck-typed vLLM objects (class names as in vLLM 0.29; vLLM itself not imported)
-def _spec(name, base_names=(), **fields):
-    bases = tuple(type(b, (), {}) for b in base_names) or (object,)
-    return type(name, bases, {})() if not fields else type(name, bases, fields)()
-
-
 def _vllm(use_mla=True, hybrid=False, tp=4, dcp=1, pcp=1):
     return NS(model_config=NS(use_mla=use_mla, is_hybrid=hybrid),
               parallel_config=NS(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                                  prefill_context_parallel_size=pcp, use_ubatching=False))
 
 
-class AttentionSpec: pass
-class FullAttentionSpec(AttentionSpec): pass
+class AttentionSpec:
+    pass
+
+
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
 class MLAAttentionSpec(FullAttentionSpec):
     tokens_per_state = 1
     model_version = None
-class MambaSpec: pass
-class SlidingWindowMLASpec(AttentionSpec): pass
+
+
+class MambaSpec:
+    pass
+
+
+class SlidingWindowMLASpec(AttentionSpec):
+    pass
 
 
 def _dsv4_spec():
