@@ -3,6 +3,7 @@ vLLM-shaped MLA cache per layer ([num_blocks, 1, block_size, 576] bf16), and an 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,14 +13,11 @@ from xkv.fanout import LayerLoad
 POISON = 0xA5
 
 
-def mla_pool(cache: torch.Tensor):
-    """PagePool of a contiguous vLLM MLA cache view [num_blocks, 1, block_size, C]."""
-    from xkv.layout import PagePool
+def mla_pool(cache: torch.Tensor, num_blocks: int | None = None):
+    """PagePool of a vLLM MLA cache view [kernel_blocks, 1, block_size, C] (xkv.layout)."""
+    from xkv.layout import describe_cache
 
-    base = cache.view(torch.uint8).reshape(-1)
-    bb = base.numel() // cache.shape[0]
-    return PagePool(base=base, num_blocks=cache.shape[0], block_bytes=bb, block_stride=bb,
-                    runs=((0, bb),), kind="mla")
+    return describe_cache(cache, num_blocks=num_blocks)
 
 
 @dataclass
@@ -27,23 +25,25 @@ class MlaCase:
     card: torch.Tensor
     caches: list[torch.Tensor]
     loads: list[LayerLoad]
-    expected: list[torch.Tensor]  # oracle result per layer (uint8 view of the whole cache)
+    expected: list[torch.Tensor]  # oracle result per layer (uint8 bytes of the whole cache)
 
 
 def make_case(*, layers: int = 3, num_blocks: int = 40, block_size: int = 16, width: int = 576,
-              chunk_blocks: int = 2, chunks: int = 5, seed: int = 0, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.bfloat16, ratio: int = 1, chunk_blocks: int = 2,
+              chunks: int = 5, seed: int = 0, device: str | torch.device = "cpu",
               card: torch.Tensor | None = None) -> MlaCase:
-    """Restore ``chunks * chunk_blocks`` blocks into random blocks of each layer's cache.
+    """Restore ``chunks * chunk_blocks`` scheduler blocks into random blocks of each layer's cache.
 
-    Stored-object layout (docs/internal-api.md): chunk c's slot at a random slot offset; layer l,
-    block j of the chunk at ``slot + (l * k + j) * block_bytes``. Identical on every rank for a
-    given seed."""
+    Cache per layer: ``[num_blocks * ratio, 1, block_size, width]`` of ``dtype`` (vLLM 0.29's 4-D
+    MLA view; ``ratio`` kernel blocks per scheduler block). Card in the stored-object layout
+    (docs/internal-api.md): chunk c's slot at a random slot offset; layer l, block j of the chunk at
+    ``slot + (l * k + j) * block_bytes``. Identical on every rank for a given seed."""
     g = torch.Generator().manual_seed(seed)
-    bb = block_size * width * 2
+    bb = ratio * block_size * width * torch.empty(0, dtype=dtype).element_size()
     slot = -(-layers * chunk_blocks * bb // 4096) * 4096
     n_slots = chunks + 3
-    if card is None:
-        card = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, generator=g)
+    fresh = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, generator=g)
+    card = fresh if card is None else card  # same generator draws either way: same offsets
     slot_of = torch.randperm(n_slots, generator=g)[:chunks] * slot
     n = chunks * chunk_blocks
     block_ids = torch.randperm(num_blocks, generator=g)[:n].to(torch.int64)
@@ -51,16 +51,51 @@ def make_case(*, layers: int = 3, num_blocks: int = 40, block_size: int = 16, wi
     for layer in range(layers):
         offs = torch.tensor([int(slot_of[c]) + (layer * chunk_blocks + j) * bb
                              for c in range(chunks) for j in range(chunk_blocks)], dtype=torch.int64)
-        cache = torch.empty(num_blocks, 1, block_size, width, dtype=torch.bfloat16, device=device)
+        cache = torch.empty(num_blocks * ratio, 1, block_size, width, dtype=dtype, device=device)
         cache.view(torch.uint8).fill_(POISON)
         exp = torch.full((num_blocks, bb), POISON, dtype=torch.uint8)
         for i in range(n):
             exp[block_ids[i]] = card[offs[i]:offs[i] + bb].cpu()
+        pool = mla_pool(cache, num_blocks)
+        assert pool.block_bytes == bb and pool.num_blocks == num_blocks
         caches.append(cache)
-        loads.append(LayerLoad(f"model.layers.{layer}.self_attn.attn", offs, mla_pool(cache), block_ids.clone()))
+        loads.append(LayerLoad(f"model.layers.{layer}.self_attn.attn", offs, pool, block_ids.clone()))
         expected.append(exp.reshape(-1))
     return MlaCase(card, caches, loads, expected)
 
 
 def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8).reshape(-1).cpu()
+
+
+# ---------------------------------------------------------------- multi-process workers
+def run_workers(target, world: int, *args, method: str = "fork", timeout: float = 120.0) -> list:
+    """Run ``target(rank, world, init_file, queue, *args)`` in ``world`` processes; return every
+    item the workers put on the queue (a worker that dies or hangs fails the test)."""
+    import multiprocessing as mp
+    import queue as _queue
+    import tempfile
+    import time
+
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init_file = f"{d}/init"
+        procs = [ctx.Process(target=target, args=(r, world, init_file, q, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out, deadline = [], time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs) or not q.empty():
+                with contextlib.suppress(_queue.Empty):
+                    out.append(q.get(timeout=0.2))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers still running after {timeout} s; got {out}")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        codes = [p.exitcode for p in procs]
+    assert codes == [0] * world, f"worker exit codes {codes}; messages {out}"
+    return out

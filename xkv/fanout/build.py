@@ -88,13 +88,16 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
     staging: torch.Tensor | None = None
     problem: Decision | None = None
     if active:
-        free, _ = torch.cuda.mem_get_info(device)
         need = config.slots * config.slot_bytes + COMM_RESERVE_BYTES
-        if free < need:
-            problem = Decision(False, Reason.MEMORY, f"{free} bytes free on {device}, need {need} "
-                               f"(staging {config.slots * config.slot_bytes} + communicator reserve)")
-        else:
-            staging = torch.empty(config.slots * config.slot_bytes, dtype=torch.uint8, device=device)
+        try:
+            free, _ = torch.cuda.mem_get_info(device)
+            if free < need:
+                problem = Decision(False, Reason.MEMORY, f"{free} bytes free on {device}, need {need} "
+                                   f"(staging {config.slots * config.slot_bytes} + communicator reserve)")
+            else:
+                staging = torch.empty(config.slots * config.slot_bytes, dtype=torch.uint8, device=device)
+        except Exception as e:  # no CUDA, OOM: refuse on every rank, never leave one waiting
+            problem = Decision(False, Reason.MEMORY, f"cannot allocate {need} bytes on {device}: {e}")
     if not _agree(cpu_group, problem is None):
         return _refuse(problem or Decision(False, Reason.MEMORY, "another TP rank lacks GPU memory"))
 
