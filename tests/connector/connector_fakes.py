@@ -1,0 +1,162 @@
+"""A small in-process stand-in for ``xkv.gateway.client.GatewayClient`` (unit tests only).
+
+Same methods and semantics as the contract in docs/internal-api.md: layouts per (namespace,
+fingerprint), objects visible once every shard committed, first writer wins, leases, slot
+generations, a card (bytearray). ``messages`` logs every call; ``dead = True`` makes every call
+raise GatewayUnavailable, as a killed gateway would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xkv.gateway.client import GatewayError, GatewayUnavailable
+
+
+@dataclass(frozen=True)
+class LayoutInfo:
+    layout_id: int
+    slot_bytes: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ChunkSlots:
+    offsets: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    num_chunks: int
+    lease_id: int
+    slots: list
+
+
+@dataclass(frozen=True)
+class Reservation:
+    key: bytes
+    offsets: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class FakeGateway:
+    """Shared state; ``client()`` returns a connection (what gateway_factory must return)."""
+
+    def __init__(self, capacity: int = 1 << 22, alignment: int = 4096, epoch: int = 7):
+        self.card = bytearray(capacity)
+        self.alignment = alignment
+        self.epoch = epoch
+        self.layouts: dict[tuple[str, str], tuple[int, int, int]] = {}  # -> id, shards, slot
+        self.objects: dict[tuple[int, bytes], dict] = {}
+        self.gens: dict[int, int] = {}
+        self.leases: dict[int, list] = {}
+        self.messages: list[tuple] = []
+        self.dead = False
+        self._next_slot = 0
+        self._next_id = 1
+
+    def client(self) -> FakeClient:
+        return FakeClient(self)
+
+    def _check(self, name, *args):
+        if self.dead:
+            raise GatewayUnavailable(f"fake gateway dead ({name})")
+        self.messages.append((name, *args))
+
+    def committed(self, layout_id: int) -> set[bytes]:
+        return {k for (lid, k), o in self.objects.items()
+                if lid == layout_id and o["committed"] == set(range(o["shards"]))}
+
+
+class FakeClient:
+    def __init__(self, gw: FakeGateway):
+        self.gw = gw
+        self.epoch = gw.epoch
+
+    def register_layout(self, namespace, fingerprint, num_shards, shard_bytes):
+        g = self.gw
+        g._check("hello", namespace, fingerprint)
+        slot = -(-shard_bytes // g.alignment) * g.alignment
+        key = (namespace, fingerprint)
+        if key not in g.layouts:
+            g.layouts[key] = (g._next_id, num_shards, slot)
+            g._next_id += 1
+        lid, shards, s = g.layouts[key]
+        if (shards, s) != (num_shards, slot):
+            raise GatewayError("LAYOUT_MISMATCH")
+        return LayoutInfo(lid, slot, g.epoch)
+
+    def _layout(self, lid):
+        for (_, _), (i, shards, slot) in self.gw.layouts.items():
+            if i == lid:
+                return shards, slot
+        raise GatewayError(f"UNKNOWN_LAYOUT {lid}")
+
+    def lookup(self, groups, *, lease=True, timeout_s=None):
+        g = self.gw
+        g._check("lookup", [list(k) for _, k in groups])
+        n = min(len(k) for _, k in groups)
+        hits = 0
+        for c in range(n):
+            if all(k[c] in g.committed(lid) for lid, k in groups):
+                hits += 1
+            else:
+                break
+        slots = [[ChunkSlots(tuple(g.objects[(lid, k[c])]["offsets"]),
+                             tuple(g.gens[o] for o in g.objects[(lid, k[c])]["offsets"]))
+                  for c in range(hits)] for lid, k in groups]
+        lease_id = 0
+        if lease and hits:
+            lease_id = g._next_id
+            g._next_id += 1
+            g.leases[lease_id] = slots
+        return LookupResult(hits, lease_id, slots)
+
+    def reserve(self, layout_id, keys):
+        g = self.gw
+        g._check("reserve", layout_id, list(keys))
+        shards, slot = self._layout(layout_id)
+        out = []
+        for k in keys:
+            if (layout_id, k) in g.objects:
+                out.append(None)
+                continue
+            offs = []
+            for _ in range(shards):
+                if g._next_slot + slot > len(g.card):
+                    raise GatewayError("NO_SPACE")
+                offs.append(g._next_slot)
+                g.gens[g._next_slot] = g.gens.get(g._next_slot, 0) + 1
+                g._next_slot += slot
+            g.objects[(layout_id, k)] = {"offsets": offs, "shards": shards, "committed": set()}
+            out.append(Reservation(k, tuple(offs), tuple(g.gens[o] for o in offs)))
+        return out
+
+    def commit(self, layout_id, shard, keys):
+        g = self.gw
+        g._check("commit", layout_id, shard, list(keys))
+        for k in keys:
+            g.objects[(layout_id, k)]["committed"].add(shard)
+        return len(keys)
+
+    def abort(self, layout_id, shard, keys):
+        g = self.gw
+        g._check("abort", layout_id, shard, list(keys))
+        for k in keys:
+            g.objects.pop((layout_id, k), None)
+        return len(keys)
+
+    def release(self, lease_id):
+        self.gw._check("release", lease_id)
+        return int(self.gw.leases.pop(lease_id, None) is not None)
+
+    def map_card(self):
+        self.gw._check("card")
+        return memoryview(self.gw.card)
+
+    def slot_generation(self, offset):
+        return self.gw.gens.get(offset, 0)
+
+    def close(self):
+        return None

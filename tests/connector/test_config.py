@@ -1,0 +1,89 @@
+"""Configuration validation: unknown keys, wrong types, ranges, PYTHONHASHSEED, port clash."""
+
+import pytest
+
+from xkv.connector.config import OPTIONS, ConfigError, ConnectorConfig
+
+ENV = {"PYTHONHASHSEED": "0"}
+
+
+def test_defaults():
+    c = ConnectorConfig.from_extra({}, ENV)
+    assert c.xkv_gateway_port == 5557 and c.slot_alignment_bytes == 4096
+    assert c.gateway_host == "localhost" and c.key_namespace == "default"
+    assert c.nvlink_fanout is False and c.nvlink_fanout_groups == "auto"
+    assert c.nvlink_fanout_min_layer_bytes == 4 << 20
+    assert c.resolve_chunk_size(32) == 256 and c.resolve_chunk_size(16) == 256
+    assert c.resolve_chunk_size(96) == 192 and c.resolve_chunk_size(288) == 288
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        ConnectorConfig.from_extra({"xkv_gateway_prot": 1}, ENV)
+    msg = str(e.value)
+    assert "xkv_gateway_prot" in msg
+    for k in OPTIONS:
+        assert k in msg
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("xkv_gateway_port", "5557"), ("xkv_gateway_port", True), ("chunk_size", 12.5),
+     ("require_cache_salt", 1), ("key_namespace", 3), ("nvlink_fanout", "yes"),
+     ("lookup_timeout_ms", "50"), ("nvlink_fanout_staging_bytes", 1.5)],
+)
+def test_wrong_types(key, value):
+    with pytest.raises(ConfigError, match=key):
+        ConnectorConfig.from_extra({key: value}, ENV)
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [({"xkv_gateway_port": 0}, "1..65535"), ({"chunk_size": 0}, "positive"),
+     ({"slot_alignment_bytes": 3000}, "power of two"), ({"key_namespace": "a/b"}, "key_namespace"),
+     ({"key_namespace": ""}, "key_namespace"), ({"lookup_timeout_ms": 0}, "deadline"),
+     ({"nvlink_fanout_groups": "some"}, "auto"), ({"nvlink_fanout_groups": [[0]]}, ">= 2"),
+     ({"nvlink_fanout_groups": [[0, 1], [1, 2]]}, "more than once"),
+     ({"nvlink_fanout_groups": [[0, -1]]}, "TP ranks"), ({"nvlink_fanout_groups": []}, "at least"),
+     ({"nvlink_fanout_staging_bytes": 10}, "1 MiB")],
+)
+def test_bad_values(extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ConnectorConfig.from_extra(extra, ENV)
+
+
+def test_fanout_groups_explicit():
+    c = ConnectorConfig.from_extra({"nvlink_fanout": True,
+                                    "nvlink_fanout_groups": [[0, 1], [2, 3]]}, ENV)
+    assert c.nvlink_fanout_groups == ((0, 1), (2, 3))
+    c.check_fanout_groups(4)
+    with pytest.raises(ConfigError, match="do not exist"):
+        c.check_fanout_groups(2)
+
+
+@pytest.mark.parametrize("seed", [None, "1", "random", ""])
+def test_hash_seed_refused(seed):
+    env = {} if seed is None else {"PYTHONHASHSEED": seed}
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED=0") as e:
+        ConnectorConfig.from_extra({}, env)
+    assert "restart" in str(e.value)
+
+
+def test_gateway_host_env():
+    c = ConnectorConfig.from_extra({}, {**ENV, "XKV_GATEWAY_HOSTNAME": "cache-host"})
+    assert c.gateway_host == "cache-host"
+
+
+def test_chunk_size_must_be_block_multiple():
+    c = ConnectorConfig.from_extra({"chunk_size": 100}, ENV)
+    with pytest.raises(ConfigError, match="multiple of the KV cache block size 32"):
+        c.resolve_chunk_size(32)
+    assert ConnectorConfig.from_extra({"chunk_size": 64}, ENV).resolve_chunk_size(32) == 64
+
+
+def test_port_clash_with_kv_events():
+    c = ConnectorConfig.from_extra({}, ENV)
+    with pytest.raises(ConfigError, match="KV events"):
+        c.check_port_clash("tcp://*:5557")
+    c.check_port_clash("tcp://*:5558")
+    c.check_port_clash(None)

@@ -1,0 +1,132 @@
+"""Tiny random-weight models built locally (no hub): a Llama-like and a DeepSeek-V2-like MLA model.
+
+``ensure_model(kind)`` returns a directory vLLM can load (config, safetensors weights, a
+byte-level BPE tokenizer trained here). Models are cached under ``~/.cache/xkv/models`` (or
+``$XKV_MODEL_CACHE``) keyed by a hash of the recipe below, so reruns cost nothing; change the
+recipe and a new directory is built. Runs with ``HF_HUB_OFFLINE=1``.
+
+    python tests/models/tiny_models.py llama deepseek_v2     # prints the paths
+
+Shapes: llama — hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, fp32 (vLLM's CPU
+attention wants block sizes that are multiples of 32). deepseek_v2 — MLA with kv_lora_rank 512 +
+qk_rope_head_dim 64 = head size 576 (the only one vLLM's CPU MLA kernel supports), bf16, both
+layers dense (``first_k_dense_replace=2``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+VOCAB = 1024
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+RECIPES: dict[str, dict] = {
+    "llama": {
+        "arch": "LlamaForCausalLM",
+        "config": dict(
+            model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+            rms_norm_eps=1e-5, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
+        ),
+    },
+    "deepseek_v2": {
+        "arch": "DeepseekV2ForCausalLM",
+        "config": dict(
+            model_type="deepseek_v2", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+            q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2,
+            moe_layer_freq=1, max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.2,
+            torch_dtype="bfloat16", tie_word_embeddings=False, rope_scaling=None,
+        ),
+    },
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XKV_MODEL_CACHE", Path.home() / ".cache" / "xkv" / "models"))
+
+
+def recipe_hash(kind: str) -> str:
+    import transformers
+
+    body = {"recipe": RECIPES[kind], "vocab": VOCAB, "specials": SPECIALS, "tok": 2,
+            "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _corpus(n_lines: int = 3000) -> list[str]:
+    rng = random.Random(0)
+    syll = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return [" ".join("".join(rng.choice(syll) for _ in range(rng.randint(1, 3)))
+                     for _ in range(rng.randint(5, 15))) for _ in range(n_lines)]
+
+
+def _tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(out)
+
+
+def _build(kind: str, out: Path) -> None:
+    import torch
+    import transformers
+
+    recipe = RECIPES[kind]
+    cfg = dict(recipe["config"])
+    model_type = cfg.pop("model_type")
+    dtype = getattr(torch, cfg.pop("torch_dtype"))
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=1,
+                                               eos_token_id=2, pad_token_id=3, **cfg)
+    config.architectures = [recipe["arch"]]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(dtype)
+    model.config.torch_dtype = dtype
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(out)
+
+
+def ensure_model(kind: str) -> Path:
+    """Path of the tiny ``kind`` model, building it once per recipe."""
+    if kind not in RECIPES:
+        raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(RECIPES)}")
+    dest = cache_root() / f"{kind}-{recipe_hash(kind)}"
+    if (dest / "config.json").exists() and (dest / "tokenizer.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=dest.parent))
+    try:
+        _build(kind, tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:  # built concurrently by another process: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+if __name__ == "__main__":
+    for k in sys.argv[1:] or list(RECIPES):
+        print(ensure_model(k))
