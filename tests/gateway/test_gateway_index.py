@@ -152,7 +152,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _gone(self, k, m: M) -> None:
         gens = self.ix.generations
-        assert all(gens[o // A] != g for o, g in zip(m.offsets, m.gens)), "generation not bumped"
+        assert all(gens[o // A] != g for o, g in zip(m.offsets, m.gens, strict=False)), "generation not bumped"
         del self.model[k]
 
     def _reconcile_evictions(self) -> set[str]:
@@ -169,7 +169,7 @@ class IndexMachine(RuleBasedStateMachine):
         lay = self.lays[li]
         out = self.ix.reserve(lay.layout_id, keys, self.now)
         no_space = False
-        for key, (status, slots) in zip(keys, out):
+        for key, (status, slots) in zip(keys, out, strict=False):
             k = (lay.layout_id, key)
             if k in self.model:  # stored before, or earlier in this same request
                 assert status == ReserveStatus.EXISTS
@@ -277,8 +277,8 @@ class IndexMachine(RuleBasedStateMachine):
             assert obj.ready == m.ready and obj.leases == m.leases
             ranges.append((obj.start * A, obj.start * A + m.nbytes))
         ranges.sort()
-        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), "two objects share a slot"
-        assert all(0 <= lo and hi <= self.ix.capacity_bytes for lo, hi in ranges)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)), "two objects share a slot"
+        assert all(lo >= 0 and hi <= self.ix.capacity_bytes for lo, hi in ranges)
         assert self.ix.used_bytes == sum(m.nbytes for m in self.model.values())
         assert self.ix.ns_used.get("b", 0) <= self.quota_b
 
@@ -288,7 +288,7 @@ class IndexMachine(RuleBasedStateMachine):
         for _, held in self.leases.values():
             for k in held:
                 m = self.model[k]
-                assert all(gens[o // A] == g for o, g in zip(m.offsets, m.gens))
+                assert all(gens[o // A] == g for o, g in zip(m.offsets, m.gens, strict=False))
 
 
 TestIndexMachine = IndexMachine.TestCase

@@ -147,11 +147,11 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
         while not stop.is_set():
             keys = [b"t%d-%d" % (i, n + j) for j in range(4)]
             n += 4
-            for call in (lambda: client.reserve(lid, keys), lambda: client.commit(lid, 0, keys),
-                         lambda: client.lookup([(lid, keys)], lease=True)):
+            for call, args in ((client.reserve, (lid, keys)), (client.commit, (lid, 0, keys)),
+                               (client.lookup, ([(lid, keys)],))):
                 t0 = time.monotonic()
                 try:
-                    call()
+                    call(*args)
                 except GatewayUnavailable:
                     failures.append((f"client {i} killed={killed.is_set()}",
                                      time.monotonic() - t0))
@@ -166,7 +166,7 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     lease = clients[0].lookup([(lids[0], [b"leased"])]).lease_id
     assert held.num_chunks == 0 and lease
     threads = [threading.Thread(target=traffic, args=(i, c, lid))
-               for i, (c, lid) in enumerate(zip(clients, lids))]
+               for i, (c, lid) in enumerate(zip(clients, lids, strict=False))]
     for t in threads:
         t.start()
     time.sleep(0.5)

@@ -36,7 +36,7 @@ def worker(port: int, wid: int, rounds: int, q) -> None:
                 keys = rng.sample(pool, 6)
                 res = c.reserve(lid, keys)
                 written = []
-                for key, r, status in zip(keys, res, res.status):
+                for key, r, status in zip(keys, res, res.status, strict=False):
                     if r is None:
                         stats["exists" if status == ReserveStatus.EXISTS else "no_space"] += 1
                         continue

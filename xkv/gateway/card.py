@@ -123,7 +123,7 @@ class Card:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

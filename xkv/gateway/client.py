@@ -198,7 +198,7 @@ class GatewayClient:
         reply = self._call(P.Reserve(self._epoch(), layout_id, list(keys)), P.ReserveReply,
                            timeout_s)
         out = ReserveResult(None if c is None else Reservation(k, c.offsets, c.generations)
-                            for k, c in zip(keys, reply.slots))
+                            for k, c in zip(keys, reply.slots, strict=False))
         out.status = [ReserveStatus(s) for s in reply.status]
         return out
 

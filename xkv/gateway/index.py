@@ -236,7 +236,7 @@ class Index:
         num = 0
         for c in range(n):
             found = []
-            for layout, (_, keys) in zip(layouts, groups):
+            for layout, (_, keys) in zip(layouts, groups, strict=False):
                 obj = layout.objects.get(keys[c])
                 if obj is None or not obj.ready:
                     break

@@ -87,7 +87,7 @@ def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], his
             "# TYPE xkv_gateway_request_duration_seconds histogram"]
     for kind, row in sorted(hist.counts.items()):
         total = 0
-        for le, n in zip((*BUCKETS, "+Inf"), row):
+        for le, n in zip((*BUCKETS, "+Inf"), row, strict=False):
             total += n
             out.append(f'xkv_gateway_request_duration_seconds_bucket{{type="{kind}",le="{le}"}} {total}')
         out.append(f'xkv_gateway_request_duration_seconds_sum{{type="{kind}"}} {hist.sums[kind]:.6f}')

@@ -17,7 +17,7 @@ Version history (``PROTOCOL_VERSION``, checked at HELLO):
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -134,7 +134,7 @@ class Stats(msgspec.Struct, **_S):
     pass
 
 
-Request = Union[Hello, Card, Lookup, Reserve, Commit, Abort, Release, Ping, Stats]
+Request = Hello | Card | Lookup | Reserve | Commit | Abort | Release | Ping | Stats
 
 # ---------------------------------------------------------------- replies
 
@@ -183,7 +183,7 @@ class LookupResult(msgspec.Struct, tag=True, gc=False):
 class ReserveReply(msgspec.Struct, tag=True, gc=False):
     epoch: int
     status: list[int]
-    slots: list[Union[ChunkSlots, None]]
+    slots: list[ChunkSlots | None]
 
 
 class Ack(msgspec.Struct, tag=True, gc=False):
@@ -203,7 +203,7 @@ class PingReply(msgspec.Struct, tag=True, gc=False):
 
 class StatsReply(msgspec.Struct, tag=True, gc=False):
     epoch: int
-    stats: dict[str, Union[int, float]]
+    stats: dict[str, int | float]
 
 
 class ErrorReply(msgspec.Struct, tag=True, gc=False):
@@ -212,7 +212,8 @@ class ErrorReply(msgspec.Struct, tag=True, gc=False):
     message: str
 
 
-Reply = Union[LayoutInfo, CardInfo, LookupResult, ReserveReply, Ack, PingReply, StatsReply, ErrorReply]
+Reply = (LayoutInfo | CardInfo | LookupResult | ReserveReply | Ack | PingReply | StatsReply
+         | ErrorReply)
 
 #: The type table: request type -> (request struct, success reply struct).
 SPEC: dict[RequestType, tuple[type, type]] = {

@@ -49,8 +49,8 @@ class Gateway:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         self._auth = None
-        self.port = self._bind()
         self.metrics_server = None
+        self.port = self._bind()
         if config.metrics_port is not None:
             self.metrics_server = serve_metrics(config.metrics_port, self.metrics_text)
         self._handlers = {
@@ -72,7 +72,11 @@ class Gateway:
                 self._auth = ThreadAuthenticator(self.ctx)
                 self._auth.start()
                 self._auth.configure_curve(domain="*", location=cfg.curve_allowed_clients)
-        endpoint = f"tcp://{cfg.bind_address}:{cfg.port or '*'}"
+        address = cfg.bind_address
+        if ":" in address:  # IPv6 literal
+            self.sock.setsockopt(zmq.IPV6, 1)
+            address = f"[{address}]"
+        endpoint = f"tcp://{address}:{cfg.port or '*'}"
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError as e:

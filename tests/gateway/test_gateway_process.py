@@ -1,0 +1,181 @@
+"""The xkv-gateway process: flags, binding rules, shutdown, metrics, CURVE, the card's protection,
+and the client's deadlines and errors."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import zmq
+import zmq.auth
+
+from xkv.gateway import ErrorCode, GatewayClient, GatewayError, GatewayUnavailable
+from xkv.gateway import protocol as P
+from xkv.gateway.config import parse_size
+from xkv.gateway.testing import running_gateway, spawn_gateway, stop_gateway
+
+GATEWAY = [sys.executable, "-m", "xkv.gateway"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_parse_size():
+    assert parse_size("1G") == 1 << 30 and parse_size("512M") == 512 << 20
+    assert parse_size("4096") == 4096 and parse_size("1.5GiB") == 3 << 29
+    assert parse_size("64k") == 64 << 10
+    with pytest.raises(Exception, match="invalid size"):
+        parse_size("12 parsecs")
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([*GATEWAY, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--capacity", "--port", "--host", "--slot-alignment", "--metrics-port",
+                 "--log-level", "--lease-ttl", "--write-ttl", "--namespace-quota", "--quota",
+                 "--curve-secret-key", "--curve-allowed-clients", "--card", "--prefault",
+                 "--stats-interval", "--port-file"):
+        assert flag in out, flag
+    assert "5557" in out and "XKV_GATEWAY_HOSTNAME" in out
+
+
+def test_port_in_use_names_the_kv_events_clash():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([*GATEWAY, "--capacity", "1M", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "already in use" in r.stderr and "KV-events" in r.stderr and "5557" in r.stderr
+
+
+def test_non_loopback_bind_needs_curve():
+    r = subprocess.run([*GATEWAY, "--capacity", "1M", "--host", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not a loopback address" in r.stderr
+    assert "--curve-secret-key" in r.stderr
+
+
+def test_sigterm_removes_the_card_and_logs_stats(tmp_path):
+    log = tmp_path / "gw.log"
+    with open(log, "w") as err:
+        proc, port = spawn_gateway("2M", extra_args=["--card", "shm", "--stats-interval", "0.2",
+                                                     "--log-level", "INFO"], stderr=err)
+    with GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+        c.register_layout("ns", "fp", 1, 4096)
+        card = c.map_card()
+        card[:5] = b"hello"
+        info = c._call(P.Card(), P.CardInfo, 2.0)
+        assert info.kind == "shm" and os.path.exists(info.path)
+        assert os.stat(info.path).st_mode & 0o777 == 0o600
+        time.sleep(0.5)
+        assert stop_gateway(proc) == 0
+        assert not os.path.exists(info.path) and not os.path.exists(info.gen_path)
+        assert bytes(card[:5]) == b"hello"  # our mapping outlives the name
+        del card
+    text = log.read_text()
+    assert re.search(r"stats: used [\d.]+% of 2097152 B", text), text
+    assert "stopped" in text
+
+
+def test_metrics_endpoint():
+    mport = _free_port()
+    with running_gateway("4M", extra_args=["--metrics-port", str(mport)]) as port:
+        with GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+            lid = c.register_layout("ns", "fp", 2, 1000).layout_id
+            c.reserve(lid, [b"a"])
+            c.lookup([(lid, [b"a"])])
+        body = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
+    text = body.decode()
+    assert "xkv_gateway_capacity_bytes 4194304" in text
+    assert 'xkv_gateway_object_bytes{state="staged"} 8192' in text
+    assert 'xkv_gateway_requests_total{type="lookup"} 1' in text
+    assert 'xkv_gateway_request_duration_seconds_count{type="reserve"} 1' in text
+    assert 'xkv_gateway_reserve_results_total{result="ok"} 1' in text
+
+
+def test_card_is_shared_sealed_and_generations_read_only():
+    with running_gateway("1M") as port, GatewayClient("127.0.0.1", port, timeout_s=2.0) as a, \
+            GatewayClient("127.0.0.1", port, timeout_s=2.0) as b:
+        lid = a.register_layout("ns", "fp", 1, 100).layout_id
+        b.register_layout("ns", "fp", 1, 100)
+        [r] = a.reserve(lid, [b"k"])
+        a.map_card()[r.offsets[0]:r.offsets[0] + 3] = b"xyz"
+        assert bytes(b.map_card()[r.offsets[0]:r.offsets[0] + 3]) == b"xyz"
+        assert b.slot_generation(r.offsets[0]) == r.generations[0] == 0
+        a.abort(lid, 0, [b"k"])
+        assert b.slot_generation(r.offsets[0]) == 1  # freed: generation moved, seen without RPC
+        with pytest.raises(ValueError):
+            b.slot_generation(r.offsets[0] + 1)
+        with pytest.raises(TypeError):
+            b._gens[0] = 1  # mapped read-only
+        info = a._call(P.Card(), P.CardInfo, 2.0)
+        assert info.kind == "memfd" and os.stat(os.path.dirname(info.path)).st_mode & 0o777 == 0o700
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(info.path)
+            _, fds, _, _ = socket.recv_fds(s, 64, 2)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(fds[0], 4096)  # sealed: nobody can shrink the card under others
+            with pytest.raises(PermissionError):
+                mmap.mmap(fds[1], 4096)  # F_SEAL_FUTURE_WRITE: no writable mapping
+            assert fcntl.fcntl(fds[1], fcntl.F_GET_SEALS) & 0x10
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def test_client_errors_and_deadlines():
+    port = _free_port()
+    c = GatewayClient("127.0.0.1", port, timeout_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(GatewayUnavailable, match="is xkv-gateway running"):
+        c.ping()
+    assert time.monotonic() - t0 < 0.3
+    with pytest.raises(GatewayError, match="register_layout"):
+        c.lookup([(1, [b"k"])])
+    c.close()
+    with running_gateway("1M") as port, GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+        with pytest.raises(GatewayError) as e:
+            c._call(P.Hello(P.PROTOCOL_VERSION + 1, "ns", "fp", 1, 1), P.LayoutInfo, 2.0)
+        assert e.value.code == ErrorCode.BAD_VERSION and not isinstance(e.value, GatewayUnavailable)
+        lid = c.register_layout("ns", "fp", 1, 4096).layout_id
+        with pytest.raises(GatewayError) as e:
+            c.register_layout("ns", "fp", 2, 4096)
+        assert e.value.code == ErrorCode.LAYOUT_MISMATCH
+        with pytest.raises(GatewayError) as e:
+            c.register_layout("ns", "huge", 1, 2 << 20)
+        assert e.value.code == ErrorCode.NO_SPACE
+        with pytest.raises(GatewayError) as e:
+            c.commit(lid, 3, [b"k"])
+        assert e.value.code == ErrorCode.BAD_REQUEST
+        with pytest.raises(ValueError, match="at most"):
+            c.reserve(lid, [b"k"] * (P.MAX_KEYS + 1))
+        # the client stays usable after refusals
+        res = c.reserve(lid, [b"k%d" % i for i in range(300)])
+        assert res.status.count(P.ReserveStatus.NO_SPACE) == 300 - 256
+        assert c.release(0) == 0 and c.ping().used_bytes == 1 << 20
+
+
+def test_curve_encrypted_gateway(tmp_path):
+    zmq.auth.create_certificates(str(tmp_path), "gateway")
+    server_public, _ = zmq.auth.load_certificate(str(tmp_path / "gateway.key"))
+    with running_gateway("1M", extra_args=[
+            "--curve-secret-key", str(tmp_path / "gateway.key_secret")]) as port:
+        with GatewayClient("127.0.0.1", port, timeout_s=2.0,
+                           curve_server_key=server_public) as c:
+            assert c.ping().protocol_version == P.PROTOCOL_VERSION
+        with GatewayClient("127.0.0.1", port, timeout_s=0.3) as plain, \
+                pytest.raises(GatewayUnavailable):
+            plain.ping()
