@@ -2,6 +2,7 @@
 CUDA_VISIBLE_DEVICES reordered or holding UUIDs (NVML ignores it; we key by UUID)."""
 
 import pytest
+from fanout_helpers import FakeNvml, bridged, nvswitch
 
 from xkv.fanout.config import FanoutConfig
 from xkv.fanout.eligibility import Reason
@@ -12,45 +13,6 @@ from xkv.fanout.topology import (
     nvlink_matrix,
     partition_for,
 )
-
-
-class FakeNvml:
-    """GPUs in physical order with UUIDs GPU-0000..; ``links``: set of NVLinked physical pairs."""
-
-    def __init__(self, n, links=(), fail=None):
-        self.uuids = [f"GPU-{i:04d}aaaa-0000-0000-0000-{i:012d}" for i in range(n)]
-        self.links = {frozenset(p) for p in links}
-        self.fail = fail
-
-    def device_count(self):
-        return len(self.uuids)
-
-    def handle_by_index(self, i):
-        if i >= len(self.uuids):
-            raise TopologyError(f"no GPU {i}")
-        return i
-
-    def handle_by_uuid(self, u):
-        if self.fail == "uuid":
-            raise TopologyError("NVML_ERROR_UNKNOWN")
-        return self.uuids.index(u)
-
-    def uuid(self, h):
-        return self.uuids[h]
-
-    def nvlink_ok(self, a, b):
-        if self.fail == "p2p":
-            raise TopologyError("NVML_ERROR_GPU_IS_LOST")
-        return frozenset((a, b)) in self.links
-
-
-def nvswitch(n):
-    return FakeNvml(n, [(i, j) for i in range(n) for j in range(i + 1, n)])
-
-
-def bridged(n):
-    return FakeNvml(n, [(i, i + 1) for i in range(0, n, 2)])
-
 
 AUTO = FanoutConfig(enabled=True)
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from fanout_helpers import cache_bytes, make_case, run_workers
+from fanout_helpers import FakeNvml, bridged, cache_bytes, make_case, nvswitch, run_workers
 
 CASES = {
     # name: make_case kwargs. 1.5 MB layers in 1 MiB slots: two rounds per layer, shares cut mid-block
@@ -116,7 +116,6 @@ TOPOLOGIES = {  # fake NVML -> (partition TP rank 0 broadcasts, why build_restor
 
 def _refusal_worker(rank, world, init_file, q):
     import torch.distributed as dist
-    from test_topology import FakeNvml, bridged, nvswitch
 
     from xkv.fanout import CacheFacts, FanoutConfig, build_restorer, decide, eligibility, report
     from xkv.fanout.topology import resolve_groups
