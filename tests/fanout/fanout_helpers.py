@@ -31,7 +31,7 @@ class MlaCase:
 def make_case(*, layers: int = 3, num_blocks: int = 40, block_size: int = 16, width: int = 576,
               dtype: torch.dtype = torch.bfloat16, ratio: int = 1, chunk_blocks: int = 2,
               chunks: int = 5, seed: int = 0, device: str | torch.device = "cpu",
-              card: torch.Tensor | None = None) -> MlaCase:
+              card: torch.Tensor | None = None, pin: bool = False) -> MlaCase:
     """Restore ``chunks * chunk_blocks`` scheduler blocks into random blocks of each layer's cache.
 
     Cache per layer: ``[num_blocks * ratio, 1, block_size, width]`` of ``dtype`` (vLLM 0.29's 4-D
@@ -44,6 +44,8 @@ def make_case(*, layers: int = 3, num_blocks: int = 40, block_size: int = 16, wi
     n_slots = chunks + 3
     fresh = torch.randint(0, 256, (n_slots * slot,), dtype=torch.uint8, generator=g)
     card = fresh if card is None else card  # same generator draws either way: same offsets
+    if pin:
+        card = card.pin_memory()
     slot_of = torch.randperm(n_slots, generator=g)[:chunks] * slot
     n = chunks * chunk_blocks
     block_ids = torch.randperm(num_blocks, generator=g)[:n].to(torch.int64)
