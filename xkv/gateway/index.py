@@ -108,6 +108,7 @@ class Layout:
     shard_bytes: int
     slot_bytes: int
     slot_pages: int
+    lru: OrderedDict[Obj, None]  # evictable objects of the namespace, oldest first (shared)
     objects: dict[bytes, Obj] = field(default_factory=dict)
 
     @property
@@ -118,10 +119,14 @@ class Layout:
 class Obj:
     """One stored object. ``leases`` counts live leases; only READY objects with none are in LRU."""
 
-    __slots__ = ("layout", "key", "start", "ready", "committed", "leases", "deadline", "alive")
+    __slots__ = ("layout", "key", "start", "ready", "committed", "leases", "deadline", "alive",
+                 "slots", "lru", "stamp")
 
-    def __init__(self, layout: Layout, key: bytes, start: int, deadline: float):
+    def __init__(self, layout: Layout, key: bytes, start: int, deadline: float,
+                 slots: ChunkSlots):
         self.layout = layout
+        # Generations only move when an object is freed, so a live object's slots never change.
+        self.slots = slots
         self.key = key
         self.start = start
         self.ready = False
@@ -129,6 +134,8 @@ class Obj:
         self.leases = 0
         self.deadline = deadline
         self.alive = True
+        self.lru = layout.lru
+        self.stamp = 0  # when it last entered or moved in its LRU: orders namespaces' LRUs
 
 
 class Index:
@@ -158,8 +165,9 @@ class Index:
         self.alloc = PageAllocator(self.num_pages)
         self.layouts: dict[int, Layout] = {}
         self._layout_by_name: dict[tuple[str, str], Layout] = {}
-        self._lru: OrderedDict[Obj, None] = OrderedDict()
-        self._ns_lru: dict[str, OrderedDict[Obj, None]] = {}
+        # One LRU per namespace (quota eviction stays O(1)); global eviction takes the oldest head.
+        self._lru: dict[str, OrderedDict[Obj, None]] = {}
+        self._clock = 0
         self.ns_used: dict[str, int] = {}
         self._leases: dict[int, list[Obj]] = {}
         self._lease_q: deque[tuple[float, int]] = deque()
@@ -197,7 +205,8 @@ class Index:
                                f"one object of {object_bytes} bytes ({num_shards} slots) exceeds the "
                                f"card ({self.capacity_bytes} bytes) or the quota of {namespace!r}")
         layout = Layout(len(self.layouts) + 1, namespace, fingerprint, num_shards, shard_bytes,
-                        slot_pages * self.alignment, slot_pages)
+                        slot_pages * self.alignment, slot_pages,
+                        self._lru.setdefault(namespace, OrderedDict()))
         self.layouts[layout.layout_id] = layout
         self._layout_by_name[(namespace, fingerprint)] = layout
         return layout
@@ -213,11 +222,6 @@ class Index:
 
     # ------------------------------------------------------------- reading
 
-    def slots_of(self, obj: Obj) -> ChunkSlots:
-        layout, gens, a = obj.layout, self.generations, self.alignment
-        pages = [obj.start + r * layout.slot_pages for r in range(layout.num_shards)]
-        return ChunkSlots(tuple(p * a for p in pages), tuple(gens[p] for p in pages))
-
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
                lease: bool = True) -> tuple[int, int, list[list[ChunkSlots]]]:
         """(num_chunks, lease_id, slots[g][c]): the longest prefix READY in every group.
@@ -232,21 +236,30 @@ class Index:
                                f"{[len(keys) for _, keys in groups]}")
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += n * len(groups)
-        hits: list[list[Obj]] = [[] for _ in groups]
-        num = 0
-        for c in range(n):
-            found = []
-            for layout, (_, keys) in zip(layouts, groups, strict=False):
-                obj = layout.objects.get(keys[c])
+        if len(groups) == 1:  # the common case, without the per-chunk inner loop
+            objects, row = layouts[0].objects, []
+            for key in groups[0][1]:
+                obj = objects.get(key)
                 if obj is None or not obj.ready:
                     break
-                found.append(obj)
-            else:
-                for g, obj in enumerate(found):
-                    hits[g].append(obj)
-                num += 1
-                continue
-            break
+                row.append(obj)
+            hits, num = [row], len(row)
+        else:
+            hits = [[] for _ in groups]
+            num = 0
+            for c in range(n):
+                found = []
+                for layout, (_, keys) in zip(layouts, groups, strict=True):
+                    obj = layout.objects.get(keys[c])
+                    if obj is None or not obj.ready:
+                        break
+                    found.append(obj)
+                else:
+                    for g, obj in enumerate(found):
+                        hits[g].append(obj)
+                    num += 1
+                    continue
+                break
         self.counters["hit_chunks"] += num
         lease_id = 0
         if num and lease:
@@ -255,8 +268,7 @@ class Index:
             held = [obj for row in hits for obj in row]
             for obj in held:
                 if obj.leases == 0:
-                    del self._lru[obj]
-                    del self._ns_lru[obj.layout.namespace][obj]
+                    del obj.lru[obj]
                     self.leased_objects += 1
                 obj.leases += 1
             self._leases[lease_id] = held
@@ -265,9 +277,10 @@ class Index:
             for row in hits:
                 for obj in row:
                     if obj.leases == 0:
-                        self._lru.move_to_end(obj)
-                        self._ns_lru[obj.layout.namespace].move_to_end(obj)
-        return num, lease_id, [[self.slots_of(obj) for obj in row] for row in hits]
+                        obj.lru.move_to_end(obj)
+                        obj.stamp = self._clock
+            self._clock += 1
+        return num, lease_id, [[obj.slots for obj in row] for row in hits]
 
     def release(self, lease_id: int) -> int:
         """Drop a lease; returns 1, or 0 for an unknown (expired or released) lease."""
@@ -277,9 +290,10 @@ class Index:
         for obj in held:
             obj.leases -= 1
             if obj.leases == 0:
-                self._lru[obj] = None
-                self._ns_lru[obj.layout.namespace][obj] = None
+                obj.lru[obj] = None
+                obj.stamp = self._clock
                 self.leased_objects -= 1
+        self._clock += 1
         self.counters["released"] += 1
         return 1
 
@@ -302,25 +316,31 @@ class Index:
             start = None
             if not quota or self._make_quota_room(ns, nbytes, quota):
                 start = self.alloc.alloc(pages)
-                while start is None and self._lru:
-                    self._evict(next(iter(self._lru)))
+                while start is None:
+                    victim = self._oldest()
+                    if victim is None:
+                        break
+                    self._evict(victim)
                     start = self.alloc.alloc(pages)
             if start is None:
                 self.counters["no_space"] += 1
                 out.append((ReserveStatus.NO_SPACE, None))
                 continue
-            obj = Obj(layout, key, start, now + self.write_ttl_s)
+            firsts = [start + r * layout.slot_pages for r in range(layout.num_shards)]
+            slots = ChunkSlots(tuple(p * self.alignment for p in firsts),
+                               tuple(self.generations[p] for p in firsts))
+            obj = Obj(layout, key, start, now + self.write_ttl_s, slots)
             layout.objects[key] = obj
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
             self._write_q.append((obj.deadline, obj))
             self.staged_objects += 1
             self.staged_bytes += nbytes
             self.counters["reserved"] += 1
-            out.append((ReserveStatus.OK, self.slots_of(obj)))
+            out.append((ReserveStatus.OK, slots))
         return out
 
     def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
-        lru = self._ns_lru.get(ns)
+        lru = self._lru[ns]
         while self.ns_used.get(ns, 0) + nbytes > quota:
             if not lru:
                 return False
@@ -353,8 +373,9 @@ class Index:
                 self.staged_bytes -= nbytes
                 self.ready_objects += 1
                 self.ready_bytes += nbytes
-                self._lru[obj] = None
-                self._ns_lru.setdefault(layout.namespace, OrderedDict())[obj] = None
+                obj.lru[obj] = None
+                obj.stamp = self._clock
+                self._clock += 1
                 self.counters["committed"] += 1
         return done
 
@@ -373,9 +394,13 @@ class Index:
 
     # ------------------------------------------------------------- freeing
 
+    def _oldest(self) -> Obj | None:
+        """The least recently used evictable object of any namespace."""
+        heads = [next(iter(lru)) for lru in self._lru.values() if lru]
+        return min(heads, key=lambda o: o.stamp) if heads else None
+
     def _evict(self, obj: Obj) -> None:
-        del self._lru[obj]
-        del self._ns_lru[obj.layout.namespace][obj]
+        del obj.lru[obj]
         self._free(obj)
         self.counters["evicted"] += 1
 
