@@ -120,3 +120,82 @@ def step(scheduler, worker=None):
     global LAST_STATS
     LAST_STATS = next((o.scheduler_stats for o in outs.values() if o.scheduler_stats), None)
     return so, meta.step
+
+
+# ---------------------------------------------------------------- worker side on CPU tensors
+
+
+def make_worker(vllm_config, kv_cache_config, *, layout="LBHNC", poison=0xA5):
+    """A worker-role FusIOnXConnector with real vLLM CPU cache views (``allocate_kv_cache``),
+    every byte poisoned. Returns (connector, kv_caches)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
+
+    kv_cache_config.kv_cache_layout = layout
+    bs = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [bs])
+    raw = next(iter(caches.values()))
+    torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage()).fill_(poison)
+    conn = FusIOnXConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+def page(kv: torch.Tensor, block: int) -> torch.Tensor:
+    """Block ``block``'s page of a ``[B, H, N, C]`` view, as bytes (block-compact layouts)."""
+    return kv[block].contiguous().view(-1).view(torch.uint8)
+
+
+def pattern(tokens, layer: str, nbytes: int) -> torch.Tensor:
+    """Deterministic stand-in for the K/V bytes of a block whose prefix is ``tokens``."""
+    g = torch.Generator().manual_seed(hash((tuple(tokens), layer)) & ((1 << 62) - 1))
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def write_page(kv, block, data):
+    kv[block].view(-1).view(torch.uint8).copy_(data) if kv[block].is_contiguous() else None
+    assert torch.equal(page(kv, block), data)
+
+
+def step_with_worker(scheduler, worker, caches, block_size, *, layers_saved=None):
+    """One step with a simulated forward: per layer, wait for its load, 'compute' the blocks of
+    this step's new tokens (write ``pattern`` bytes), then call save_kv_layer."""
+    so = scheduler.schedule()
+    meta = so.kv_connector_metadata
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    work = []  # (kv-independent) list of (block id, token prefix) computed this step
+    rows = [(n.req_id, n.block_ids[0], n.num_computed_tokens) for n in so.scheduled_new_reqs]
+    c = so.scheduled_cached_reqs
+    for i, rid in enumerate(c.req_ids):
+        rows.append((rid, None, c.num_computed_tokens[i]))
+    for rid, _, computed in rows:
+        req = scheduler.requests[rid]
+        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        end = computed + so.num_scheduled_tokens[rid]
+        toks = list(req.all_token_ids)
+        for b in range(computed // block_size, -(-end // block_size)):
+            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
+    for li, name in enumerate(caches):
+        worker.wait_for_layer_load(name)
+        nbytes = page(caches[name], 0).numel()
+        for bid, toks in work:
+            write_page(caches[name], bid, pattern(toks, name, nbytes))
+        if layers_saved is None or li < layers_saved:
+            worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    worker.get_finished(so.finished_req_ids)
+    kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                               kv_connector_stats=worker.get_kv_connector_stats())
+    worker.clear_connector_metadata()
+    reqs = list(so.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].num_computed_tokens < scheduler.requests[r].num_prompt_tokens
+               else [5] for r in reqs]
+    out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                            sampled_token_ids=sampled, kv_connector_output=kv_out)
+    scheduler.update_from_output(so, out)
+    return so, meta.step, kv_out

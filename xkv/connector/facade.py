@@ -108,6 +108,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._num_blocks = kv_cache_config.num_blocks
+        self._kv_layout = getattr(kv_cache_config, "kv_cache_layout", None)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 cfg,
@@ -168,7 +169,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        lines = self._worker.register_kv_caches(kv_caches, num_blocks=self._num_blocks)
+        lines = self._worker.register_kv_caches(
+            kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout
+        )
         if self._tp_rank == 0:
             for line in lines:
                 log.info(line)

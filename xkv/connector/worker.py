@@ -72,7 +72,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register_kv_caches(
-        self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int
+        self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, layout: str | None = None
     ) -> list[str]:
         """Byte-page views of every cache; HELLO per group; map the card. Returns log lines
         (the façade logs them on TP rank 0)."""
@@ -89,9 +89,9 @@ class WorkerSide:
             raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
         for plan in self.registry.groups:
             for name in plan.group.layer_names:
-                pool = describe_cache(
-                    kv_caches[name], num_blocks=num_blocks, page_bytes=plan.group.block_bytes
-                )
+                # layout: the name vLLM resolved; describe_cache checks the strides against it.
+                pool = describe_cache(kv_caches[name], num_blocks=num_blocks, layout=layout,
+                                      kind=plan.group.kind)
                 if pool.block_bytes != plan.group.block_bytes:
                     raise ValueError(
                         f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
@@ -131,9 +131,10 @@ class WorkerSide:
         meta = self._meta
         if meta is None or not meta.loads:
             return
-        usable = (
-            not self.turned_off and self.card is not None and meta.epoch == self.epoch
-        )
+        # Loads promised before a turn-off still run: they need no gateway message, the card
+        # stays mapped, and the generation check below catches a reused slot. A card that was
+        # never mapped, or offsets from another gateway process (epoch), cannot be read.
+        usable = self.card is not None and meta.epoch == self.epoch
         if not usable:
             if not self.turned_off and meta.epoch != self.epoch:
                 self.turn_off(f"gateway epoch changed ({self.epoch} -> {meta.epoch})")

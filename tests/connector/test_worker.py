@@ -1,0 +1,143 @@
+"""Worker side on real vLLM CPU cache views (allocate_kv_cache), both roles in one process.
+
+Engine 1 computes a prompt (simulated forward writing deterministic page bytes) and saves it
+through the fake gateway's card; engine 2, with fresh poisoned caches, restores it: the restored
+pages must equal the saved bytes exactly, block for block and layer for layer.
+"""
+
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+H = pytest.importorskip("connector_harness")
+
+CHUNK = 64
+
+
+def _prompt(n, base=10):
+    return [(base + i) % 1000 + 4 for i in range(n)]
+
+
+def _engine(llama_dir, *, mla=False, extra=None, layout=None):
+    bs = 16 if mla else 32
+    vc = H.make_vllm_config(llama_dir, block_size=bs, extra={"chunk_size": CHUNK, **(extra or {})})
+    layout = layout or ("LBNHC" if mla else "LBHNC")  # what vLLM's CPU backends resolve
+    kcfg = H.make_kv_cache_config(block_size=bs, mla=mla)
+    kcfg.kv_cache_layout = layout
+    sched = H.make_scheduler(vc, kcfg)
+    wk, caches = H.make_worker(vc, H.make_kv_cache_config(block_size=bs, mla=mla), layout=layout)
+    return sched, wk, caches, bs
+
+
+def _run(sched, wk, caches, bs, req, **kw):
+    sched.add_request(req)
+    outs = []
+    while sched.has_unfinished_requests():
+        outs.append(H.step_with_worker(sched, wk, caches, bs, **kw))
+    return outs
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
+@pytest.mark.parametrize("n", [300, 200])
+def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n):
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+    p = _prompt(n)
+    _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
+    assert len(fake_gateway.committed(1)) == n // CHUNK
+    s2, w2, c2, _ = _engine(llama_dir, mla=mla)
+    r = H.make_request("b", p, block_size=bs)
+    s2.add_request(r)
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    expect = (n - 1) // CHUNK * CHUNK
+    assert so.num_scheduled_tokens["b"] == n - expect and not out.invalid_block_ids
+    (gt,) = meta.loads[0].groups
+    assert len(gt.block_ids) == expect // bs
+    for i, bid in enumerate(gt.block_ids):
+        for name, kv in c2.items():
+            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
+            assert torch.equal(H.page(kv, bid), want), (name, i)
+    st = out.kv_connector_stats.data
+    assert st["blocks_restored"] == expect // bs
+    assert st["bytes_restored"] == expect // bs * len(c2) * H.page(c2[next(iter(c2))], 0).numel()
+
+
+def test_registration_log_lines(fake_gateway, llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="xkv"):
+        logging.getLogger("xkv").propagate = True
+        _engine(llama_dir)
+    text = caplog.text
+    assert "XKV: 2 cache tensors registered for exchange" in text
+    assert "KV cache registry: 2 cache(s) in 1 group(s); writers: " in text
+    assert "KV cache layout: 1 group(s)" in text
+
+
+def test_evicted_slot_is_a_load_error(fake_gateway, llama_dir):
+    s1, w1, c1, bs = _engine(llama_dir, extra={})
+    p = _prompt(300)
+    _run(s1, w1, c1, bs, H.make_request("a", p))
+    s2, w2, c2, _ = _engine(llama_dir, extra={})
+    s2.add_request(H.make_request("b", p))
+    # the gateway reuses chunk 1's slot between the lookup and the copy
+    orig = s2.connector._scheduler.build_connector_meta
+
+    def bump(so):
+        m = orig(so)
+        off = m.loads[0].groups[0].chunks[1].offsets[0]
+        fake_gateway.gens[off] += 1
+        return m
+
+    s2.connector._scheduler.build_connector_meta = bump
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    gt = meta.loads[0].groups[0]
+    assert out.invalid_block_ids == {gt.block_ids[2], gt.block_ids[3]}
+    # policy "recompute": vLLM rewinds to the first bad block and computes the rest again
+    assert s2.requests["b"].num_computed_tokens == 64
+
+
+def test_incomplete_layers_are_aborted(fake_gateway, llama_dir):
+    s1, w1, c1, bs = _engine(llama_dir)
+    _run(s1, w1, c1, bs, H.make_request("a", _prompt(300)), layers_saved=1)
+    assert not fake_gateway.committed(1)
+    assert any(m[0] == "abort" for m in fake_gateway.messages)
+
+
+def test_worker_turns_off_once(fake_gateway, llama_dir, caplog):
+    s1, w1, c1, bs = _engine(llama_dir)
+    p = _prompt(300)
+    _run(s1, w1, c1, bs, H.make_request("a", p))
+    logging.getLogger("xkv").propagate = True
+    with caplog.at_level(logging.WARNING, logger="xkv"):
+        s2, w2, c2, _ = _engine(llama_dir)
+        r = H.make_request("b", p)
+        s2.add_request(r)
+        assert s2.connector.get_num_new_matched_tokens(r, 0) == (256, False)
+        fake_gateway.dead = True  # dies after the lookup was answered
+        so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+        # the promised load still runs from the mapped card: no error, right bytes
+        assert meta.loads and not out.invalid_block_ids
+        gt = meta.loads[0].groups[0]
+        name = next(iter(c2))
+        want = H.pattern(p[:32], name, H.page(c2[name], 0).numel())
+        assert torch.equal(H.page(c2[name], gt.block_ids[0]), want)
+        n0 = len(fake_gateway.messages)
+        _run(s2, w2, c2, bs, H.make_request("c", _prompt(300, base=77)))
+        _run(s2, w2, c2, bs, H.make_request("d", _prompt(300, base=99)))
+        assert len(fake_gateway.messages) == n0
+    assert caplog.text.count("External KV cache turned off on this rank") == 1
+
+
+def test_loads_from_another_gateway_are_errors(fake_gateway, llama_dir):
+    s1, w1, c1, bs = _engine(llama_dir)
+    p = _prompt(300)
+    _run(s1, w1, c1, bs, H.make_request("a", p))
+    s2, w2, c2, _ = _engine(llama_dir)
+    w2._worker.epoch = 12345  # the worker mapped another gateway process's card
+    s2.add_request(H.make_request("b", p))
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    assert out.invalid_block_ids == set(meta.loads[0].groups[0].block_ids)
+    assert w2._worker.turned_off
+    # recompute policy: the request is rewound to token 0 and recomputed
+    assert s2.requests["b"].num_computed_tokens == 0
