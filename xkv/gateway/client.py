@@ -123,13 +123,17 @@ class GatewayClient:
             rid = next(self._ids)
             sock = self._socket()
             try:
-                if not sock.poll(_ms(deadline), zmq.POLLOUT):
-                    raise zmq.Again()
-                sock.send_multipart([P.pack_id(rid), body], zmq.NOBLOCK)
+                msg = [P.pack_id(rid), body]
+                try:
+                    sock.send_multipart(msg, zmq.NOBLOCK)
+                except zmq.Again:  # not connected yet (IMMEDIATE): wait for it within the deadline
+                    if not sock.poll(_ms(deadline), zmq.POLLOUT):
+                        raise
+                    sock.send_multipart(msg, zmq.NOBLOCK)
                 while True:
-                    if not sock.poll(_ms(deadline), zmq.POLLIN):
-                        raise zmq.Again()
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    # RCVTIMEO instead of poll(): no Poller object per call on the hot path
+                    sock.setsockopt(zmq.RCVTIMEO, _ms(deadline))
+                    frames = sock.recv_multipart()
                     if len(frames) == 2 and P.unpack_id(frames[0]) == rid:
                         break  # anything else is a late reply to an abandoned request
             except zmq.Again:

@@ -1,0 +1,146 @@
+"""Gateway control-path benchmark on loopback (CPU only, no device).
+
+Prints, as a markdown table:
+* lookup latency p50/p99 (one client, leased lookups of 1, 64 and 256 stored keys; the RELEASE
+  after each lookup is not timed),
+* lookups per second with 1, 4 and 16 client processes (each a closed loop of lease-free lookups
+  of --tput-keys stored keys),
+* reserve+commit rate (objects/s; one client, batches of 1 and 64 keys, the card cycling by LRU).
+
+Targets (issue 3): p99 <= 1 ms for 256 keys, >= 20,000 lookups/s.
+
+    python bench/gateway.py [--samples 3000] [--duration 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from xkv.gateway import GatewayClient  # noqa: E402
+from xkv.gateway.testing import spawn_gateway, stop_gateway  # noqa: E402
+
+KEYS = [b"bench-%026d" % i for i in range(256)]  # 32-byte keys, like sha256 block hashes
+
+
+def _client(port: int) -> tuple[GatewayClient, int]:
+    c = GatewayClient("127.0.0.1", port, timeout_s=2.0)
+    return c, c.register_layout("bench", "fp", 1, 64 << 10).layout_id
+
+
+def latency(port: int, nkeys: int, samples: int) -> dict:
+    c, lid = _client(port)
+    keys = KEYS[:nkeys]
+    for _ in range(200):
+        c.release(c.lookup([(lid, keys)]).lease_id)
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        r = c.lookup([(lid, keys)])
+        times.append(time.perf_counter() - t0)
+        assert r.num_chunks == nkeys
+        c.release(r.lease_id)
+    c.close()
+    times.sort()
+    return dict(keys=nkeys, p50_us=1e6 * times[len(times) // 2],
+                p99_us=1e6 * times[int(len(times) * 0.99)], mean_us=1e6 * statistics.fmean(times))
+
+
+def _tput_worker(port: int, nkeys: int, start, duration: float, q) -> None:
+    c, lid = _client(port)
+    keys = KEYS[:nkeys]
+    c.lookup([(lid, keys)], lease=False)
+    start.wait()
+    n, t_end = 0, time.perf_counter() + duration
+    while time.perf_counter() < t_end:
+        c.lookup([(lid, keys)], lease=False)
+        n += 1
+    q.put(n)
+    c.close()
+
+
+def throughput(port: int, procs: int, nkeys: int, duration: float) -> dict:
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_tput_worker, args=(port, nkeys, start, duration, q))
+          for _ in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(1.0 + 0.2 * procs)  # let every client connect and warm up
+    start.set()
+    total = sum(q.get(timeout=60 + duration) for _ in ps)
+    for p in ps:
+        p.join()
+    return dict(clients=procs, keys=nkeys, lookups_per_s=total / duration)
+
+
+def reserve_commit(port: int, batch: int, seconds: float) -> dict:
+    c = GatewayClient("127.0.0.1", port, timeout_s=2.0)
+    lid = c.register_layout("bench-rc", f"fp{batch}", 1, 16 << 10).layout_id
+    n, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        keys = [b"rc-%d-%d" % (batch, i + j) for j in range(batch)]
+        i += batch
+        res = c.reserve(lid, keys)
+        ok = [k for k, r in zip(keys, res, strict=True) if r is not None]
+        c.commit(lid, 0, ok)
+        n += len(ok)
+    rate = n / (time.perf_counter() - t0)
+    c.close()
+    return dict(batch=batch, objects_per_s=rate)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds per throughput point")
+    ap.add_argument("--tput-keys", type=int, default=1)
+    ap.add_argument("--capacity", default="256M")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    proc, port = spawn_gateway(args.capacity)
+    try:
+        c, lid = _client(port)
+        c.reserve(lid, KEYS)
+        c.commit(lid, 0, KEYS)
+        c.close()
+        lat = [latency(port, n, args.samples) for n in (1, 64, 256)]
+        tput = [throughput(port, p, args.tput_keys, args.duration) for p in (1, 4, 16)]
+        rc = [reserve_commit(port, b, args.duration) for b in (1, 64)]
+    finally:
+        stop_gateway(proc)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = "?"
+    load = os.getloadavg()
+    print(f"# gateway bench  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  commit {commit}"
+          f"  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load avg {load[0]:.1f}")
+    print("\n| lookup keys | p50 µs | p99 µs | mean µs |\n|---|---|---|---|")
+    for r in lat:
+        print(f"| {r['keys']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} |")
+    print(f"\n| client processes | lookups/s ({args.tput_keys} key, no lease) |\n|---|---|")
+    for r in tput:
+        print(f"| {r['clients']} | {r['lookups_per_s']:.0f} |")
+    print("\n| reserve+commit batch | objects/s |\n|---|---|")
+    for r in rc:
+        print(f"| {r['batch']} | {r['objects_per_s']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(commit=commit, load=load, latency=lat, throughput=tput,
+                           reserve_commit=rc), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
