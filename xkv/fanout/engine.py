@@ -53,7 +53,7 @@ class _Batch:
     src: torch.Tensor
     loads: list[LayerLoad]
     rounds: list[Round]
-    offs: list[torch.Tensor]  # per load, on the device
+    offs: list[torch.Tensor]  # per load, int64 on the CPU (the kernels take host index tensors)
     bids: list[torch.Tensor]
     runs: list[list[tuple[int, int, int]]]  # per load: (first block, n blocks, src byte offset)
     layer_end: dict[str, int]  # layer -> index of its last round + 1
@@ -106,7 +106,7 @@ class FanoutRestorer:
             self._copied = [torch.cuda.Event() for _ in range(self.slots)]
             self._free = [torch.cuda.Event() for _ in range(self.slots)]
         self._batch: _Batch | None = None
-        self._arange = torch.arange(0, dtype=torch.int64, device=self.device)
+        self._arange = torch.arange(0, dtype=torch.int64)
         self.last_error: str | None = None
         self.stats = {"batches": 0, "skipped_small": 0, "disagreed": 0, "rounds": 0,
                       "bytes_copied": 0, "bytes_gathered": 0}
@@ -145,16 +145,16 @@ class FanoutRestorer:
         layer_end: dict[str, int] = {}
         for i, r in enumerate(rounds):
             layer_end[loads[r.seg].layer] = i + 1
-        cur = torch.cuda.current_stream(self.device) if self._cuda else None
-        offs = [ld.src_offsets.to(self.device, torch.int64, non_blocking=True) for ld in loads]
-        bids = [ld.block_ids.to(self.device, torch.int64, non_blocking=True) for ld in loads]
+        # host index tensors: the kernels read them on the host (a device tensor would cost a sync)
+        offs = [ld.src_offsets.to("cpu", torch.int64) for ld in loads]
+        bids = [ld.block_ids.to("cpu", torch.int64) for ld in loads]
         longest = max((r.n_blocks for r in rounds), default=0)
         if self._arange.numel() < longest:
-            self._arange = torch.arange(longest, dtype=torch.int64, device=self.device)
-        runs = [_coalesce(ld.src_offsets.to("cpu", torch.int64), ld.dst.block_bytes) for ld in loads]
+            self._arange = torch.arange(longest, dtype=torch.int64)
+        runs = [_coalesce(o, ld.dst.block_bytes) for o, ld in zip(offs, loads, strict=True)]
         self._batch = _Batch(src, loads, rounds, offs, bids, runs, layer_end)
-        if self._cuda:
-            self._copy_stream.wait_stream(cur)  # index tensors and earlier work first
+        if self._cuda:  # copies start after the work queued so far (e.g. the previous step's reads)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stats["batches"] += 1
         for j in range(min(self.slots, len(rounds))):
             self._issue_copy(j)
