@@ -12,7 +12,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ[_k] = _v
 
 # DeepSeek-V3 bf16 pages (block 64 x 1152 B = 72 KiB): many 4-block chunks, or a few 64-block ones
-DSV3_SMALL_CHUNKS = dict(layers=3, num_blocks=600, block_size=64, chunk_blocks=4, chunks=128, seed=11)
+DSV3_SMALL_CHUNKS = dict(layers=3, num_blocks=600, block_size=64, chunk_blocks=4, chunks=64, seed=11)
 DSV3_BIG_CHUNKS = dict(layers=3, num_blocks=600, block_size=64, chunk_blocks=64, chunks=8, seed=12)
 FP8DS_RATIO2 = dict(layers=2, num_blocks=90, block_size=64, width=656, dtype=torch.uint8, ratio=2,
                     chunk_blocks=1, chunks=37, seed=13)

@@ -66,6 +66,8 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
         report(decision)
         return None, decision
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.monotonic()
     try:
         props = torch.cuda.get_device_properties(device)

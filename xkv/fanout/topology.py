@@ -47,7 +47,7 @@ class _PynvmlBackend:
         return self._n.nvmlDeviceGetHandleByIndex(index)
 
     def handle_by_uuid(self, uuid: str) -> Any:
-        return self._n.nvmlDeviceGetHandleByUUID(uuid)
+        return self._n.nvmlDeviceGetHandleByUUID(uuid.encode())  # bytes: old and new pynvml
 
     def uuid(self, handle: Any) -> str:
         u = self._n.nvmlDeviceGetUUID(handle)
