@@ -37,7 +37,11 @@ import torch
 BYTES_PER_TOKEN = 1152  # DeepSeek-V3 MLA latent, bf16: (512 + 64) x 2
 BLOCK_TOKENS = 64
 WIDTH = 576
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NVLS_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def _card(nbytes: int, seed: int) -> torch.Tensor:
@@ -69,9 +73,13 @@ def _setup(tokens: int, layers: int, chunk_blocks: int, dev: torch.device, seed:
     for _ in range(2):
         loads = []
         for layer in range(layers):
-            cache = torch.zeros(total_blocks, 1, BLOCK_TOKENS, WIDTH, dtype=torch.bfloat16, device=dev)
+            cache = torch.zeros(
+                total_blocks, 1, BLOCK_TOKENS, WIDTH, dtype=torch.bfloat16, device=dev
+            )
             offs = (blk // chunk_blocks) * slot + (layer * chunk_blocks + blk % chunk_blocks) * bb
-            loads.append(LayerLoad(f"model.layers.{layer}.self_attn.attn", offs, describe_cache(cache), bids))
+            loads.append(
+                LayerLoad(f"model.layers.{layer}.self_attn.attn", offs, describe_cache(cache), bids)
+            )
         sets.append(loads)
     return card, sets[0], sets[1]
 
@@ -122,7 +130,12 @@ def _make_restorer(args, rank: int, world: int):
     if args.dry_run_cpu:  # the flow on CPU tensors over gloo (CI smoke test; figures meaningless)
         dev = torch.device("cpu")
         ex = TorchExchanger(None, world, rank) if world > 1 else LocalExchanger(1)
-        info = {"tp": world, "gpu": "none (CPU dry run)", "torch": torch.__version__, "decision": "dry run"}
+        info = {
+            "tp": world,
+            "gpu": "none (CPU dry run)",
+            "torch": torch.__version__,
+            "decision": "dry run",
+        }
         return FanoutRestorer(cfg, ex, dev, share_copy=args.share_copy), dev, info
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -133,14 +146,21 @@ def _make_restorer(args, rank: int, world: int):
     facts = CacheFacts(use_mla=True, tp_size=world, spec_kinds=("mla",) * args.layers)
     t0 = time.monotonic()
     restorer, decision = build_restorer(cfg, facts, rank, world, dev, share_copy=args.share_copy)
-    info.update(build_s=round(time.monotonic() - t0, 3), decision=decision.reason.name, detail=decision.detail)
+    info.update(
+        build_s=round(time.monotonic() - t0, 3),
+        decision=decision.reason.name,
+        detail=decision.detail,
+    )
     if restorer is None:  # measure anyway, and say it was refused
         ex = NcclExchanger.create((tuple(range(world)),), rank, world, dev)
         restorer = FanoutRestorer(cfg, ex, dev, share_copy=args.share_copy)
     host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
     bus, h2d = probe_exchange(restorer.exchanger, restorer.staging[: cfg.slot_bytes], host)
-    info.update(probe_ag_busbw_GBs=round(bus / 1e9, 1), probe_h2d_GBs=round(h2d / 1e9, 1),
-                probe_ratio=round(bus / h2d, 2))
+    info.update(
+        probe_ag_busbw_GBs=round(bus / 1e9, 1),
+        probe_h2d_GBs=round(h2d / 1e9, 1),
+        probe_ratio=round(bus / h2d, 2),
+    )
     from xkv.fanout.comm import NcclLib
 
     info["nccl_version"] = NcclLib().version
@@ -153,7 +173,9 @@ def _worker(rank: int, world: int, init_file: str, q, args) -> None:
     from xkv.kernels import restore
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
         restorer, dev, info = _make_restorer(args, rank, world)
         rows = []
         for tokens in args.tokens:
@@ -162,7 +184,9 @@ def _worker(rank: int, world: int, init_file: str, q, args) -> None:
                 print(json.dumps(rows[-1]), flush=True)
         sweep = []
         for tokens in args.sweep_tokens if world > 1 else []:
-            sweep.append(_measure(tokens, args.layers, args, restorer, restore, dev, rank, world, light=True))
+            sweep.append(
+                _measure(tokens, args.layers, args, restorer, restore, dev, rank, world, light=True)
+            )
         restorer.close()
         dist.barrier()
         if rank == 0:
@@ -200,15 +224,22 @@ def _measure(tokens, layers, args, restorer, restore, dev, rank, world, light=Fa
             restorer.wait_layer(ld.layer)
         restorer.finish()
 
-    row = {"tp": world, "tokens": tokens, "layer_bytes": S, "layers": layers,
-           "base_layer_us": _timed(base_layer, it, wu, world),
-           "fan_layer_us": _timed(fan_layer, it, wu, world)}
+    row = {
+        "tp": world,
+        "tokens": tokens,
+        "layer_bytes": S,
+        "layers": layers,
+        "base_layer_us": _timed(base_layer, it, wu, world),
+        "fan_layer_us": _timed(fan_layer, it, wu, world),
+    }
     row["speedup_layer"] = round(row["base_layer_us"] / row["fan_layer_us"], 3)
     if not light:
         row["base_pipe_us"] = _timed(base_pipe, it, wu, world, per=layers)
         row["fan_pipe_us"] = _timed(fan_pipe, it, wu, world, per=layers)
         row["speedup_pipe"] = round(row["base_pipe_us"] / row["fan_pipe_us"], 3)
-        exact = all(torch.equal(a.dst.base, b.dst.base) for a, b in zip(fan_loads, base_loads, strict=True))
+        exact = all(
+            torch.equal(a.dst.base, b.dst.base) for a, b in zip(fan_loads, base_loads, strict=True)
+        )
         flag = torch.tensor([1 if exact else 0])
         if world > 1:
             import torch.distributed as dist
@@ -257,8 +288,21 @@ def _run_tp(tp: int, args) -> dict:
 
 
 def _table(results: list[dict]) -> str:
-    cols = ["tp", "tokens", "layer_bytes", "base_layer_us", "fan_layer_us", "speedup_layer", "base_pipe_us",
-            "fan_pipe_us", "speedup_pipe", "ag_busbw_GBs", "h2d_one_GBs", "h2d_all_aggregate_GBs", "bit_exact"]
+    cols = [
+        "tp",
+        "tokens",
+        "layer_bytes",
+        "base_layer_us",
+        "fan_layer_us",
+        "speedup_layer",
+        "base_pipe_us",
+        "fan_pipe_us",
+        "speedup_pipe",
+        "ag_busbw_GBs",
+        "h2d_one_GBs",
+        "h2d_all_aggregate_GBs",
+        "bit_exact",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
@@ -268,11 +312,17 @@ def _table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--tp", type=int, nargs="*", help="TP sizes (default 1 and 2/4/8 up to the GPU count)")
+    p.add_argument(
+        "--tp", type=int, nargs="*", help="TP sizes (default 1 and 2/4/8 up to the GPU count)"
+    )
     p.add_argument("--tokens", type=int, nargs="*", default=[4096, 32768, 131072])
-    p.add_argument("--sweep-tokens", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument(
+        "--sweep-tokens", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096, 8192]
+    )
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--chunk-blocks", type=int, default=4, help="blocks per stored chunk (256 tokens)")
+    p.add_argument(
+        "--chunk-blocks", type=int, default=4, help="blocks per stored chunk (256 tokens)"
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--staging-mib", type=int, default=128)
@@ -297,8 +347,13 @@ def main(argv=None) -> int:
         results += out["rows"]
         sweeps += out["sweep"]
         print(json.dumps(out["info"]), flush=True)
-    doc = {"gpus": n_gpu, "args": {k: str(v) for k, v in vars(args).items()}, "info": infos,
-           "rows": results, "sweep": sweeps}
+    doc = {
+        "gpus": n_gpu,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "info": infos,
+        "rows": results,
+        "sweep": sweeps,
+    }
     (args.out / "fanout.json").write_text(json.dumps(doc, indent=1))
     with open(args.out / "fanout.csv", "w", newline="") as f:
         keys = sorted({k for r in results + sweeps for k in r} | {"sweep"})

@@ -30,7 +30,14 @@ class _Count(logging.Handler):
 def _worker(rank, world, init_file, q):
     import torch.distributed as dist
 
-    from xkv.fanout import FanoutConfig, FanoutRestorer, TorchExchanger, eligibility, plan_batch
+    from xkv.fanout import (
+        FanoutConfig,
+        FanoutRestorer,
+        LocalExchanger,
+        TorchExchanger,
+        eligibility,
+        plan_batch,
+    )
     from xkv.kernels import restore
 
     counter = _Count()
@@ -65,6 +72,25 @@ def _worker(rank, world, init_file, q):
     digests = [torch.zeros_like(digest) for _ in range(world)]
     dist.all_gather(digests, digest)
     q.put((rank, "plan_identical", all(torch.equal(d, digest) for d in digests), len(plan), 0, 0))
+
+    # groups smaller than TP: ranks 0-1 fan out over their own group, 2 and 3 are groups of one
+    # (inactive); everyone takes part in the agreement, nobody waits for anybody
+    if world == 4:
+        pg01 = dist.new_group([0, 1])  # every rank creates every group, in the same order
+        case = make_case(**CASES["bf16_rounds"])
+        if rank < 2:
+            r = FanoutRestorer(cfg, TorchExchanger(pg01, 2, rank), "cpu")
+        else:
+            r = FanoutRestorer(cfg, LocalExchanger(1, agree_with_peers=True), "cpu", active=False)
+        started = r.begin(case.card, case.loads)
+        if started:
+            r.finish()
+        else:
+            for ld in case.loads:
+                restore(case.card, ld.src_offsets, ld.dst, ld.block_ids)
+        ok = started == (rank < 2) and all(
+            torch.equal(cache_bytes(c), e) for c, e in zip(case.caches, case.expected, strict=True))
+        q.put((rank, "subgroups", ok, r.stats["bytes_copied"], 0, 0))
 
     # a rank-local failure: rank 1's offsets point past the card; nobody exchanges, nobody hangs
     case = make_case(**CASES["bf16_rounds"])
@@ -104,6 +130,9 @@ def test_split_exchange_scatter_gloo(world):
         assert all(a <= -(-total // world) + 2 * 256 * 4 for _, a, _, _ in rows)
     assert all(c == 2 * 2 for _, _, _, c in by_name["bf16_rounds/kernel"])  # 2 layers x 2 rounds
     assert len(by_name["agreement"]) == world and len(by_name["warnings"]) == world
+    if world == 4:
+        copied = {rank: a for rank, a, _, _ in by_name["subgroups"]}
+        assert copied[2] == copied[3] == 0 and copied[0] + copied[1] == 2 * 20 * 73728
 
 
 TOPOLOGIES = {  # fake NVML -> (partition TP rank 0 broadcasts, why build_restorer refuses)
