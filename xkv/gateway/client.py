@@ -55,6 +55,9 @@ class ReserveResult(list):
     status: list[ReserveStatus]
 
 
+_MORE, _NOBLOCK, _RCVTIMEO = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK), int(zmq.RCVTIMEO)
+
+
 def _default_host() -> str:
     return os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost"
 
@@ -123,16 +126,16 @@ class GatewayClient:
             rid = next(self._ids)
             sock = self._socket()
             try:
-                msg = [P.pack_id(rid), body]
                 try:
-                    sock.send_multipart(msg, zmq.NOBLOCK)
+                    sock.send(P.pack_id(rid), _MORE)
                 except zmq.Again:  # not connected yet (IMMEDIATE): wait for it within the deadline
                     if not sock.poll(_ms(deadline), zmq.POLLOUT):
                         raise
-                    sock.send_multipart(msg, zmq.NOBLOCK)
+                    sock.send(P.pack_id(rid), _MORE)
+                sock.send(body, _NOBLOCK)
                 while True:
                     # RCVTIMEO instead of poll(): no Poller object per call on the hot path
-                    sock.setsockopt(zmq.RCVTIMEO, _ms(deadline))
+                    sock.setsockopt(_RCVTIMEO, _ms(deadline))
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and P.unpack_id(frames[0]) == rid:
                         break  # anything else is a late reply to an abandoned request
