@@ -52,6 +52,18 @@ def test_visible_only_after_every_shard_committed_and_first_writer_wins():
     assert ix.reserve(lay.layout_id, [b"k"], now=0)[0][0] == ReserveStatus.EXISTS
 
 
+def test_namespaces_and_fingerprints_never_share_objects():
+    ix = Index(64 * A, slot_alignment=A)
+    lids = [ix.register_layout(ns, fp, 1, A).layout_id
+            for ns, fp in (("t1", "m"), ("t2", "m"), ("t1", "m-rev2"))]
+    ix.reserve(lids[0], [b"same-hash"], now=0)
+    ix.commit(lids[0], 0, [b"same-hash"])
+    assert ix.lookup([(lids[0], [b"same-hash"])], now=0)[0] == 1  # paired: it is stored
+    for other in lids[1:]:
+        assert ix.lookup([(other, [b"same-hash"])], now=0)[0] == 0
+        assert ix.reserve(other, [b"same-hash"], now=0)[0][0] == ReserveStatus.OK
+
+
 def test_lookup_prefix_is_common_to_all_groups():
     ix = Index(64 * A, slot_alignment=A)
     g1 = ix.register_layout("ns", "attn", 1, A).layout_id

@@ -105,6 +105,22 @@ def test_metrics_endpoint():
     assert 'xkv_gateway_reserve_results_total{result="ok"} 1' in text
 
 
+def test_ttls_run_in_the_serving_loop():
+    with running_gateway("1M", extra_args=["--lease-ttl", "0.3", "--write-ttl", "0.3"]) as port, \
+            GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+        lid = c.register_layout("ns", "fp", 2, 100).layout_id
+        c.reserve(lid, [b"done", b"abandoned"])
+        c.commit(lid, 0, [b"done"])
+        c.commit(lid, 1, [b"done"])
+        assert c.lookup([(lid, [b"done"])]).lease_id
+        s = c.stats()
+        assert (s["leases"], s["staged_objects"], s["ready_objects"]) == (1, 1, 1)
+        time.sleep(0.8)  # idle: the loop's receive timeout still runs the expiry
+        s = c.stats()
+        assert (s["leases"], s["staged_objects"], s["ready_objects"]) == (0, 0, 1), s
+        assert s["lease_expired"] == 1 and s["write_expired"] == 1
+
+
 def test_card_is_shared_sealed_and_generations_read_only():
     with running_gateway("1M") as port, GatewayClient("127.0.0.1", port, timeout_s=2.0) as a, \
             GatewayClient("127.0.0.1", port, timeout_s=2.0) as b:

@@ -181,7 +181,7 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     after = [d for who, d in failures if "killed=True" in who]
     assert len(after) >= 3, failures
     # within the deadline (plus scheduling slack on a loaded 2-core machine)
-    assert max(after) < timeout + 0.25, sorted(after)[-5:]
+    assert max(after) < timeout + 0.4, sorted(after)[-5:]
 
     proc2, port2 = spawn_gateway("8M", port=port)
     try:
