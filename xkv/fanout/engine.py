@@ -28,7 +28,7 @@ import torch
 from xkv.fanout.comm import Exchanger
 from xkv.fanout.config import FanoutConfig
 from xkv.fanout.eligibility import Mode
-from xkv.fanout.plan import ALIGN, Round, plan_batch
+from xkv.fanout.plan import ALIGN, PlanError, Round, plan_batch
 
 logger = logging.getLogger("xkv.fanout")
 
@@ -126,8 +126,14 @@ class FanoutRestorer:
         if not per_layer or max(per_layer.values()) < max(self.config.min_layer_bytes, 1):
             self.stats["skipped_small"] += 1
             return False
+        try:  # from metadata and config only: the same outcome on every rank
+            rounds = plan_batch([(ld.block_ids.numel(), ld.dst.block_bytes) for ld in loads],
+                                self.exchanger.size, self.slot_bytes, ALIGN)
+        except PlanError as e:
+            self.last_error = str(e)
+            return False
         self.last_error = None
-        try:
+        try:  # everything the copies and the scatter could refuse, before any collective
             self._validate(src, loads)
         except ValueError as e:
             self.last_error = str(e)
@@ -139,9 +145,6 @@ class FanoutRestorer:
             return False
         if not self.active:
             return False
-        n = self.exchanger.size
-        rounds = plan_batch([(ld.block_ids.numel(), ld.dst.block_bytes) for ld in loads], n,
-                            self.slot_bytes, ALIGN)
         layer_end: dict[str, int] = {}
         for i, r in enumerate(rounds):
             layer_end[loads[r.seg].layer] = i + 1
@@ -186,6 +189,14 @@ class FanoutRestorer:
     def _validate(self, src: torch.Tensor, loads: list[LayerLoad]) -> None:
         if not isinstance(src, torch.Tensor) or src.dtype != torch.uint8 or src.dim() != 1:
             raise ValueError(f"src must be a 1-D uint8 tensor (the card), got {getattr(src, 'dtype', type(src))}")
+        if self._cuda and src.device.type == "cpu":
+            from xkv.kernels import is_host_accessible
+
+            if not is_host_accessible(src):
+                raise ValueError("src is host memory that is neither pinned nor registered "
+                                 "(xkv.kernels.register_host it once)")
+        elif src.device != self.device:
+            raise ValueError(f"src is on {src.device}, fan-out runs on {self.device}")
         for ld in loads:
             bb, n = ld.dst.block_bytes, ld.block_ids.numel()
             for name, t in (("src_offsets", ld.src_offsets), ("block_ids", ld.block_ids)):
@@ -199,6 +210,10 @@ class FanoutRestorer:
             if int(offs.min()) < 0 or int(offs.max()) + bb > src.numel():
                 raise ValueError(f"layer {ld.layer}: src_offsets span [{int(offs.min())}, {int(offs.max()) + bb}) "
                                  f"outside the card of {src.numel()} bytes")
+            if ld.dst.device != self.device:
+                raise ValueError(f"layer {ld.layer}: cache on {ld.dst.device}, fan-out runs on {self.device}")
+            if torch.unique(bids).numel() != n:
+                raise ValueError(f"layer {ld.layer}: block_ids has duplicates")
             if int(bids.min()) < 0 or int(bids.max()) >= ld.dst.num_blocks:
                 raise ValueError(f"layer {ld.layer}: block_ids span [{int(bids.min())}, {int(bids.max())}] "
                                  f"outside the cache of {ld.dst.num_blocks} blocks")
