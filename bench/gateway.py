@@ -9,6 +9,11 @@ Prints, as a markdown table:
 
 Targets (issue 3): p99 <= 1 ms for 256 keys, >= 20,000 lookups/s.
 
+For scale, the same run measures the *floor*: a bare pyzmq ROUTER that echoes every message
+(no decoding, no index), driven by the same clients. The gateway cannot beat it; on a small,
+shared CPU the floor itself can be far from the targets. The gateway's own handling time per
+request (decode, index, encode; from STATS) is printed too.
+
     python bench/gateway.py [--samples 3000] [--duration 3] [--json out.json]
 """
 
@@ -23,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -51,8 +58,12 @@ def latency(port: int, nkeys: int, samples: int) -> dict:
         c.release(r.lease_id)
     c.close()
     times.sort()
-    return dict(keys=nkeys, p50_us=1e6 * times[len(times) // 2],
-                p99_us=1e6 * times[int(len(times) * 0.99)], mean_us=1e6 * statistics.fmean(times))
+    return dict(
+        keys=nkeys,
+        p50_us=1e6 * times[len(times) // 2],
+        p99_us=1e6 * times[int(len(times) * 0.99)],
+        mean_us=1e6 * statistics.fmean(times),
+    )
 
 
 def _tput_worker(port: int, nkeys: int, start, duration: float, q) -> None:
@@ -71,8 +82,10 @@ def _tput_worker(port: int, nkeys: int, start, duration: float, q) -> None:
 def throughput(port: int, procs: int, nkeys: int, duration: float) -> dict:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
-    ps = [ctx.Process(target=_tput_worker, args=(port, nkeys, start, duration, q))
-          for _ in range(procs)]
+    ps = [
+        ctx.Process(target=_tput_worker, args=(port, nkeys, start, duration, q))
+        for _ in range(procs)
+    ]
     for p in ps:
         p.start()
     time.sleep(1.0 + 0.2 * procs)  # let every client connect and warm up
@@ -81,6 +94,74 @@ def throughput(port: int, procs: int, nkeys: int, duration: float) -> dict:
     for p in ps:
         p.join()
     return dict(clients=procs, keys=nkeys, lookups_per_s=total / duration)
+
+
+def _echo_server(port_q) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    port_q.put(s.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        s.send_multipart(s.recv_multipart())
+
+
+def _echo_worker(port: int, nkeys: int, start, duration: float, q, samples: int = 0) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    body = b"x" * (40 + 34 * nkeys)  # about the size of a LOOKUP of nkeys 32-byte keys
+    rid = b"\0" * 8
+    for _ in range(100):
+        s.send_multipart([rid, body])
+        s.recv_multipart()
+    if samples:
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            s.send_multipart([rid, body])
+            s.recv_multipart()
+            times.append(time.perf_counter() - t0)
+        q.put(times)
+        return
+    start.wait()
+    n, t_end = 0, time.perf_counter() + duration
+    while time.perf_counter() < t_end:
+        s.send_multipart([rid, body])
+        s.recv_multipart()
+        n += 1
+    q.put(n)
+
+
+def floor(procs_list, nkeys_list, samples: int, duration: float, tput_keys: int) -> dict:
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    server = ctx.Process(target=_echo_server, args=(port_q,), daemon=True)
+    server.start()
+    port = port_q.get(timeout=30)
+    out = {"latency": [], "throughput": []}
+    try:
+        for nkeys in nkeys_list:
+            q = ctx.Queue()
+            p = ctx.Process(target=_echo_worker, args=(port, nkeys, None, 0, q, samples))
+            p.start()
+            times = sorted(q.get(timeout=120))
+            p.join()
+            out["latency"].append(dict(keys=nkeys, p50_us=1e6 * times[len(times) // 2],
+                                       p99_us=1e6 * times[int(len(times) * 0.99)]))
+        for procs in procs_list:
+            start, q = ctx.Event(), ctx.Queue()
+            ps = [ctx.Process(target=_echo_worker, args=(port, tput_keys, start, duration, q))
+                  for _ in range(procs)]
+            for p in ps:
+                p.start()
+            time.sleep(1.0 + 0.2 * procs)
+            start.set()
+            total = sum(q.get(timeout=60 + duration) for _ in ps)
+            for p in ps:
+                p.join()
+            out["throughput"].append(dict(clients=procs, per_s=total / duration))
+    finally:
+        server.terminate()
+    return out
 
 
 def reserve_commit(port: int, batch: int, seconds: float) -> dict:
@@ -116,30 +197,48 @@ def main() -> None:
         lat = [latency(port, n, args.samples) for n in (1, 64, 256)]
         tput = [throughput(port, p, args.tput_keys, args.duration) for p in (1, 4, 16)]
         rc = [reserve_commit(port, b, args.duration) for b in (1, 64)]
+        with GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+            st = c.stats()
+        handling_us = 1e6 * st["handling_seconds_lookup"] / st["requests_lookup"]
     finally:
         stop_gateway(proc)
+    fl = floor((1, 4, 16), (1, 64, 256), args.samples, args.duration, args.tput_keys)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip()
     except OSError:
         commit = "?"
     load = os.getloadavg()
-    print(f"# gateway bench  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  commit {commit}"
-          f"  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"load avg {load[0]:.1f}")
-    print("\n| lookup keys | p50 µs | p99 µs | mean µs |\n|---|---|---|---|")
-    for r in lat:
-        print(f"| {r['keys']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} |")
-    print(f"\n| client processes | lookups/s ({args.tput_keys} key, no lease) |\n|---|---|")
-    for r in tput:
-        print(f"| {r['clients']} | {r['lookups_per_s']:.0f} |")
+    print(
+        f"# gateway bench  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  commit {commit}"
+        f"  {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load avg {load[0]:.1f}"
+    )
+    print("\n| lookup keys | p50 µs | p99 µs | mean µs | floor p50 µs | floor p99 µs |\n"
+          "|---|---|---|---|---|---|")
+    for r, f in zip(lat, fl["latency"], strict=True):
+        print(f"| {r['keys']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} "
+              f"| {f['p50_us']:.0f} | {f['p99_us']:.0f} |")
+    print(f"\n| client processes | lookups/s ({args.tput_keys} key, no lease) "
+          f"| floor: echoes/s |\n|---|---|---|")
+    for r, f in zip(tput, fl["throughput"], strict=True):
+        print(f"| {r['clients']} | {r['lookups_per_s']:.0f} | {f['per_s']:.0f} |")
+    print(f"\ngateway handling time per LOOKUP (decode + index + encode, all sizes above): "
+          f"{handling_us:.1f} µs")
     print("\n| reserve+commit batch | objects/s |\n|---|---|")
     for r in rc:
         print(f"| {r['batch']} | {r['objects_per_s']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(commit=commit, load=load, latency=lat, throughput=tput,
-                           reserve_commit=rc), f, indent=1)
+            json.dump(
+                dict(commit=commit, load=load, latency=lat, throughput=tput, reserve_commit=rc),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -222,6 +222,7 @@ class Gateway:
         stats = self.snapshot()
         stats.update({f"requests_{k}": v for k, v in self.requests.items()})
         stats.update({f"errors_{k}": v for k, v in self.errors.items()})
+        stats.update({f"handling_seconds_{k}": v for k, v in self.hist.sums.items()})
         return P.StatsReply(self.epoch, stats)
 
     # ------------------------------------------------------------------ observability
