@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from xkv.gateway.index import Index, PageAllocator, RequestError
-from xkv.gateway.protocol import ErrorCode, ReserveStatus
+from xkv.gateway.protocol import MAX_LAYOUTS, ErrorCode, ReserveStatus
 
 A = 64  # small alignment keeps the pages few, so eviction and fragmentation happen often
 
@@ -36,6 +36,16 @@ def test_register_layout_rounds_up_and_checks_shape():
     with pytest.raises(RequestError) as e:
         ix.register_layout("big", "fp", 1, 101 * A)
     assert e.value.code == ErrorCode.NO_SPACE
+
+
+def test_layout_count_is_bounded():
+    ix = Index(100 * A, slot_alignment=A)
+    for i in range(MAX_LAYOUTS):
+        ix.register_layout("ns", f"fp{i}", 1, A)
+    with pytest.raises(RequestError) as e:
+        ix.register_layout("ns", "one-more", 1, A)
+    assert e.value.code == ErrorCode.BAD_REQUEST
+    assert ix.register_layout("ns", "fp0", 1, A).layout_id == 1  # known ones still resolve
 
 
 def test_visible_only_after_every_shard_committed_and_first_writer_wins():

@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
-from xkv.gateway.protocol import ChunkSlots, ErrorCode, ReserveStatus
+from xkv.gateway.protocol import MAX_LAYOUTS, ChunkSlots, ErrorCode, ReserveStatus
 
 
 class RequestError(Exception):
@@ -197,6 +197,10 @@ class Index:
         if num_shards < 1 or shard_bytes < 1:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"num_shards and shard_bytes must be >= 1, got {num_shards}, {shard_bytes}")
+        if len(self.layouts) >= MAX_LAYOUTS:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"{MAX_LAYOUTS} layouts are registered already; restart the "
+                               f"gateway (or use fewer namespace/fingerprint pairs)")
         slot_pages = -(-shard_bytes // self.alignment)
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes

@@ -32,6 +32,8 @@ MAX_KEY_BYTES = 256
 MAX_NAME_CHARS = 256
 MAX_GROUPS = 64
 MAX_SHARDS = 1024
+#: Most layouts one gateway registers (a bound on what HELLOs can make it allocate).
+MAX_LAYOUTS = 4096
 
 Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
