@@ -9,6 +9,7 @@ from xkv.gateway.client import (
     GatewayClient,
     GatewayError,
     GatewayUnavailable,
+    LookupResult,
     Reservation,
     ReserveResult,
 )
@@ -17,7 +18,6 @@ from xkv.gateway.protocol import (
     ChunkSlots,
     ErrorCode,
     LayoutInfo,
-    LookupResult,
     PingReply,
     ReserveStatus,
 )

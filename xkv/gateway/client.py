@@ -24,7 +24,7 @@ import zmq
 
 from xkv.gateway import protocol as P
 from xkv.gateway.card import open_card
-from xkv.gateway.protocol import ChunkSlots, LayoutInfo, LookupResult, PingReply, ReserveStatus
+from xkv.gateway.protocol import ChunkSlots, LayoutInfo, PingReply, ReserveStatus
 
 
 class GatewayError(Exception):
@@ -46,6 +46,38 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
     key: bytes
     offsets: tuple[int, ...]
     generations: tuple[int, ...]
+
+
+class LookupResult:
+    """Answer to a lookup: ``num_chunks`` (longest prefix stored in every group), ``lease_id``
+    (0 = none taken) and ``slots[g][c]`` = ChunkSlots(offsets per shard, generations per shard).
+    ``offsets[g]`` / ``generations[g]`` are the same numbers flat (chunk-major), as they came
+    off the wire; ``slots`` is built from them on first use."""
+
+    __slots__ = ("epoch", "num_chunks", "lease_id", "offsets", "generations", "_slots")
+
+    def __init__(self, reply: P.LookupReply):
+        self.epoch = reply.epoch
+        self.num_chunks = reply.num_chunks
+        self.lease_id = reply.lease_id
+        self.offsets = reply.offsets
+        self.generations = reply.generations
+        self._slots: list[list[ChunkSlots]] | None = None
+
+    @property
+    def slots(self) -> list[list[ChunkSlots]]:
+        if self._slots is None:
+            n, out = self.num_chunks, []
+            for offs, gens in zip(self.offsets, self.generations, strict=True):
+                k = len(offs) // n if n else 0
+                out.append([ChunkSlots(tuple(offs[c * k:(c + 1) * k]),
+                                       tuple(gens[c * k:(c + 1) * k])) for c in range(n)])
+            self._slots = out
+        return self._slots
+
+    def __repr__(self) -> str:
+        return (f"LookupResult(epoch={self.epoch}, num_chunks={self.num_chunks}, "
+                f"lease_id={self.lease_id}, slots={self.slots!r})")
 
 
 class ReserveResult(list):
@@ -196,7 +228,7 @@ class GatewayClient:
             raise ValueError(f"lookup of {total} keys: at most {P.MAX_KEYS} per request")
         req = P.Lookup(self._epoch(), [P.LookupGroup(lid, list(keys)) for lid, keys in groups],
                        lease)
-        return self._call(req, LookupResult, timeout_s)
+        return LookupResult(self._call(req, P.LookupReply, timeout_s))
 
     def reserve(self, layout_id: int, keys: Sequence[bytes], *,
                 timeout_s: float | None = None) -> ReserveResult:

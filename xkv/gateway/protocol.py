@@ -173,13 +173,17 @@ class CardInfo(msgspec.Struct, tag=True, gc=False):
     slot_alignment: int
 
 
-class LookupResult(msgspec.Struct, tag=True, gc=False):
-    """``slots[g][c]`` for group g and chunk c < num_chunks; ``lease_id`` 0 = no lease taken."""
+class LookupReply(msgspec.Struct, tag=True, gc=False):
+    """LOOKUP reply, flat for cheap decoding: for group g, ``offsets[g]`` and
+    ``generations[g]`` hold num_chunks x num_shards ints, chunk-major (chunk c, shard r at
+    ``c * num_shards + r``). ``lease_id`` 0 = no lease taken. The client wraps it in
+    ``client.LookupResult``, whose ``slots[g][c]`` are ChunkSlots."""
 
     epoch: int
     num_chunks: int
     lease_id: int
-    slots: list[list[ChunkSlots]]
+    offsets: list[list[int]]
+    generations: list[list[int]]
 
 
 class ReserveReply(msgspec.Struct, tag=True, gc=False):
@@ -214,14 +218,14 @@ class ErrorReply(msgspec.Struct, tag=True, gc=False):
     message: str
 
 
-Reply = (LayoutInfo | CardInfo | LookupResult | ReserveReply | Ack | PingReply | StatsReply
+Reply = (LayoutInfo | CardInfo | LookupReply | ReserveReply | Ack | PingReply | StatsReply
          | ErrorReply)
 
 #: The type table: request type -> (request struct, success reply struct).
 SPEC: dict[RequestType, tuple[type, type]] = {
     RequestType.HELLO: (Hello, LayoutInfo),
     RequestType.CARD: (Card, CardInfo),
-    RequestType.LOOKUP: (Lookup, LookupResult),
+    RequestType.LOOKUP: (Lookup, LookupReply),
     RequestType.RESERVE: (Reserve, ReserveReply),
     RequestType.COMMIT: (Commit, Ack),
     RequestType.ABORT: (Abort, Ack),

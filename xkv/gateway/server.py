@@ -187,7 +187,7 @@ class Gateway:
         return P.CardInfo(self.epoch, c.kind, c.path, c.gen_path, c.capacity_bytes,
                           c.slot_alignment)
 
-    def _lookup(self, req: P.Lookup) -> P.LookupResult:
+    def _lookup(self, req: P.Lookup) -> P.LookupReply:
         self._check_epoch(req.epoch)
         total = sum(len(g.keys) for g in req.groups)
         if total > P.MAX_KEYS:
@@ -195,7 +195,9 @@ class Gateway:
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
         num, lease_id, slots = self.index.lookup(
             [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease)
-        return P.LookupResult(self.epoch, num, lease_id, slots)
+        offsets = [[o for cs in row for o in cs.offsets] for row in slots]
+        gens = [[g for cs in row for g in cs.generations] for row in slots]
+        return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
 
     def _reserve(self, req: P.Reserve) -> P.ReserveReply:
         self._check_epoch(req.epoch)
