@@ -6,7 +6,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from xkv.gateway.index import Index, PageAllocator, RequestError
+from xkv.gateway.alloc import PageAllocator
+from xkv.gateway.index import Index, RequestError
 from xkv.gateway.protocol import MAX_LAYOUTS, ErrorCode, ReserveStatus
 
 A = 64  # small alignment keeps the pages few, so eviction and fragmentation happen often
