@@ -195,3 +195,22 @@ def test_curve_encrypted_gateway(tmp_path):
         with GatewayClient("127.0.0.1", port, timeout_s=0.3) as plain, \
                 pytest.raises(GatewayUnavailable):
             plain.ping()
+
+
+def test_card_in_process_prefault_and_names():
+    from xkv.gateway.card import Card, open_card
+
+    c = Card(1 << 20, 4096, kind="shm", prefault=True, epoch=3)
+    try:
+        assert os.stat(c.path).st_mode & 0o777 == 0o600 and os.path.exists(c.gen_path)
+        arena, gens = open_card("shm", c.path, c.gen_path, c.capacity_bytes, 3)
+        c.arena[4096:4100] = b"abcd"
+        c.generations[1] = 42
+        assert arena[4096:4100] == b"abcd" and int.from_bytes(gens[8:16], "little") == 42
+        with pytest.raises(OSError, match="announced"):
+            open_card("shm", c.path, c.gen_path, c.capacity_bytes * 2, 3)
+    finally:
+        c.close()
+    assert not os.path.exists(c.path) and not os.path.exists(c.gen_path)
+    with pytest.raises(ValueError):
+        Card(100, 4096)

@@ -71,6 +71,7 @@ class Card:
             self._paths.append(base)
             self.gen_fd = os.open(base + "-gen", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self._paths.append(base + "-gen")
+            self._shm_paths = (base, base + "-gen")
         os.ftruncate(self.fd, self.capacity_bytes)
         os.ftruncate(self.gen_fd, self.gen_bytes)
         self.arena = mmap.mmap(self.fd, self.capacity_bytes)
@@ -144,11 +145,11 @@ class Card:
 
     @property
     def path(self) -> str:
-        return self.socket_path if self.kind == "memfd" else self._paths[0]
+        return self.socket_path if self.kind == "memfd" else self._shm_paths[0]
 
     @property
     def gen_path(self) -> str:
-        return "" if self.kind == "memfd" else self._paths[1]
+        return "" if self.kind == "memfd" else self._shm_paths[1]
 
     def close(self) -> None:
         """Stop handing out the card and remove every name it has; mappings stay valid."""
