@@ -71,15 +71,20 @@ def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- multi-process workers
-def run_workers(target, world: int, *args, method: str = "fork", timeout: float = 120.0) -> list:
+def run_workers(target, world: int, *args, method: str = "forkserver", timeout: float = 120.0) -> list:
     """Run ``target(rank, world, init_file, queue, *args)`` in ``world`` processes; return every
-    item the workers put on the queue (a worker that dies or hangs fails the test)."""
+    item the workers put on the queue (a worker that dies or hangs fails the test).
+
+    Not ``fork``: a child forked after torch ran a parallel CPU op can hang in OpenMP. The fork
+    server is a fresh interpreter that imports torch once; children fork from it."""
     import multiprocessing as mp
     import queue as _queue
     import tempfile
     import time
 
     ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "xkv.fanout", "fanout_helpers"])
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init_file = f"{d}/init"
