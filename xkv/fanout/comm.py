@@ -125,6 +125,19 @@ class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * 128)]
 
 
+def uid_to_bytes(uid: _UniqueId) -> bytes:
+    """The 128 raw bytes of an ``ncclUniqueId`` (c_byte is signed: never go through ints)."""
+    return ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid))
+
+
+def uid_from_bytes(raw: bytes) -> _UniqueId:
+    if len(raw) != ctypes.sizeof(_UniqueId):
+        raise ValueError(f"an ncclUniqueId is {ctypes.sizeof(_UniqueId)} bytes, got {len(raw)}")
+    uid = _UniqueId()
+    ctypes.memmove(ctypes.addressof(uid), raw, len(raw))
+    return uid
+
+
 def _nccl_candidates() -> list[str]:
     out = [p for p in (os.environ.get("XKV_NCCL_SO_PATH"), os.environ.get("VLLM_NCCL_SO_PATH")) if p]
     out.append("libnccl.so.2")  # by soname: the copy torch already loaded
@@ -171,11 +184,10 @@ class NcclLib:
     def unique_id(self) -> bytes:
         uid = _UniqueId()
         self._check(self._lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        return bytes(bytearray(uid.internal))
+        return uid_to_bytes(uid)
 
     def init_rank(self, size: int, uid: bytes, rank: int) -> ctypes.c_void_p:
-        u = _UniqueId()
-        ctypes.memmove(ctypes.byref(u), uid, 128)
+        u = uid_from_bytes(uid)
         comm = ctypes.c_void_p()
         self._check(self._lib.ncclCommInitRank(ctypes.byref(comm), size, u, rank), "ncclCommInitRank")
         return comm
@@ -210,7 +222,7 @@ class NcclExchanger(Exchanger):
             lib = NcclLib()
         mine = torch.zeros(128, dtype=torch.uint8)
         if lead:
-            mine[:] = torch.frombuffer(bytearray(lib.unique_id()), dtype=torch.uint8)
+            mine[:] = torch.tensor(list(lib.unique_id()), dtype=torch.uint8)
         uids = [torch.zeros(128, dtype=torch.uint8) for _ in range(tp_size)]
         dist.all_gather(uids, mine, group=cpu_group)
         if len(group) == 1:
