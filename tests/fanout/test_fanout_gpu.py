@@ -18,7 +18,7 @@ FP8DS_RATIO2 = dict(layers=2, num_blocks=90, block_size=64, width=656, dtype=tor
                     chunk_blocks=1, chunks=37, seed=13)
 
 
-def _restore_and_check(restorer, case, bulk=False):
+def _restore_and_check(restorer, case):
     """begin -> wait_layer per layer; a clone taken on the compute stream right after each
     wait_layer (no host sync) must already hold the restored bytes."""
     assert restorer.begin(case.card, case.loads)
