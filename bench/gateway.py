@@ -235,7 +235,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(commit=commit, load=load, latency=lat, throughput=tput, reserve_commit=rc),
+                dict(commit=commit, load=load, latency=lat, throughput=tput, reserve_commit=rc,
+                     floor=fl, handling_us=handling_us),
                 f,
                 indent=1,
             )
