@@ -309,6 +309,18 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _break_even(rows: list[dict]) -> dict[int, int | None]:
+    """Per TP > 1: the smallest measured layer size from which fan-out (one layer, serial) is
+    faster than every rank copying the whole layer, at that size and every larger one."""
+    out: dict[int, int | None] = {}
+    for tp in sorted({r["tp"] for r in rows if r["tp"] > 1}):
+        pts = sorted({r["layer_bytes"]: r["speedup_layer"] for r in rows if r["tp"] == tp}.items())
+        out[tp] = next(
+            (size for size, _ in pts if all(sp >= 1.0 for s2, sp in pts if s2 >= size)), None
+        )
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path)
@@ -353,6 +365,7 @@ def main(argv=None) -> int:
         "info": infos,
         "rows": results,
         "sweep": sweeps,
+        "break_even_bytes": _break_even(results + sweeps),
     }
     (args.out / "fanout.json").write_text(json.dumps(doc, indent=1))
     with open(args.out / "fanout.csv", "w", newline="") as f:
@@ -365,6 +378,7 @@ def main(argv=None) -> int:
     if sweeps:
         print("\nbreak-even sweep (serial, one layer):")
         print(_table(sweeps))
+    print("break-even layer bytes per TP:", doc["break_even_bytes"])
     return 0
 
 

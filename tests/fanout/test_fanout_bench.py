@@ -20,7 +20,7 @@ def test_bench_dry_run(tmp_path):
     (row,) = doc["rows"]
     assert row["tp"] == 2 and row["layer_bytes"] == 256 * 1152 and row["bit_exact"] is True
     assert row["fan_layer_us"] > 0 and row["base_pipe_us"] > 0 and "ag_busbw_GBs" in row
-    assert len(doc["sweep"]) == 1
+    assert len(doc["sweep"]) == 1 and set(doc["break_even_bytes"]) == {"2"}
     with open(tmp_path / "fanout.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and rows[1]["sweep"] == "True"
