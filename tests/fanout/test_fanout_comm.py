@@ -52,3 +52,33 @@ def test_pynccl_adapter_calls_all_gather_in_place(monkeypatch):
     comm.disabled = True
     with pytest.raises(ExchangeError, match="disabled"):
         PyncclExchanger(comm, 2, 1)
+
+
+def _nccl_unavailable_worker(rank, world, init_file, q):
+    import torch.distributed as dist
+
+    import xkv.fanout.comm as comm
+
+    class FakeLib:
+        def unique_id(self):
+            return bytes(range(128))
+
+    class Broken:
+        def __init__(self):
+            raise comm.ExchangeError("libnccl.so.2 not found")
+
+    comm.NcclLib = FakeLib if rank == 0 else Broken
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        comm.NcclExchanger.create(((0, 1),), rank, world, torch.device("cpu"))
+        q.put((rank, "created"))
+    except comm.ExchangeError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_nccl_missing_on_one_rank_fails_every_rank_without_hanging():
+    from fanout_helpers import run_workers
+
+    got = dict(run_workers(_nccl_unavailable_worker, 2, timeout=60))
+    assert "another TP rank" in got[0] and "libnccl.so.2 not found" in got[1]

@@ -218,11 +218,20 @@ class NcclExchanger(Exchanger):
 
         group = next(g for g in partition if tp_rank in g)
         lead = len(group) > 1 and group[0] == tp_rank
-        if lib is None and len(group) > 1:
-            lib = NcclLib()
         mine = torch.zeros(128, dtype=torch.uint8)
-        if lead:
-            mine[:] = torch.tensor(list(lib.unique_id()), dtype=torch.uint8)
+        error = None
+        try:  # local steps first; every rank learns whether all of them worked before the uid exchange
+            if lib is None and len(group) > 1:
+                lib = NcclLib()
+            if lead:
+                mine[:] = torch.tensor(list(lib.unique_id()), dtype=torch.uint8)
+        except Exception as e:
+            error = e
+        flag = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+        if not int(flag):
+            raise ExchangeError(f"NCCL unavailable on this rank: {error}" if error else
+                                "NCCL unavailable on another TP rank")
         uids = [torch.zeros(128, dtype=torch.uint8) for _ in range(tp_size)]
         dist.all_gather(uids, mine, group=cpu_group)
         if len(group) == 1:
