@@ -25,6 +25,8 @@ from collections import OrderedDict, deque
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from xkv.gateway.alloc import PageAllocator
 from xkv.gateway.protocol import MAX_LAYOUTS, ChunkSlots, ErrorCode, ReserveStatus
 
@@ -54,26 +56,24 @@ class Layout:
         return self.slot_pages * self.num_shards
 
 
-class Obj:
-    """One stored object. ``leases`` counts live leases; only READY objects with none are in LRU."""
+class Obj(msgspec.Struct, gc=False, eq=False):
+    """One stored object. ``leases`` counts live leases; only READY objects with none are in LRU.
 
-    __slots__ = ("layout", "key", "start", "ready", "committed", "leases", "deadline", "alive",
-                 "slots", "lru", "stamp")
+    Not tracked by the cyclic GC (a card can hold millions of objects and a full collection
+    would stall the loop); that is safe because a freed object is unlinked from every dict and
+    LRU, so no cycle through it outlives it. Hashed by identity (``eq=False``)."""
 
-    def __init__(self, layout: Layout, key: bytes, start: int, deadline: float,
-                 slots: ChunkSlots):
-        self.layout = layout
-        # Generations only move when an object is freed, so a live object's slots never change.
-        self.slots = slots
-        self.key = key
-        self.start = start
-        self.ready = False
-        self.committed = 0  # bit r set = shard r committed
-        self.leases = 0
-        self.deadline = deadline
-        self.alive = True
-        self.lru = layout.lru
-        self.stamp = 0  # when it last entered or moved in its LRU: orders namespaces' LRUs
+    layout: Layout
+    key: bytes
+    start: int  # first page of its range
+    deadline: float  # write deadline while STAGED
+    slots: ChunkSlots  # generations only move when an object is freed: fixed while it lives
+    lru: OrderedDict  # its namespace's LRU
+    ready: bool = False
+    committed: int = 0  # bit r set = shard r committed
+    leases: int = 0
+    alive: bool = True
+    stamp: int = 0  # when it last entered or moved in its LRU: orders namespaces' LRUs
 
 
 class Index:
@@ -271,7 +271,7 @@ class Index:
             firsts = [start + r * layout.slot_pages for r in range(layout.num_shards)]
             slots = ChunkSlots(tuple(p * self.alignment for p in firsts),
                                tuple(self.generations[p] for p in firsts))
-            obj = Obj(layout, key, start, now + self.write_ttl_s, slots)
+            obj = Obj(layout, key, start, now + self.write_ttl_s, slots, layout.lru)
             layout.objects[key] = obj
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
             self._write_q.append((obj.deadline, obj))
