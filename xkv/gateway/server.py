@@ -8,6 +8,7 @@ gets an ErrorReply and never stops the loop.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import secrets
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
              ", CURVE on" if config.curve_secret_key else "",
              f", metrics http://127.0.0.1:{gw.metrics_server.server_address[1]}/metrics"
              if gw.metrics_server else "")
+    gc.freeze()  # start-up objects never need scanning again: keeps collections short
     try:
         gw.serve()
     finally:
