@@ -214,3 +214,23 @@ def test_card_in_process_prefault_and_names():
     assert not os.path.exists(c.path) and not os.path.exists(c.gen_path)
     with pytest.raises(ValueError):
         Card(100, 4096)
+
+
+def test_client_keeps_working_in_a_forked_child():
+    with running_gateway("1M") as port, GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
+        lid = c.register_layout("ns", "fp", 1, 100).layout_id
+        card = c.map_card()
+        pid = os.fork()
+        if pid == 0:  # child: same client object, inherited mapping
+            code = 1
+            try:
+                [r] = c.reserve(lid, [b"from-child"])
+                card[r.offsets[0]:r.offsets[0] + 5] = b"child"
+                code = 0 if c.commit(lid, 0, [b"from-child"]) == 1 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        got = c.lookup([(lid, [b"from-child"])])
+        off = got.offsets[0][0]
+        assert got.num_chunks == 1 and bytes(card[off:off + 5]) == b"child"

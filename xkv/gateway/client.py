@@ -6,7 +6,8 @@ leases belong to a gateway process that is gone); the connector turns itself off
 ``GatewayClient`` is needed after the gateway restarts. A refusal of one request (bad input,
 unknown layout, ...) raises :class:`GatewayError` and leaves the client usable.
 
-Thread-safe (one lock around each round trip). Not fork-safe: create clients after forking.
+Thread-safe (one lock around each round trip). A client used in a forked child opens a fresh
+ZMQ context and socket there (the card mapping is inherited).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class GatewayClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._ctx = zmq.Context(io_threads=1)
+        self._pid = os.getpid()
         self._sock: zmq.Socket | None = None
         self._card = None
         self._gens = None
@@ -128,6 +130,11 @@ class GatewayClient:
     # ------------------------------------------------------------------ transport
 
     def _socket(self) -> zmq.Socket:
+        if self._pid != os.getpid():
+            # Used in a forked child: the parent's ZMQ context does not survive a fork.
+            self._ctx = zmq.Context(io_threads=1)
+            self._sock = None
+            self._pid = os.getpid()
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
