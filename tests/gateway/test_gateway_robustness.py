@@ -218,3 +218,25 @@ def _raw(port: int, msg) -> P.ErrorReply:
         return P.reply_decoder.decode(body)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_stalled_gateway_times_out_then_client_recovers():
+    proc, port = spawn_gateway("1M")
+    try:
+        c = GatewayClient("127.0.0.1", port, timeout_s=0.1)
+        lid = c.register_layout("stall", "fp", 1, 100).layout_id
+        c.reserve(lid, [b"a"])
+        c.commit(lid, 0, [b"a"])
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(GatewayUnavailable, match="within 100 ms"):
+            c.lookup([(lid, [b"a"])])
+        assert time.monotonic() - t0 < 0.5
+        proc.send_signal(signal.SIGCONT)
+        # the stalled LOOKUP's late reply must not be taken for the next call's answer
+        assert c.reserve(lid, [b"b"], timeout_s=2.0).status == [P.ReserveStatus.OK]
+        assert c.lookup([(lid, [b"a", b"b"])], timeout_s=2.0).num_chunks == 1
+        c.close()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_gateway(proc) == 0
