@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -160,6 +161,7 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     clients = [GatewayClient("127.0.0.1", port, timeout_s=timeout) for _ in range(3)]
     lids = [c.register_layout("kill", "fp", 1, 4096).layout_id for c in clients]
     old_epoch = clients[0].epoch
+    old_card = clients[0]._call(P.Card(), P.CardInfo, 2.0)
     held = clients[0].lookup([(lids[0], [b"none"])])
     clients[0].reserve(lids[0], [b"leased"])
     clients[0].commit(lids[0], 0, [b"leased"])
@@ -186,6 +188,8 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     proc2, port2 = spawn_gateway("8M", port=port)
     try:
         assert port2 == port
+        # the dead gateway's unix socket directory was cleaned up by the new one
+        assert old_card.kind == "memfd" and not os.path.exists(os.path.dirname(old_card.path))
         fresh = GatewayClient("127.0.0.1", port, timeout_s=2.0)
         assert fresh.ping().epoch != old_epoch
         # the old client sees the new epoch and refuses to go on with its stale state

@@ -29,6 +29,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 
 log = logging.getLogger("xkv.gateway")
 
@@ -110,6 +111,7 @@ class Card:
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
         if not os.path.isdir(base) or len(base) > 60:
             base = tempfile.gettempdir()
+        _remove_stale_dirs(base)
         self._dir = tempfile.mkdtemp(prefix="xkv-gateway-", dir=base)  # mode 0700
         self.socket_path = os.path.join(self._dir, "card.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,6 +174,36 @@ class Card:
             self.arena.close()
         os.close(self.fd)
         os.close(self.gen_fd)
+
+
+def _remove_stale_dirs(base: str) -> None:
+    """Remove our socket directories left by gateways that were SIGKILLed: a live gateway
+    accepts on its socket, a dead one's socket refuses."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("xkv-gateway-")]
+    except OSError:
+        return
+    for name in names:
+        d = os.path.join(base, name)
+        sock_path = os.path.join(d, "card.sock")
+        try:
+            st = os.lstat(d)
+            if not os.path.isdir(d) or st.st_uid != os.geteuid():
+                continue
+            if not os.path.exists(sock_path):
+                if time.time() - st.st_mtime < 60:  # maybe a gateway that is starting now
+                    continue
+            else:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(0.5)
+                    s.connect(sock_path)
+                continue  # answered: alive
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        log.info("removed %s, left by a gateway that is gone", d)
 
 
 def open_card(kind: str, path: str, gen_path: str, capacity_bytes: int, epoch: int,
