@@ -200,7 +200,13 @@ def test_curve_encrypted_gateway(tmp_path):
 def test_card_in_process_prefault_and_names():
     from xkv.gateway.card import Card, open_card
 
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/xkv-{dead.pid}-0123456789abcdef"
+    with open(stale, "wb"):
+        pass
     c = Card(1 << 20, 4096, kind="shm", prefault=True, epoch=3)
+    assert not os.path.exists(stale)  # left by a gateway that is gone: removed
     try:
         assert os.stat(c.path).st_mode & 0o777 == 0o600 and os.path.exists(c.gen_path)
         arena, gens = open_card("shm", c.path, c.gen_path, c.capacity_bytes, 3)

@@ -8,8 +8,8 @@ Two ways to share it with clients on the same host (no KV byte ever crosses the 
   peer's uid with SO_PEERCRED. The generation table is sealed with F_SEAL_FUTURE_WRITE after the
   gateway mapped it, so clients can map it read-only only. Memory is freed when the last process
   that maps it exits, even after a SIGKILL.
-* ``shm`` (fallback): two files ``/dev/shm/xkv-<random>`` and ``...-gen``, mode 0600, unlinked at
-  clean shutdown (a SIGKILLed gateway leaves them behind; remove them by hand).
+* ``shm`` (fallback): two files ``/dev/shm/xkv-<pid>-<random>`` and ``...-gen``, mode 0600,
+  unlinked at clean shutdown; after a SIGKILL the next gateway of the same user unlinks them.
 
 The generation table holds one little-endian uint64 per page (``slot_alignment`` bytes) of the
 card: ``generation(offset) = table[offset // slot_alignment]``. It costs 8 bytes per page (0.2 %
@@ -67,7 +67,8 @@ class Card:
             self.gen_fd = os.memfd_create("xkv-card-generations", flags)
         else:
             self._check_shm_space()
-            base = f"/dev/shm/xkv-{secrets.token_hex(8)}"
+            _remove_stale_shm()
+            base = f"/dev/shm/xkv-{os.getpid()}-{secrets.token_hex(8)}"
             self.fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self._paths.append(base)
             self.gen_fd = os.open(base + "-gen", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -204,6 +205,30 @@ def _remove_stale_dirs(base: str) -> None:
             continue
         shutil.rmtree(d, ignore_errors=True)
         log.info("removed %s, left by a gateway that is gone", d)
+
+
+def _remove_stale_shm() -> None:
+    """Unlink our /dev/shm/xkv-<pid>-* files whose gateway process is gone (mappings that
+    clients still hold stay valid; only the names go)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "xkv" or not parts[1].isdigit():
+            continue
+        path = os.path.join("/dev/shm", name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                log.info("removed %s, left by a gateway that is gone", path)
+        except OSError:
+            continue
 
 
 def open_card(kind: str, path: str, gen_path: str, capacity_bytes: int, epoch: int,
