@@ -129,12 +129,14 @@ class GatewayClient:
 
     # ------------------------------------------------------------------ transport
 
+    def _after_fork(self) -> None:
+        # Used in a forked child: the parent's ZMQ context (and maybe its lock) do not survive.
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = None
+        self._pid = os.getpid()
+
     def _socket(self) -> zmq.Socket:
-        if self._pid != os.getpid():
-            # Used in a forked child: the parent's ZMQ context does not survive a fork.
-            self._ctx = zmq.Context(io_threads=1)
-            self._sock = None
-            self._pid = os.getpid()
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
@@ -160,6 +162,8 @@ class GatewayClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         name = type(req).__name__.upper()
         body = P.encoder.encode(req)
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             deadline = time.monotonic() + timeout
             rid = next(self._ids)
