@@ -310,6 +310,8 @@ class GatewayClient:
         return self._gen_q[page]
 
     def close(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()  # never terminate the parent's context from a child
         with self._lock:
             self._drop_socket()
             self._ctx.term()
