@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
-DRIVER = Path(__file__).with_name("engine_driver.py")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 
 @pytest.fixture
@@ -31,33 +25,3 @@ def models():
     from tiny_models import ensure_model
 
     return {k: str(ensure_model(k)) for k in ("llama", "deepseek_v2")}
-
-
-MODEL_ARGS = {
-    "llama": {"dtype": "float32", "block_size": 32},
-    "deepseek_v2": {"dtype": "bfloat16", "block_size": 16},
-}
-
-
-def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, verify=True,
-               env=None, timeout=420):
-    """Run ``steps`` (see engine_driver.py) in a child process; returns (result, log text)."""
-    proc, port = gateway
-    sc = {"model": models[kind], **MODEL_ARGS[kind], "port": port, "gateway_pid": proc.pid,
-          "extra": extra or {}, "steps": steps, "verify": verify and not multiprocess}
-    with tempfile.TemporaryDirectory() as d:
-        scp, rp = Path(d, "scenario.json"), Path(d, "result.json")
-        scp.write_text(json.dumps(sc))
-        e = dict(os.environ)
-        e.update(PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                 VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(Path(d, "vllm-cache")),
-                 PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")])),
-                 VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
-        e.pop("XKV_GATEWAY_HOSTNAME", None)
-        e.update(env or {})
-        p = subprocess.run([sys.executable, str(DRIVER), str(scp), str(rp)], env=e,
-                           capture_output=True, text=True, timeout=timeout)
-        log = p.stdout + p.stderr
-        if p.returncode != 0 or not rp.exists():
-            raise AssertionError(f"engine driver failed ({p.returncode}):\n{log[-6000:]}")
-        return json.loads(rp.read_text()), log

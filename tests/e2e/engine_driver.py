@@ -107,6 +107,16 @@ def _build(sc, step):
                disable_log_stats=False, **kw)
 
 
+def _drop(llm) -> None:
+    """Shut an engine down for real (the multi-process engine keeps child processes)."""
+    if llm is None:
+        return
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    gc.collect()
+
+
 def main(scenario_path: str, result_path: str) -> None:
     with open(scenario_path) as f:
         sc = json.load(f)
@@ -120,8 +130,8 @@ def main(scenario_path: str, result_path: str) -> None:
     for step in sc["steps"]:
         op = step["op"]
         if op == "engine":
+            _drop(llm)
             llm = None
-            gc.collect()
             t0 = time.perf_counter()
             llm = _build(sc, step)
             res["timings"].append(("engine", time.perf_counter() - t0))
@@ -171,8 +181,8 @@ def main(scenario_path: str, result_path: str) -> None:
                 else:
                     os.environ[k] = v
             try:
+                _drop(llm)
                 llm = None
-                gc.collect()
                 _build(sc, {"extra": step.get("extra", {})})
                 res["errors"].append(None)
             except Exception as e:  # the message is what the test checks
@@ -184,7 +194,9 @@ def main(scenario_path: str, result_path: str) -> None:
             raise ValueError(f"unknown op {op!r}")
         with open(result_path, "w") as f:
             json.dump(res, f)
+    _drop(llm)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # skip vLLM's slow interpreter teardown
 
 

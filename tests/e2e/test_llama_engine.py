@@ -7,8 +7,7 @@ log lines and vLLM's external hit-rate line.
 """
 
 import pytest
-
-from conftest import run_engine
+from e2e_harness import run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
