@@ -58,3 +58,9 @@ def test_registry_refusals():
         build_registry([_g()], tp_size=1, pp_size=1, chunk_size=48)
     with pytest.raises(RegistryError, match="no KV cache group"):
         build_registry([], tp_size=1, pp_size=1, chunk_size=64)
+
+
+def test_slot_alignment_rounds_registered_size():
+    r = build_registry([_g(bb=1000)], tp_size=1, pp_size=1, chunk_size=64, slot_alignment=4096)
+    (p,) = r.groups
+    assert p.shard_bytes == 2 * 2 * 1000 and p.registered_bytes == 4096

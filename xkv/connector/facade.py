@@ -100,7 +100,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"xkv: KV cache groups with different block sizes {sorted(sizes)}")
         chunk = cfg.resolve_chunk_size(groups[0].block_size if groups else 1)
         self._cfg = cfg
-        self._registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk)
+        self._registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
+                                        slot_alignment=cfg.slot_alignment_bytes)
         fps = [
             fingerprint(compat.fingerprint_fields(vllm_config, kv_cache_config, p))
             for p in self._registry.groups

@@ -50,11 +50,19 @@ class GroupPlan:
     reader_ranks: tuple[int, ...]  # TP ranks that restore
     chunk_size: int  # tokens per object
     blocks_per_chunk: int  # k scheduler blocks per object
+    slot_alignment: int = 1  # slot_alignment_bytes: registered shard size is a multiple of it
 
     @property
     def shard_bytes(self) -> int:
         """Bytes of one shard of one object: layers x k blocks x block bytes (layer-major)."""
         return len(self.group.layer_names) * self.blocks_per_chunk * self.group.block_bytes
+
+    @property
+    def registered_bytes(self) -> int:
+        """Shard size told to the gateway: ``shard_bytes`` rounded up to ``slot_alignment``
+        (a remote card wants 4 KiB-aligned objects even when a page is not)."""
+        a = self.slot_alignment
+        return -(-self.shard_bytes // a) * a
 
     def shard_of(self, tp_rank: int) -> int:
         """The shard rank ``tp_rank`` reads (and writes, if it is a writer)."""
@@ -101,7 +109,8 @@ class Registry:
 
 
 def build_registry(
-    groups: list[CacheGroup], *, tp_size: int, pp_size: int, chunk_size: int
+    groups: list[CacheGroup], *, tp_size: int, pp_size: int, chunk_size: int,
+    slot_alignment: int = 1,
 ) -> Registry:
     """Decide shards, writers and readers for every group; refuse caches nobody would write."""
     if pp_size != 1:
@@ -146,6 +155,7 @@ def build_registry(
                 reader_ranks=tuple(range(tp_size)),
                 chunk_size=chunk_size,
                 blocks_per_chunk=chunk_size // g.block_size,
+                slot_alignment=slot_alignment,
             )
         )
     return Registry(groups=tuple(plans), tp_size=tp_size)

@@ -117,7 +117,7 @@ class SchedulerSide:
         try:
             self.gw = gateway_factory()
             infos = [
-                self.gw.register_layout(cfg.key_namespace, fp, p.num_shards, p.shard_bytes)
+                self.gw.register_layout(cfg.key_namespace, fp, p.num_shards, p.registered_bytes)
                 for p, fp in zip(registry.groups, fingerprints, strict=True)
             ]
             self.layout_ids = tuple(i.layout_id for i in infos)

@@ -105,7 +105,7 @@ class WorkerSide:
         try:
             self.gw = self._gateway_factory()
             infos = [
-                self.gw.register_layout(self.namespace, fp, p.num_shards, p.shard_bytes)
+                self.gw.register_layout(self.namespace, fp, p.num_shards, p.registered_bytes)
                 for p, fp in zip(self.registry.groups, self.fingerprints, strict=True)
             ]
             self.layout_ids = tuple(i.layout_id for i in infos)

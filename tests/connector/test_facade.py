@@ -1,0 +1,65 @@
+"""The façade as vLLM loads it: plugin registration, both roles, refusals at start."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+H = pytest.importorskip("connector_harness")
+
+
+def test_register_is_idempotent_and_resolves_by_name():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import xkv_vllm_connector
+
+    xkv_vllm_connector.register()
+    xkv_vllm_connector.register()
+    from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
+
+    assert KVConnectorFactory._registry["FusIOnXConnector"]() is FusIOnXConnector
+
+
+def test_entry_point_declared():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "xkv"]
+    if not eps:
+        pytest.skip("xkv is not installed as a distribution here (editable install missing)")
+    assert eps[0].value == "xkv_vllm_connector:register"
+
+
+def test_scheduler_role_by_name_without_module_path(fake_gateway, llama_dir):
+    import xkv_vllm_connector
+
+    xkv_vllm_connector.register()
+    vc = H.make_vllm_config(llama_dir, extra={"chunk_size": 64})
+    vc.kv_transfer_config.kv_connector_module_path = None
+    s = H.make_scheduler(vc, H.make_kv_cache_config())
+    assert type(s.connector).__name__ == "FusIOnXConnector"
+    assert s.connector._scheduler is not None and s.connector._worker is None
+
+
+def test_cache_nobody_writes_refused(fake_gateway, llama_dir):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    vc = H.make_vllm_config(llama_dir)
+    kcfg = H.make_kv_cache_config()
+    kcfg.kv_cache_groups.append(KVCacheGroupSpec(
+        ["model.layers.2.mixer"],
+        MambaSpec(block_size=32, shapes=((4, 8), (2, 8)), dtypes=(torch.float32, torch.float32))))
+    with pytest.raises(ValueError, match="has no writer"):
+        H.make_scheduler(vc, kcfg)
+
+
+def test_stats_round_trip():
+    from xkv_vllm_connector.fusionx_connector import FusIOnXConnector, FusIOnXConnectorStats
+
+    a = FusIOnXConnectorStats({"bytes_restored": 2_000_000, "seconds_restored": 0.001})
+    b = FusIOnXConnector.build_kv_connector_stats(dict(a.data))
+    b.aggregate(a)
+    red = b.reduce()
+    assert red["bytes_restored"] == 4_000_000 and red["restored_GBps"] == 2.0
+    assert not b.is_empty()
+    b.reset()
+    assert b.is_empty()
