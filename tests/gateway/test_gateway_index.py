@@ -108,6 +108,24 @@ def test_lru_eviction_spares_leased_and_staged_objects():
     assert b"a" not in ix.layouts[lid].objects
 
 
+def test_eviction_order_is_least_recently_used_across_namespaces():
+    ix = Index(4 * A, slot_alignment=A)
+    x = ix.register_layout("x", "fp", 1, A).layout_id
+    y = ix.register_layout("y", "fp", 1, A).layout_id
+    for lid, key in ((x, b"a"), (y, b"b"), (x, b"c"), (y, b"d")):
+        ix.reserve(lid, [key], now=0)
+        ix.commit(lid, 0, [key])
+    ix.lookup([(x, [b"a"])], now=0, lease=False)  # a is now the most recently used
+    _, lease, _ = ix.lookup([(y, [b"b"])], now=0)  # b: used, and leased
+    ix.release(lease)
+    order = []
+    for key in (b"n1", b"n2", b"n3", b"n4"):
+        before = {k for lay in ix.layouts.values() for k in lay.objects}
+        ix.reserve(x, [key], now=0)
+        order += sorted(before - {k for lay in ix.layouts.values() for k in lay.objects})
+    assert order == [b"c", b"d", b"a", b"b"]
+
+
 def test_generation_changes_when_a_slot_is_freed_and_ttls_expire():
     ix = Index(4 * A, slot_alignment=A, lease_ttl_s=5, write_ttl_s=10)
     lid = ix.register_layout("ns", "fp", 1, A).layout_id

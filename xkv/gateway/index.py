@@ -10,8 +10,9 @@ Card geometry. The card is ``capacity_bytes`` of shared memory cut into *pages* 
 
 Object life: RESERVE creates it STAGED (invisible to lookups, write deadline = now + write_ttl);
 each shard's COMMIT sets its bit; when all shards committed it is READY (visible). ABORT of any
-shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in an
-LRU and are evicted, oldest first, only when a RESERVE needs room (or its namespace quota).
+shard, or the write deadline, frees a STAGED object. READY objects sit in an LRU (a lookup hit
+is a use); those that no lease holds are evicted, least recently used first, only when a RESERVE
+needs room (or its namespace quota).
 
 Generations: ``generations[page]`` is a uint64 per page (the card's generation table). When an
 object is freed, the generation at each of its slots' first page is incremented, so a reader that
@@ -48,7 +49,7 @@ class Layout:
     shard_bytes: int
     slot_bytes: int
     slot_pages: int
-    lru: OrderedDict[Obj, None]  # evictable objects of the namespace, oldest first (shared)
+    lru: OrderedDict[Obj, None]  # READY objects of the namespace, least recently used first
     objects: dict[bytes, Obj] = field(default_factory=dict)
 
     @property
@@ -57,7 +58,8 @@ class Layout:
 
 
 class Obj(msgspec.Struct, gc=False, eq=False):
-    """One stored object. ``leases`` counts live leases; only READY objects with none are in LRU.
+    """One stored object. ``leases`` counts live leases; READY objects are in their namespace's
+    LRU, and eviction passes over those with a lease.
 
     Not tracked by the cyclic GC (a card can hold millions of objects and a full collection
     would stall the loop); that is safe because a freed object is unlinked from every dict and
@@ -204,24 +206,23 @@ class Index:
                 break
         self.counters["hit_chunks"] += num
         lease_id = 0
-        if num and lease:
-            lease_id = self._next_lease
-            self._next_lease += 1
-            held = [obj for row in hits for obj in row]
-            for obj in held:
-                if obj.leases == 0:
-                    del obj.lru[obj]
-                    self.leased_objects += 1
-                obj.leases += 1
-            self._leases[lease_id] = held
-            self._lease_q.append((now + self.lease_ttl_s, lease_id))
-        elif num:
-            for row in hits:
-                for obj in row:
-                    if obj.leases == 0:
-                        obj.lru.move_to_end(obj)
-                        obj.stamp = self._clock
+        if num:
+            clock = self._clock
             self._clock += 1
+            for row in hits:
+                for obj in row:  # a hit is a use: most recently used end of its LRU
+                    obj.lru.move_to_end(obj)
+                    obj.stamp = clock
+            if lease:
+                lease_id = self._next_lease
+                self._next_lease += 1
+                held = [obj for row in hits for obj in row]
+                for obj in held:
+                    if obj.leases == 0:
+                        self.leased_objects += 1
+                    obj.leases += 1
+                self._leases[lease_id] = held
+                self._lease_q.append((now + self.lease_ttl_s, lease_id))
         return num, lease_id, [[obj.slots for obj in row] for row in hits]
 
     def release(self, lease_id: int) -> int:
@@ -232,10 +233,7 @@ class Index:
         for obj in held:
             obj.leases -= 1
             if obj.leases == 0:
-                obj.lru[obj] = None
-                obj.stamp = self._clock
                 self.leased_objects -= 1
-        self._clock += 1
         self.counters["released"] += 1
         return 1
 
@@ -284,9 +282,10 @@ class Index:
     def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
         lru = self._lru[ns]
         while self.ns_used.get(ns, 0) + nbytes > quota:
-            if not lru:
+            victim = self._head(lru)
+            if victim is None:
                 return False
-            self._evict(next(iter(lru)))
+            self._evict(victim)
         return True
 
     def _check_shard(self, layout: Layout, shard: int) -> None:
@@ -336,9 +335,20 @@ class Index:
 
     # ------------------------------------------------------------- freeing
 
+    def _head(self, lru: OrderedDict[Obj, None]) -> Obj | None:
+        """The least recently used unleased object of one LRU. Leased objects met on the way
+        are in use, so they move to the recent end (each is passed over once per cycle)."""
+        for _ in range(len(lru)):
+            obj = next(iter(lru))
+            if not obj.leases:
+                return obj
+            lru.move_to_end(obj)
+            obj.stamp = self._clock
+        return None
+
     def _oldest(self) -> Obj | None:
         """The least recently used evictable object of any namespace."""
-        heads = [next(iter(lru)) for lru in self._lru.values() if lru]
+        heads = [h for h in map(self._head, self._lru.values()) if h is not None]
         return min(heads, key=lambda o: o.stamp) if heads else None
 
     def _evict(self, obj: Obj) -> None:
