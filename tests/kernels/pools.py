@@ -1,0 +1,151 @@
+"""Hypothesis strategies for page pools and copy jobs, and a byte-by-byte oracle.
+
+Pools are built directly over one uint8 buffer (not through describe_cache) so that every geometry a
+layout can produce shows up: odd run lengths from 1 byte to 256 KiB, gaps between runs, padded
+strides, runs beyond the block stride (heads outside blocks, K/V-first), unaligned bases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from xkv.layout import PagePool
+
+POISON = 0xA5
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_blocks: int
+    block_stride: int
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    @property
+    def extent(self) -> int:
+        return (self.num_blocks - 1) * self.block_stride + max(o + n for o, n in self.runs)
+
+
+def pool_over(raw: torch.Tensor, offset: int, g: Geometry) -> PagePool:
+    return PagePool(
+        base=raw[offset : offset + g.extent],
+        num_blocks=g.num_blocks,
+        block_bytes=g.block_bytes,
+        block_stride=g.block_stride,
+        runs=g.runs,
+    )
+
+
+_BIG = [65536, 65536 + 3, 100000, 262144 - 8, 262144]
+_PAGE = [4096, 4104, 10496, 16384, 3000]
+
+
+@st.composite
+def geometries(
+    draw, *, big: bool = True, max_blocks: int = 6, run_lens: tuple[int, ...] | None = None
+) -> Geometry:
+    """One layer's geometry. ``run_lens`` fixes the run lengths (layers that must share block_bytes)."""
+    aligned = draw(st.booleans())
+    q = 16 if aligned else 1
+    if run_lens is None:
+        kind = draw(st.sampled_from(["tiny", "small", "page", "heads"] + (["big"] if big else [])))
+        if kind == "big":
+            run_lens = (draw(st.sampled_from(_BIG)),)
+            max_blocks = 2
+        elif (
+            kind == "heads"
+        ):  # H runs of one page each, H*num_blocks pages apart (LHBNC, K/V-first)
+            nb = draw(st.integers(1, max_blocks))
+            page = draw(st.integers(1, 300)) * q
+            heads = draw(st.integers(1, 3))
+            return Geometry(nb, page, tuple((h * nb * page, page) for h in range(heads)))
+        else:
+            hi = {"tiny": 16, "small": 700, "page": None}[kind]
+            R = draw(st.integers(1, 3))
+            if hi is None:
+                run_lens = tuple(draw(st.sampled_from(_PAGE)) for _ in range(R))
+            else:
+                run_lens = tuple(draw(st.integers(1, hi)) for _ in range(R))
+            if aligned:
+                run_lens = tuple(-(-n // q) * q for n in run_lens)
+    runs, off = [], draw(st.integers(0, 40)) * q
+    for n in run_lens:
+        runs.append((off, n))
+        off += n + draw(st.integers(0, 24)) * q
+    span = max(o + n for o, n in runs)
+    stride = span + draw(st.integers(0, 40)) * q
+    nb = draw(st.integers(1, max_blocks))
+    return Geometry(nb, stride, tuple(runs))
+
+
+@st.composite
+def fragment_offsets(
+    draw, count: int, size: int, *, disjoint: bool, aligned: bool
+) -> tuple[np.ndarray, int]:
+    """``count`` offsets of ``size``-byte fragments in a flat buffer, shuffled; returns (offsets, buffer size)."""
+    q = 16 if aligned else 1
+    pos, slots = draw(st.integers(0, 20)) * q, []
+    for _ in range(count):
+        slots.append(pos)
+        pos += size + draw(st.integers(0, 20)) * q
+    order = draw(st.permutations(range(count))) if count else []
+    offs = np.array([slots[k] for k in order], dtype=np.int64)
+    if not disjoint and count > 1 and draw(st.booleans()):
+        offs[-1] = offs[0]  # two fragments read the same source bytes: allowed for restores
+    return offs, pos + draw(st.integers(0, 20))
+
+
+def block_ids(draw, num_blocks: int, *, empty: bool = True) -> np.ndarray:
+    n = draw(st.integers(0 if empty else 1, num_blocks))
+    ends = draw(st.booleans())
+    perm = list(draw(st.permutations(range(num_blocks))))
+    if ends and num_blocks > 1:  # make sure both ends of the cache are in the list
+        for b in (0, num_blocks - 1):
+            perm.remove(b)
+        perm = [num_blocks - 1, 0] + perm
+        n = max(n, 2)
+    return np.array(perm[:n], dtype=np.int64)
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def oracle(
+    raw: torch.Tensor,
+    pools: list[PagePool],
+    flat: torch.Tensor,
+    offs: np.ndarray,
+    ids: np.ndarray,
+    *,
+    save: bool,
+    lo: int = 0,
+    hi: int | None = None,
+) -> None:
+    """The obvious loop: byte ranges, one run at a time (mutates ``raw`` or ``flat``)."""
+    n = ids.size
+    bb = pools[0].block_bytes if pools else 0
+    hi = len(pools) * n * bb if hi is None else hi
+    for layer, pool in enumerate(pools):
+        base = pool.data_ptr - raw.data_ptr()
+        for i, b in enumerate(ids.tolist()):
+            cum = 0
+            for o, ln in pool.runs:
+                pos = (layer * n + i) * bb + cum
+                a, c = max(lo - pos, 0), min(hi - pos, ln)
+                if a < c:
+                    p = base + b * pool.block_stride + o + a
+                    f = int(offs[layer][i]) + cum + a
+                    if save:
+                        flat[f : f + c - a] = raw[p : p + c - a]
+                    else:
+                        raw[p : p + c - a] = flat[f : f + c - a]
+                cum += ln

@@ -1,0 +1,99 @@
+"""Triton kernel behind restore / save / slice / pack / unpack (private; see page_copy.py).
+
+One row = one contiguous run of one fragment of one layer: ``(layer l, fragment i, run r)``.
+Pool side:  ``layer_off[l] + block_ids[i] * block_stride + run_off[r]``.
+Flat side:  ``flat_off[l, i] + run_cum[r]`` (or ``flat_base + (l * n + i) * block_bytes + run_cum[r]``).
+All offsets are int64 and in words of ``WORD_T`` (``WORD`` bytes), except the ``flat_off`` table, which
+holds bytes so that callers can upload it before the word size is known. A program copies a ``[ROWS, COLS]`` tile per step
+(several fragments at once, so few programs keep many bytes in flight) and walks row groups
+grid-stride. ``SLICED`` copies only bytes ``[lo, hi)`` of the concatenation of all fragments.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def page_copy_kernel(
+    p_pool,  # uint8*: pool base of the lowest layer (every layer_off is >= 0 from here)
+    p_flat,  # uint8*: the contiguous side (GPU memory or pinned/registered host memory)
+    p_ids,  # int64 [n]: block ids
+    p_flat_off,  # int64 [L, n]: flat offsets in BYTES (only if HAS_FLAT_OFF)
+    p_layer_off,  # int64 [L]: layer pool bases in words from p_pool (only if HAS_LAYERS)
+    p_runs,  # int64 [3, R]: run offset in block, run length, run offset in fragment (words)
+    n_frag,
+    n_runs,
+    n_rows,  # L * n * R
+    n_groups,  # cdiv(n_rows, ROWS)
+    block_stride,
+    block_words,
+    flat_base,
+    lo,
+    hi,
+    max_run_words,
+    WORD_T: tl.constexpr,
+    WORD: tl.constexpr,  # bytes of WORD_T
+    SAVE: tl.constexpr,  # pool -> flat (else flat -> pool)
+    HAS_FLAT_OFF: tl.constexpr,
+    HAS_LAYERS: tl.constexpr,
+    SLICED: tl.constexpr,
+    EVEN: tl.constexpr,  # every run is max_run_words long, a multiple of COLS, and not SLICED
+    VEC: tl.constexpr,  # every row start is a multiple of VEC words (16-byte accesses)
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    n_p = tl.num_programs(0).to(tl.int64)
+    p_pool_w = p_pool.to(tl.pointer_type(WORD_T))
+    p_flat_w = p_flat.to(tl.pointer_type(WORD_T))
+    o_cols = tl.arange(0, COLS).to(tl.int64)  # [COLS]
+    for i_g in range(i_p, n_groups, n_p):
+        o_k = i_g * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] row ids
+        m_k = o_k < n_rows
+        o_k = tl.where(m_k, o_k, 0)
+        i_lf = o_k // n_runs  # layer * n + fragment
+        i_r = o_k - i_lf * n_runs
+        i_l = i_lf // n_frag
+        i_f = i_lf - i_l * n_frag
+        b_blk = tl.load(p_ids + i_f, mask=m_k, other=0)
+        b_roff = tl.load(p_runs + i_r, mask=m_k, other=0)
+        b_rlen = tl.load(p_runs + n_runs + i_r, mask=m_k, other=0)
+        b_rcum = tl.load(p_runs + 2 * n_runs + i_r, mask=m_k, other=0)
+        o_pool = b_blk * block_stride + b_roff
+        if HAS_LAYERS:
+            o_pool += tl.load(p_layer_off + i_l, mask=m_k, other=0)
+        if HAS_FLAT_OFF:
+            o_flat = tl.load(p_flat_off + i_lf, mask=m_k, other=0) // WORD + b_rcum
+        else:
+            o_flat = flat_base + i_lf * block_words + b_rcum
+        if VEC > 1:
+            o_pool = tl.multiple_of(o_pool, VEC)
+            o_flat = tl.multiple_of(o_flat, VEC)
+        if SLICED:
+            o_pos = i_lf * block_words + b_rcum  # where this run starts in the concatenation
+            c_lo = tl.maximum(lo - o_pos, 0)
+            c_hi = tl.minimum(hi - o_pos, b_rlen)
+        else:
+            c_lo = tl.zeros_like(b_rlen)
+            c_hi = b_rlen
+        if SAVE:
+            p_src = p_pool_w + o_pool
+            p_dst = p_flat_w + o_flat
+        else:
+            p_src = p_flat_w + o_flat
+            p_dst = p_pool_w + o_pool
+        for c in range(0, max_run_words, COLS):
+            o_c = c + o_cols
+            if EVEN:
+                m_t = m_k[:, None]  # [ROWS, 1]: constant along a row, keeps accesses vectorized
+            else:
+                m_t = (
+                    m_k[:, None] & (o_c[None, :] >= c_lo[:, None]) & (o_c[None, :] < c_hi[:, None])
+                )
+            b_x = tl.load(p_src[:, None] + o_c[None, :], mask=m_t)  # [ROWS, COLS]
+            tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
+
+
+WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+__all__ = ["WORD_TYPES", "page_copy_kernel", "triton"]

@@ -1,0 +1,166 @@
+"""Batched copy-engine (DMA) path: one ``cuMemcpyBatchAsync`` for a whole list of fragments.
+
+The copy engine costs no SMs, so beside a running model it is the least intrusive way to move
+large fragments; below ~28-64 KiB its per-copy cost loses to an SM kernel. :func:`calibrate`
+measures where the crossover is on this GPU, once, and ``engine="auto"`` follows it.
+
+The entry point is resolved with ``cuGetProcAddress(..., 12080)``: the CUDA 12.8 signature (with
+``failIdx``) that every driver since 12.8 keeps serving, whatever the driver's own version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["available", "batch_copy", "side_stream"]
+
+_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_uint),
+        ("srcLocHint", _CUmemLocation),
+        ("dstLocHint", _CUmemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_BATCH_FN_TYPE = ctypes.CFUNCTYPE(
+    ctypes.c_int,  # CUresult
+    ctypes.c_void_p,  # CUdeviceptr *dsts
+    ctypes.c_void_p,  # CUdeviceptr *srcs
+    ctypes.c_void_p,  # size_t *sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # CUmemcpyAttributes *attrs
+    ctypes.c_void_p,  # size_t *attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # size_t *failIdx
+    ctypes.c_void_p,  # CUstream
+)
+
+_lock = threading.Lock()
+_fn = None
+_resolved = False
+_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def _resolve():
+    global _fn, _resolved
+    with _lock:
+        if _resolved:
+            return _fn
+        _resolved = True
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+        pfn = ctypes.c_void_p()
+        name = b"cuMemcpyBatchAsync"
+        if hasattr(lib, "cuGetProcAddress_v2"):
+            get = lib.cuGetProcAddress_v2
+            get.argtypes = [
+                ctypes.c_char_p,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_int,
+                ctypes.c_uint64,
+                ctypes.c_void_p,
+            ]
+            status = ctypes.c_int(0)
+            rc = get(name, ctypes.byref(pfn), 12080, 0, ctypes.byref(status))
+        elif hasattr(lib, "cuGetProcAddress"):
+            get = lib.cuGetProcAddress
+            get.argtypes = [
+                ctypes.c_char_p,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_int,
+                ctypes.c_uint64,
+            ]
+            rc = get(name, ctypes.byref(pfn), 12080, 0)
+        else:
+            return None
+        if rc != 0 or not pfn.value:
+            return None
+        _fn = _BATCH_FN_TYPE(pfn.value)
+        return _fn
+
+
+def available() -> bool:
+    """True when the driver offers ``cuMemcpyBatchAsync`` (CUDA >= 12.8) and a GPU is present."""
+    return torch.cuda.is_available() and _resolve() is not None
+
+
+def batch_copy(
+    dsts: np.ndarray,
+    srcs: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    device: torch.device,
+    src_is_host: bool,
+) -> None:
+    """Copy ``sizes[k]`` bytes from address ``srcs[k]`` to ``dsts[k]`` for every k, on the current
+    stream of ``device``, as one batch. Addresses are device pointers or (UVA) pinned host pointers.
+
+    A host source that nothing on the GPU writes may be read out of stream order
+    (``SRC_ACCESS_ORDER_ANY``, faster); a device source keeps stream order, since the model may
+    still be writing it.
+    """
+    fn = _resolve()
+    if fn is None:
+        raise RuntimeError("cuMemcpyBatchAsync is not available (needs a CUDA 12.8+ driver)")
+    count = int(sizes.size)
+    if count == 0:
+        return
+    d = np.ascontiguousarray(dsts, dtype=np.uint64)
+    s = np.ascontiguousarray(srcs, dtype=np.uint64)
+    z = np.ascontiguousarray(sizes, dtype=np.uint64)
+    attrs = _CUmemcpyAttributes(
+        srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+        if src_is_host
+        else _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    )
+    attr_idx = ctypes.c_size_t(0)
+    fail_idx = ctypes.c_size_t(0)
+    cur = torch.cuda.current_stream(device)
+    stream = cur
+    if cur.cuda_stream == 0:  # the batch API refuses the legacy NULL stream: hop to a side stream
+        stream = side_stream(device)
+        stream.wait_stream(cur)
+    with torch.cuda.device(device):
+        rc = fn(
+            d.ctypes.data,
+            s.ctypes.data,
+            z.ctypes.data,
+            count,
+            ctypes.addressof(attrs),
+            ctypes.addressof(attr_idx),
+            1,
+            ctypes.addressof(fail_idx),
+            stream.cuda_stream,
+        )
+    if rc != 0:
+        raise RuntimeError(
+            f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail_idx.value} of {count}"
+        )
+    if stream is not cur:
+        cur.wait_stream(stream)
+
+
+def side_stream(device: torch.device, purpose: str = "batch") -> torch.cuda.Stream:
+    """One copy stream per device and purpose (``"h2d"``, ``"d2h"``, ``"batch"``), so copies in the
+    two directions never queue behind each other."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        st = _side_streams.get((idx, purpose))
+        if st is None:
+            st = _side_streams[(idx, purpose)] = torch.cuda.Stream(device=idx)
+        return st
