@@ -59,7 +59,7 @@ def test_visible_only_after_every_shard_committed_and_first_writer_wins():
         assert ix.lookup([(lay.layout_id, [b"k"])], now=0)[0] == 0
         assert ix.commit(lay.layout_id, shard, [b"k"]) == 1
     num, lease, got = ix.lookup([(lay.layout_id, [b"k", b"missing"])], now=0)
-    assert num == 1 and lease and got[0][0].offsets == slots.offsets
+    assert num == 1 and lease and got[0][0].slots.offsets == slots.offsets
     assert ix.reserve(lay.layout_id, [b"k"], now=0)[0][0] == ReserveStatus.EXISTS
 
 
@@ -131,7 +131,8 @@ def test_generation_changes_when_a_slot_is_freed_and_ttls_expire():
     lid = ix.register_layout("ns", "fp", 1, A).layout_id
     [(_, s)] = ix.reserve(lid, [b"a"], now=0)
     ix.commit(lid, 0, [b"a"])
-    _, lease, [[got]] = ix.lookup([(lid, [b"a"])], now=0)
+    _, lease, [[hit]] = ix.lookup([(lid, [b"a"])], now=0)
+    got = hit.slots
     ix.expire(4.9)
     assert ix.leased_objects == 1
     ix.expire(5.0)
@@ -274,7 +275,8 @@ class IndexMachine(RuleBasedStateMachine):
             assert len(slots[g]) == num
             for c in range(num):
                 m = self.model[(lid, keys[c])]
-                assert slots[g][c].offsets == m.offsets and slots[g][c].generations == m.gens
+                got = slots[g][c].slots
+                assert got.offsets == m.offsets and got.generations == m.gens
                 held.append((lid, keys[c]))
         if num and lease:
             assert lease_id not in self.leases and lease_id > 0

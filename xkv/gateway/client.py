@@ -52,18 +52,32 @@ class Reservation(msgspec.Struct, frozen=True, gc=False):
 class LookupResult:
     """Answer to a lookup: ``num_chunks`` (longest prefix stored in every group), ``lease_id``
     (0 = none taken) and ``slots[g][c]`` = ChunkSlots(offsets per shard, generations per shard).
-    ``offsets[g]`` / ``generations[g]`` are the same numbers flat (chunk-major), as they came
-    off the wire; ``slots`` is built from them on first use."""
+    ``offsets[g]`` / ``generations[g]`` are the same numbers flat (chunk-major, list[int]);
+    ``raw_offsets[g]`` / ``raw_generations[g]`` the little-endian uint64 bytes they came in
+    (e.g. for ``torch.frombuffer(..., dtype=torch.int64)``). Lists are built on first use."""
 
-    __slots__ = ("epoch", "num_chunks", "lease_id", "offsets", "generations", "_slots")
+    __slots__ = ("epoch", "num_chunks", "lease_id", "raw_offsets", "raw_generations",
+                 "_offsets", "_generations", "_slots")
 
     def __init__(self, reply: P.LookupReply):
         self.epoch = reply.epoch
         self.num_chunks = reply.num_chunks
         self.lease_id = reply.lease_id
-        self.offsets = reply.offsets
-        self.generations = reply.generations
-        self._slots: list[list[ChunkSlots]] | None = None
+        self.raw_offsets = reply.offsets
+        self.raw_generations = reply.generations
+        self._offsets = self._generations = self._slots = None
+
+    @property
+    def offsets(self) -> list[list[int]]:
+        if self._offsets is None:
+            self._offsets = [memoryview(b).cast("Q").tolist() for b in self.raw_offsets]
+        return self._offsets
+
+    @property
+    def generations(self) -> list[list[int]]:
+        if self._generations is None:
+            self._generations = [memoryview(b).cast("Q").tolist() for b in self.raw_generations]
+        return self._generations
 
     @property
     def slots(self) -> list[list[ChunkSlots]]:

@@ -22,6 +22,7 @@ was still the one stored there.
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict, deque
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Obj(msgspec.Struct, gc=False, eq=False):
     start: int  # first page of its range
     deadline: float  # write deadline while STAGED
     slots: ChunkSlots  # generations only move when an object is freed: fixed while it lives
+    packed: tuple[bytes, bytes]  # slots.offsets, slots.generations as little-endian uint64
     lru: OrderedDict  # its namespace's LRU
     ready: bool = False
     committed: int = 0  # bit r set = shard r committed
@@ -109,12 +111,12 @@ class Index:
         self._lru: dict[str, OrderedDict[Obj, None]] = {}
         self._clock = 0
         self.ns_used: dict[str, int] = {}
-        self._leases: dict[int, list[Obj]] = {}
+        self._leases: dict[int, list[list[Obj]]] = {}  # lease id -> the lookup's hits per group
         self._lease_q: deque[tuple[float, int]] = deque()
         self._write_q: deque[tuple[float, Obj]] = deque()
         self._next_lease = 1
         # Gauges kept incrementally so metrics never walk the objects.
-        self.ready_objects = self.staged_objects = self.leased_objects = 0
+        self.ready_objects = self.staged_objects = 0
         self.ready_bytes = self.staged_bytes = 0
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
@@ -167,8 +169,9 @@ class Index:
     # ------------------------------------------------------------- reading
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
-               lease: bool = True) -> tuple[int, int, list[list[ChunkSlots]]]:
-        """(num_chunks, lease_id, slots[g][c]): the longest prefix READY in every group.
+               lease: bool = True) -> tuple[int, int, list[list[Obj]]]:
+        """(num_chunks, lease_id, hits[g][c]): the longest prefix READY in every group; the
+        objects' ``slots`` say where they are.
 
         With ``lease`` the hit objects are leased (kept from eviction) until release or
         ``lease_ttl_s``; lease_id is 0 when nothing was hit or ``lease`` is False."""
@@ -209,31 +212,32 @@ class Index:
         if num:
             clock = self._clock
             self._clock += 1
-            for row in hits:
-                for obj in row:  # a hit is a use: most recently used end of its LRU
-                    obj.lru.move_to_end(obj)
-                    obj.stamp = clock
+            # A hit is a use: most recently used end of its LRU. Two loops, no branch per object.
             if lease:
+                for row in hits:
+                    for obj in row:
+                        obj.lru.move_to_end(obj)
+                        obj.stamp = clock
+                        obj.leases += 1
                 lease_id = self._next_lease
                 self._next_lease += 1
-                held = [obj for row in hits for obj in row]
-                for obj in held:
-                    if obj.leases == 0:
-                        self.leased_objects += 1
-                    obj.leases += 1
-                self._leases[lease_id] = held
+                self._leases[lease_id] = hits
                 self._lease_q.append((now + self.lease_ttl_s, lease_id))
-        return num, lease_id, [[obj.slots for obj in row] for row in hits]
+            else:
+                for row in hits:
+                    for obj in row:
+                        obj.lru.move_to_end(obj)
+                        obj.stamp = clock
+        return num, lease_id, hits
 
     def release(self, lease_id: int) -> int:
         """Drop a lease; returns 1, or 0 for an unknown (expired or released) lease."""
         held = self._leases.pop(lease_id, None)
         if held is None:
             return 0
-        for obj in held:
-            obj.leases -= 1
-            if obj.leases == 0:
-                self.leased_objects -= 1
+        for row in held:
+            for obj in row:
+                obj.leases -= 1
         self.counters["released"] += 1
         return 1
 
@@ -269,7 +273,9 @@ class Index:
             firsts = [start + r * layout.slot_pages for r in range(layout.num_shards)]
             slots = ChunkSlots(tuple(p * self.alignment for p in firsts),
                                tuple(self.generations[p] for p in firsts))
-            obj = Obj(layout, key, start, now + self.write_ttl_s, slots, layout.lru)
+            fmt = f"<{layout.num_shards}Q"
+            packed = (struct.pack(fmt, *slots.offsets), struct.pack(fmt, *slots.generations))
+            obj = Obj(layout, key, start, now + self.write_ttl_s, slots, packed, layout.lru)
             layout.objects[key] = obj
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
             self._write_q.append((obj.deadline, obj))
@@ -387,6 +393,11 @@ class Index:
                 self.counters["write_expired"] += 1
 
     # ------------------------------------------------------------- accounting
+
+    @property
+    def leased_objects(self) -> int:
+        """Distinct objects held by at least one lease (walks the leases: for metrics only)."""
+        return len({id(obj) for hits in self._leases.values() for row in hits for obj in row})
 
     @property
     def used_bytes(self) -> int:

@@ -17,11 +17,15 @@ Version history (``PROTOCOL_VERSION``, checked at HELLO):
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Annotated
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+if sys.byteorder != "little":  # packed uint64 arrays are read with memoryview.cast("Q")
+    raise ImportError("xkv.gateway needs a little-endian host")
 
 #: Largest message (one frame) the gateway accepts; ZMQ_MAXMSGSIZE disconnects a bigger sender.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -174,16 +178,16 @@ class CardInfo(msgspec.Struct, tag=True, gc=False):
 
 
 class LookupReply(msgspec.Struct, tag=True, gc=False):
-    """LOOKUP reply, flat for cheap decoding: for group g, ``offsets[g]`` and
-    ``generations[g]`` hold num_chunks x num_shards ints, chunk-major (chunk c, shard r at
-    ``c * num_shards + r``). ``lease_id`` 0 = no lease taken. The client wraps it in
-    ``client.LookupResult``, whose ``slots[g][c]`` are ChunkSlots."""
+    """LOOKUP reply, packed for cheap encoding and decoding: for group g, ``offsets[g]`` and
+    ``generations[g]`` are num_chunks x num_shards little-endian uint64, chunk-major (chunk c,
+    shard r at index ``c * num_shards + r``). ``lease_id`` 0 = no lease taken. The client wraps
+    it in ``client.LookupResult``, whose ``slots[g][c]`` are ChunkSlots."""
 
     epoch: int
     num_chunks: int
     lease_id: int
-    offsets: list[list[int]]
-    generations: list[list[int]]
+    offsets: list[bytes]
+    generations: list[bytes]
 
 
 class ReserveReply(msgspec.Struct, tag=True, gc=False):

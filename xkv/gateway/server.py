@@ -194,10 +194,10 @@ class Gateway:
         if total > P.MAX_KEYS:
             raise RequestError(P.ErrorCode.TOO_LARGE,
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
-        num, lease_id, slots = self.index.lookup(
+        num, lease_id, hits = self.index.lookup(
             [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease)
-        offsets = [[o for cs in row for o in cs.offsets] for row in slots]
-        gens = [[g for cs in row for g in cs.generations] for row in slots]
+        offsets = [b"".join([obj.packed[0] for obj in row]) for row in hits]
+        gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
         return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
 
     def _reserve(self, req: P.Reserve) -> P.ReserveReply:
