@@ -119,7 +119,8 @@ class GatewayClient:
         ``curve_client_keys`` (public, secret) or a fresh key pair."""
         self.host = host or _default_host()
         self.port = port
-        self.endpoint = f"tcp://{self.host}:{port}"
+        self._ipv6 = ":" in self.host  # an IPv6 literal such as ::1
+        self.endpoint = f"tcp://[{self.host}]:{port}" if self._ipv6 else f"tcp://{self.host}:{port}"
         self.timeout_s = timeout_s
         self.setup_timeout_s = setup_timeout_s
         if isinstance(curve_server_key, str):
@@ -157,6 +158,8 @@ class GatewayClient:
             s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a gateway that is not there
             s.setsockopt(zmq.RECONNECT_IVL, 50)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if self._ipv6:
+                s.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
                 s.curve_serverkey = self._curve
                 s.curve_publickey, s.curve_secretkey = self._curve_client
