@@ -83,7 +83,7 @@ def _gateway_stats(port):
     try:
         with GatewayClient("127.0.0.1", port, timeout_s=0.5) as c:
             s = c.stats()
-        return {k: s[k] for k in ("lookups", "reserved", "committed", "hit_chunks", "exists")}
+        return {k: s[k] for k in ("lookups", "reserved", "committed", "hit_chunks", "exists", "leases")}
     except GatewayError:
         return None
 

@@ -66,4 +66,7 @@ def test_store_restore_partial_batch_optout(models, gateway):
     assert "KV cache registry: 2 cache(s) in 1 group(s); writers: " in log
     assert "KV cache layout: 1 group(s)" in log
     assert "External prefix cache hit rate:" in log
+    assert "KV Transfer metrics:" in log and "bytes_restored=" in log
     assert "turned off" not in log
+    # every lease was released once the workers finished loading (or the request ended)
+    assert all(r["gw_after"]["leases"] == 0 for r in res["runs"])

@@ -40,12 +40,21 @@ def features() -> dict[str, bool]:
 
 
 def require_supported() -> None:
-    """Refuse vLLM APIs this connector does not speak yet (the later compat issue adds them)."""
-    f = features()
-    if f["cross_layer_api"] or not f["sync_load_flag"]:
+    """Refuse vLLM APIs this connector cannot work with.
+
+    26/28 (``cross_layer_api``, no ``sync_load_flag``) are fine: the connector never prefers
+    cross-layer blocks, so vLLM calls ``register_kv_caches`` with per-layer tensors, and there
+    ``start_load_kv`` always runs before the forward, which is what our sync loads need.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base as b
+
+    missing = [m for m in ("register_kv_caches", "start_load_kv", "wait_for_layer_load",
+                           "save_kv_layer", "get_block_ids_with_load_errors")
+               if not hasattr(b.KVConnectorBase_V1, m)]
+    if missing:
         raise RuntimeError(
-            "xkv: this vLLM uses the cross-layer KV connector API (vLLM 0.26/0.28), which "
-            "FusIOnXConnector does not support yet; use vLLM 0.29"
+            f"xkv: this vLLM's KVConnectorBase_V1 lacks {missing}; FusIOnXConnector needs "
+            "vLLM 0.26 or later"
         )
 
 

@@ -49,6 +49,7 @@ OPTIONS: dict[str, Option] = {
     "nvlink_fanout_groups": Option("auto", (str, list), '"auto" or lists of TP ranks'),
     "nvlink_fanout_staging_bytes": Option(64 * MiB, (int,), "per-GPU fan-out staging buffer"),
     "nvlink_fanout_min_layer_bytes": Option(4 * MiB, (int,), "smallest layer restore fanned out"),
+    "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
 }
 
 
@@ -67,6 +68,7 @@ class ConnectorConfig:
     nvlink_fanout_groups: str | tuple[tuple[int, ...], ...] = "auto"
     nvlink_fanout_staging_bytes: int = 64 * MiB
     nvlink_fanout_min_layer_bytes: int = 4 * MiB
+    verify_restores: bool = False
     gateway_host: str = "localhost"
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

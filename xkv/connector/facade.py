@@ -9,6 +9,7 @@ processes), but no network, no CUDA: those start only in ``__init__`` / ``regist
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -129,7 +130,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 namespace=cfg.key_namespace,
                 tp_rank=self._tp_rank,
                 gateway_factory=_gateway_factory(cfg, cfg.gateway_timeout_ms / 1000),
-                handler_factory=_handler_factory,
+                handler_factory=functools.partial(_handler_factory, verify=cfg.verify_restores),
             )
 
     # ================================================================ scheduler role
@@ -246,7 +247,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 side.shutdown()
 
 
-def _handler_factory(device: torch.device):
+def _handler_factory(device: torch.device, verify: bool = False):
     from xkv.connector.transfer import CudaTransferHandler, SyncTransferHandler
 
-    return CudaTransferHandler(device) if device.type == "cuda" else SyncTransferHandler()
+    if device.type == "cuda":
+        return CudaTransferHandler(device, verify=verify)
+    return SyncTransferHandler(verify=verify)

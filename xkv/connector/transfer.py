@@ -7,36 +7,133 @@ stream ordered after the layer's compute. Both have the same methods; the worker
 streams itself.
 
 Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` int64 [n] byte
-offsets into it; ``pool`` an ``xkv.layout.PagePool``; ``block_ids`` int64 [n].
+offsets into it (CPU); ``pool`` an ``xkv.layout.PagePool``; ``block_ids`` int64 [n] (CPU).
+
+Debug (``verify_restores``): a :class:`PageVerifier` poisons the destination pages of every load
+before the copy, then, once the copies finished, compares each restored (and each saved) block of
+every layer with the card bytes it came from (went to), byte for byte, and logs the counts as
+``XKV_VERIFY`` lines. It reads pages with plain torch indexing, not with the kernels under test.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
 from xkv import kernels
 
+log = logging.getLogger("xkv.connector")
+
+POISON = 0xA5
+_VERIFY_BATCH_BYTES = 256 << 20  # compare at most this many bytes of pages at once (memory cap)
+
+
+class PageVerifier:
+    """Counts block-layers whose page bytes differ from their card bytes (debug, slow)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {"restore": [], "save": []}
+        self.checked = {"restore": 0, "save": 0}
+        self.mismatched = {"restore": 0, "save": 0}
+
+    def poison(self, pool, block_ids: torch.Tensor) -> None:
+        """Fill the destination blocks with ``POISON`` (on the current stream) so that a restore
+        that never ran cannot pass for one that did (the pages may still hold the same KV)."""
+        ids = block_ids.to(pool.device)
+        for r in range(len(pool.runs)):
+            pool.run_view(r).index_fill_(0, ids, POISON)
+
+    def record(self, kind: str, card, offsets, pool, block_ids) -> None:
+        self.pending[kind].append((card, offsets.clone(), pool, block_ids.clone()))
+
+    def check(self, kind: str) -> None:
+        """Compare everything recorded for ``kind``; the copies must have finished."""
+        todo, self.pending[kind] = self.pending[kind], []
+        if not todo:
+            return
+        checked = bad = 0
+        for card, offs, pool, ids in todo:
+            c, b = _compare(card, offs, pool, ids)
+            checked, bad = checked + c, bad + b
+        self.checked[kind] += checked
+        self.mismatched[kind] += bad
+        if bad:
+            log.warning("XKV_VERIFY %s MISMATCH: %d of %d block-layers differ from the card",
+                        kind, bad, checked)
+        log.info("XKV_VERIFY %s checked=%d mismatched=%d total_checked=%d total_mismatched=%d",
+                 kind, checked, bad, self.checked[kind], self.mismatched[kind])
+
+
+def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) -> tuple[int, int]:
+    """(blocks compared, blocks differing) between ``pool`` blocks ``ids`` and the ``block_bytes``
+    card bytes at ``offs``. Card rows are fetched as contiguous spans (one copy per span)."""
+    n, bb = int(ids.numel()), pool.block_bytes
+    if n == 0 or bb == 0:
+        return 0, 0
+    dev = pool.device
+    per = max(1, _VERIFY_BATCH_BYTES // bb)
+    o = offs.tolist()
+    bad = 0
+    for a in range(0, n, per):
+        z = min(n, a + per)
+        want = torch.empty((z - a, bb), dtype=torch.uint8, device=dev)
+        flat = want.view(-1)
+        i = a
+        while i < z:  # maximal run of adjacent card fragments -> one copy
+            j = i + 1
+            while j < z and o[j] == o[j - 1] + bb:
+                j += 1
+            flat[(i - a) * bb:(j - a) * bb].copy_(card[o[i]:o[i] + (j - i) * bb], non_blocking=True)
+            i = j
+        idx = ids[a:z].to(dev)
+        got = torch.cat([pool.run_view(r).index_select(0, idx) for r in range(len(pool.runs))], 1)
+        bad += int((got != want).any(dim=1).sum())
+    return n, bad
+
+
+def _verifier(verify: bool) -> PageVerifier | None:
+    return PageVerifier() if verify else None
+
 
 class SyncTransferHandler:
     """Copies run inline, in call order; every method returns once the bytes moved."""
+
+    def __init__(self, verify: bool = False) -> None:
+        self.verifier = _verifier(verify)
 
     def begin_loads(self) -> None:
         return None
 
     def load_layer(self, name: str, card, offsets, pool, block_ids) -> None:
+        if self.verifier is not None:
+            self.verifier.poison(pool, block_ids)
+            self.verifier.record("restore", card, offsets, pool, block_ids)
         kernels.restore(card, offsets, pool, block_ids)
 
     def wait_layer(self, name: str) -> None:
         return None
 
     def sync_loads(self) -> None:
-        return None
+        if self.verifier is not None:
+            self.verifier.check("restore")
 
     def save_layer(self, name: str, pool, block_ids, card, offsets) -> None:
         kernels.save(pool, block_ids, card, offsets)
+        if self.verifier is not None:
+            self.verifier.record("save", card, offsets, pool, block_ids)
 
     def flush_saves(self) -> None:
-        return None
+        if self.verifier is not None:
+            self.verifier.check("save")
+
+
+def _engine(var: str) -> str:
+    e = os.environ.get(var, "auto")
+    if e not in kernels.ENGINES:
+        raise ValueError(f"{var}={e!r}: expected one of {kernels.ENGINES}")
+    return e
 
 
 class CudaTransferHandler:
@@ -44,27 +141,31 @@ class CudaTransferHandler:
 
     Loads are ordered after everything already queued on the compute stream (vLLM zeroes newly
     allocated blocks there before the forward, and a sync load must land after that).
+
+    Index tensors stay on the host: the kernels upload them through pinned memory on the stream
+    they run on, so issuing a layer never waits for the GPU (a device index tensor would be read
+    back by the launcher's validation, a synchronisation per layer that serialised issue and copy).
+    ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, verify: bool = False):
         self.device = device
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
+        self.load_engine = _engine("XKV_LOAD_ENGINE")
+        self.save_engine = _engine("XKV_SAVE_ENGINE")
+        self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
-        # index tensors kept alive until the copies reading them finished
-        self._keep: dict[str, list[torch.Tensor]] = {"load": [], "save": []}
-
-    def _dev(self, t: torch.Tensor, kind: str) -> torch.Tensor:
-        d = t.to(self.device, non_blocking=True)
-        self._keep[kind].append(d)
-        return d
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def load_layer(self, name: str, card, offsets, pool, block_ids) -> None:
         with torch.cuda.stream(self.load_stream):
-            kernels.restore(card, self._dev(offsets, "load"), pool, self._dev(block_ids, "load"))
+            if self.verifier is not None:
+                self.verifier.poison(pool, block_ids)
+                self.verifier.record("restore", card, offsets, pool, block_ids)
+            kernels.restore(card, offsets, pool, block_ids, engine=self.load_engine)
             ev = torch.cuda.Event()
             ev.record(self.load_stream)
         self._events[name] = ev
@@ -77,14 +178,20 @@ class CudaTransferHandler:
     def sync_loads(self) -> None:
         self.load_stream.synchronize()
         self._events.clear()
-        self._keep["load"].clear()
+        if self.verifier is not None:
+            self.verifier.check("restore")
+            torch.cuda.current_stream(self.device).synchronize()
 
     def save_layer(self, name: str, pool, block_ids, card, offsets) -> None:
         # The layer's new pages were written by work queued on the compute stream.
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.save_stream):
-            kernels.save(pool, self._dev(block_ids, "save"), card, self._dev(offsets, "save"))
+            kernels.save(pool, block_ids, card, offsets, engine=self.save_engine)
+        if self.verifier is not None:
+            self.verifier.record("save", card, offsets, pool, block_ids)
 
     def flush_saves(self) -> None:
         self.save_stream.synchronize()
-        self._keep["save"].clear()
+        if self.verifier is not None:
+            self.verifier.check("save")
+            torch.cuda.current_stream(self.device).synchronize()

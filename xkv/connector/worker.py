@@ -68,6 +68,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._saved: dict[tuple[int, int], set[int]] = {}  # (job, group) -> layers written
         self._t_load = 0.0
+        self._save_plan: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ start
 
@@ -124,6 +125,7 @@ class WorkerSide:
 
     def bind(self, meta: StepMetadata) -> None:
         self._meta = meta
+        self._save_plan = {}  # group -> (jobs, block ids, layer-0 offsets), built on first use
         if meta.turned_off and not self.turned_off:
             self.turn_off("the scheduler side lost the gateway")
 
@@ -153,26 +155,33 @@ class WorkerSide:
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+            base, step = self._base_offsets(plan, transfers), self._layer_stride(plan)
             for layer, name in enumerate(plan.group.layer_names):
-                offs = self._offsets(plan, transfers, layer)
+                offs = base + layer * step
                 self.handler.load_layer(name, self.card, offs, self.pools[name], blocks)
             nbytes = len(blocks) * plan.group.block_bytes * len(plan.group.layer_names)
             self.stats.add("bytes_restored", nbytes)
             self.stats.add("blocks_restored", len(blocks))
         self._t_load = time.perf_counter() - t0
 
-    def _offsets(self, plan: GroupPlan, transfers: list[GroupTransfer], layer: int) -> torch.Tensor:
-        """int64 [n]: byte offset on the card of each block of ``transfers`` for ``layer``."""
+    def _base_offsets(self, plan: GroupPlan, transfers: list[GroupTransfer]) -> torch.Tensor:
+        """int64 [n]: card offset of each block of ``transfers`` for layer 0 (this rank's shard).
+
+        Layer ``l`` adds ``l * k * block_bytes`` (objects are layer-major)."""
         shard = plan.shard_of(self.tp_rank)
-        k, bb = plan.blocks_per_chunk, plan.group.block_bytes
+        bb = plan.group.block_bytes
         return torch.tensor(
             [
-                gt.chunks[c].offsets[shard] + (layer * k + j) * bb
+                gt.chunks[c].offsets[shard] + j * bb
                 for gt in transfers
                 for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True)
             ],
             dtype=torch.int64,
         )
+
+    @staticmethod
+    def _layer_stride(plan: GroupPlan) -> int:
+        return plan.blocks_per_chunk * plan.group.block_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.handler.wait_layer(layer_name)
@@ -191,13 +200,18 @@ class WorkerSide:
         if not plan.writes(self.tp_rank) or meta.epoch != self.epoch:
             return
         t0 = time.perf_counter()
-        transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
-        if not transfers:
+        if g not in self._save_plan:
+            transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
+            blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids],
+                                  dtype=torch.int64)
+            base = self._base_offsets(plan, [gt for _, gt in transfers])
+            self._save_plan[g] = ([job for job, _ in transfers], blocks, base)
+        jobs, blocks, base = self._save_plan[g]
+        if not jobs:
             return
-        blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids], dtype=torch.int64)
-        offs = self._offsets(plan, [gt for _, gt in transfers], layer)
+        offs = base + layer * self._layer_stride(plan)
         self.handler.save_layer(layer_name, self.pools[layer_name], blocks, self.card, offs)
-        for job, _ in transfers:
+        for job in jobs:
             self._saved.setdefault((job.job_id, g), set()).add(layer)
         self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)
         self.stats.add("seconds_saved", time.perf_counter() - t0)
