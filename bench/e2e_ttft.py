@@ -1,21 +1,30 @@
 """Time to first token on a real GPU vLLM engine: recompute, GPU prefix hit, xkv restore, and vLLM's
 OffloadingConnector restore, measured in one call (issue 9).
 
-The parent process starts ``xkv-gateway`` and runs one child process per engine kind, one after the
-other, so each child owns the whole GPU:
+The parent process runs one child process per engine kind, one after the other (each child owns the
+whole GPU), and starts a fresh ``xkv-gateway`` (``python -m xkv.gateway``) for the xkv kinds:
 
-  none     no connector: cold prefill (recompute) and a GPU prefix hit, plus the reference first-token
-           logprobs of a fixed prompt
-  xkv      FusIOnXConnector: cold prefill with stores (overhead), then restore after
-           ``reset_prefix_cache()``; 8 x 16k restores while other requests decode; the gateway killed
-           mid-run (outputs must still equal the reference)
-  offload  vLLM's in-tree OffloadingConnector: restore from CPU after ``reset_prefix_cache()``
+  none     no connector: cold prefill (recompute), GPU prefix hit, the multi-request case, and the
+           reference first-token logprobs of a fixed prompt (cold, and as a GPU prefix hit)
+  xkv      FusIOnXConnector: cold prefill with stores (overhead), restore after
+           ``reset_prefix_cache()``, the multi-request case, then the logprob checks: restored (must
+           equal the no-connector GPU hit) and with the gateway SIGKILLed (must equal the
+           no-connector cold run)
+  offload  vLLM's in-tree OffloadingConnector: cold prefill with stores, restore from CPU after
+           ``reset_prefix_cache()``, the multi-request case
+  verify   FusIOnXConnector with ``verify_restores``: every restored and every saved block of every
+           layer is compared with its card bytes, byte for byte (``XKV_VERIFY`` lines in the log)
 
-Prompts are random token ids (max_tokens 1, median of ``--reps``). TTFT is the engine's
-scheduled-to-first-token time when vLLM reports it, else the wall time of ``LLM.generate``.
+Prompts are random token ids, max_tokens 1. TTFT = wall time of ``LLM.generate`` for one request
+(the measure of ``../shared/gpu-vllm`` anchors); the engine's scheduled-to-first-token time is kept
+too. Medians of ``--reps``. The multi-request case: ``--multi`` different 16k prompts (stored, then
+dropped from the GPU) restored while 4 other requests decode; TTFT per request = first-token latency.
+The ref prompt has 12 chunks + 1 tokens, so a chunk-granular restore and a block-granular GPU hit
+leave the same single token to compute (same shapes, so logprobs must be bit-equal).
 
-Usage (on the GPU machine, vLLM importable):
+Usage (GPU machine, vLLM 0.26 importable, repo on PYTHONPATH; bench/gpu_e2e.sh does all of it):
   python bench/e2e_ttft.py --model bench/models/llama8b --out $OUT [--lens 4096,8192,16384,32768]
+  python bench/e2e_ttft.py --report-only OUT/e2e_ttft.json --out DIR   # table + PNG again
 """
 
 from __future__ import annotations
@@ -28,19 +37,22 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-KINDS = ("none", "xkv", "offload")
+KINDS = ("none", "xkv", "offload", "verify")
 
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model dir (config.json; dummy weights)")
-    ap.add_argument("--out", default="out/e2e", help="output dir for JSON, table and plot")
+    ap.add_argument("--model", default="bench/models/llama8b", help="model dir (config.json; dummy weights)")
+    ap.add_argument("--out", default="out/e2e", help="output dir for JSON, logs, table and plot")
     ap.add_argument("--lens", default="4096,8192,16384,32768")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cold-reps", type=int, default=5, help="cold prefills per length (overhead)")
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--verify-lens", default="4096,32768", help="lengths of the byte-exact check")
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--max-batched", type=int, default=16384)
@@ -49,28 +61,33 @@ def _args(argv=None):
     ap.add_argument("--offload-gib", type=float, default=24.0)
     ap.add_argument("--port", type=int, default=5599)
     ap.add_argument("--multi", type=int, default=8, help="concurrent 16k restores (0: skip)")
+    ap.add_argument("--multi-len", type=int, default=16384, help="prompt length of the multi case")
+    ap.add_argument("--ref-chunks", type=int, default=12, help="ref prompt = this many chunks + 1")
+    ap.add_argument("--child-timeout", type=float, default=400.0, help="seconds per engine child")
+    ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------- child
-def _engine(a, kind):
+def _engine(a, kind, max_len):
     from vllm import LLM
 
-    lens = [int(x) for x in a.lens.split(",")]
     kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              enforce_eager=True, gpu_memory_utilization=a.gpu_util, max_model_len=max(lens) + 64,
+              enforce_eager=True, gpu_memory_utilization=a.gpu_util, max_model_len=max_len + 64,
               max_num_batched_tokens=a.max_batched, enable_prefix_caching=True, seed=0,
-              attention_backend=a.backend)
-    if kind == "xkv":
+              disable_log_stats=False)
+    if a.backend:
+        kw["attention_backend"] = a.backend
+    if kind in ("xkv", "verify"):
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size,
-                                          "verify_restores": os.environ.get("XKV_VERIFY", "0") == "1"},
+                                          "verify_restores": kind == "verify"},
         }
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -78,159 +95,237 @@ def _engine(a, kind):
     return LLM(**kw)
 
 
-def _run(llm, prompts, max_tokens=1, logprobs=None):
+def _sp(max_tokens=1, logprobs=None):
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
-                        logprobs=logprobs)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
+                          logprobs=logprobs)
+
+
+def _rec(o, wall):
+    m = getattr(o, "metrics", None)
+    eng = ftl = None
+    if m is not None:
+        if getattr(m, "scheduled_ts", 0) and getattr(m, "first_token_ts", 0):
+            eng = round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)
+        if getattr(m, "first_token_latency", 0):
+            ftl = round(m.first_token_latency * 1e3, 2)
+    lp = None
+    if o.outputs[0].logprobs:
+        lp = sorted((int(k), float(v.logprob)) for k, v in o.outputs[0].logprobs[0].items())
+    return dict(ttft_ms=round(wall, 2), engine_ms=eng, ftl_ms=ftl, cached=o.num_cached_tokens,
+                tokens=list(o.outputs[0].token_ids), logprobs=lp)
+
+
+def _run(llm, prompts, logprobs=None):
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sp(1, logprobs), use_tqdm=False)
     wall = (time.perf_counter() - t) * 1e3
-    recs = []
-    for o in outs:
-        m = getattr(o, "metrics", None)
-        eng = None
-        if m is not None and getattr(m, "scheduled_ts", 0) and getattr(m, "first_token_ts", 0):
-            eng = (m.first_token_ts - m.scheduled_ts) * 1e3
-        lp = None
-        if logprobs is not None and o.outputs[0].logprobs:
-            lp = sorted((int(k), float(v.logprob)) for k, v in o.outputs[0].logprobs[0].items())
-        recs.append(dict(ttft_ms=round(eng if eng is not None else wall, 2), wall_ms=round(wall, 2),
-                         cached=o.num_cached_tokens, tokens=list(o.outputs[0].token_ids), logprobs=lp))
-    return recs
+    return [_rec(o, wall) for o in outs]
+
+
+def _emit(tag, obj):
+    print(f"{tag} " + json.dumps(obj), flush=True)
 
 
 def _child(a):
     kind = a.child
-    lens = [int(x) for x in a.lens.split(",")]
+    lens = [int(x) for x in (a.verify_lens if kind == "verify" else a.lens).split(",")]
+    reps = 1 if kind == "verify" else a.reps
+    cold_reps = 1 if kind == "verify" else max(a.reps, a.cold_reps)
     rng = random.Random(1234)
-    prompt = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]
-    ref_prompt = random.Random(99).choices(range(1000, 120000), k=3000)
+
+    def prompt(n):
+        return [rng.randrange(1000, 120000) for _ in range(n)]
+
+    ref_prompt = random.Random(99).choices(range(1000, 120000), k=a.ref_chunks * a.chunk_size + 1)
     t0 = time.perf_counter()
-    llm = _engine(a, kind)
-    res = dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1), rows=[])
-    row = lambda phase, n, r: res["rows"].append(dict(phase=phase, tokens=n, **r))
+    llm = _engine(a, kind, max(lens + [a.multi_len, len(ref_prompt)]))
+    _emit("E2E_INFO", dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1)))
+
+    def row(phase, n, r):
+        r = {k: v for k, v in r.items() if k not in ("logprobs",)}
+        _emit("E2E_ROW", dict(kind=kind, phase=phase, tokens=n, **r))
+
+    def reset():
+        ok = llm.reset_prefix_cache()
+        time.sleep(0.2)  # let the async output of the reset settle, as the anchors did
+        return bool(ok)
+
+    # reference logprobs first (fresh engine, nothing cached): cold, then GPU hit / restore
+    ref = {"cold": _run(llm, [ref_prompt], logprobs=5)[0]}
+    if kind == "none":
+        ref["hit"] = _run(llm, [ref_prompt], logprobs=5)[0]
+    elif kind in ("xkv", "verify"):
+        reset()
+        ref["restored"] = _run(llm, [ref_prompt], logprobs=5)[0]
+    _emit("E2E_REF", ref)
 
     # warm-up: compile kernels for short and long shapes and the hit / restore path
     for n in (512, max(lens)):
         p = prompt(n)
         _run(llm, [p]), _run(llm, [p])
         if kind != "none":
-            llm.reset_prefix_cache(), time.sleep(0.2), _run(llm, [p])
+            reset(), _run(llm, [p])
     for n in lens:
         p = None
-        for _ in range(a.reps):
+        for _ in range(cold_reps):
             p = prompt(n)
             row("cold", n, _run(llm, [p])[0])
         if kind == "none":
-            for _ in range(a.reps):
+            for _ in range(reps):
                 row("gpu_hit", n, _run(llm, [p])[0])
         else:
-            for _ in range(a.reps):
-                ok = llm.reset_prefix_cache()
-                time.sleep(0.2)
+            for _ in range(reps):
+                ok = reset()
                 r = _run(llm, [p])[0]
-                r["reset_ok"] = bool(ok)
+                r["reset_ok"] = ok
                 row("restore", n, r)
-    if kind != "offload" and a.multi:
-        # a restored 16k prompt costs most when other requests decode beside it
-        ps = [prompt(16384) for _ in range(a.multi)]
-        _run(llm, ps)
-        llm.reset_prefix_cache()
-        time.sleep(0.2)
-        from vllm import SamplingParams
-
-        dec = SamplingParams(max_tokens=64, temperature=0.0, detokenize=False, ignore_eos=True)
-        sp1 = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+    if a.multi:
+        # restores cost most when other requests decode beside them
+        ps = [prompt(a.multi_len) for _ in range(a.multi)]
+        if kind != "none":
+            _run(llm, ps)
+            reset()
+        dec = _sp(64)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": prompt(256)} for _ in range(4)] +
                             [{"prompt_token_ids": p} for p in ps],
-                            [dec] * 4 + [sp1] * len(ps), use_tqdm=False)
+                            [dec] * 4 + [_sp(1)] * len(ps), use_tqdm=False)
         wall = (time.perf_counter() - t) * 1e3
         for o in outs[4:]:
-            m = o.metrics
-            ttft = (m.first_token_ts - m.scheduled_ts) * 1e3 if getattr(m, "scheduled_ts", 0) else wall
-            row("multi_restore" if kind == "xkv" else "multi_cold", 16384,
-                dict(ttft_ms=round(ttft, 2), wall_ms=round(wall, 2), cached=o.num_cached_tokens))
-    # reference logprobs of the first token; for xkv: stored, restored, and with the gateway killed
-    res["ref"] = _run(llm, [ref_prompt], logprobs=5)[0]
-    if kind == "xkv":
-        llm.reset_prefix_cache()
-        res["ref_restored"] = _run(llm, [ref_prompt], logprobs=5)[0]
-        if a.gateway_pid:
-            os.kill(a.gateway_pid, signal.SIGKILL)
-            time.sleep(0.5)
-            llm.reset_prefix_cache()
-            res["ref_gateway_killed"] = _run(llm, [ref_prompt], logprobs=5)[0]
-            res["after_kill_new"] = _run(llm, [prompt(4096)])[0]
-    print("CHILD_RESULT " + json.dumps(res), flush=True)
+            r = _rec(o, wall)
+            r["ttft_ms"] = r["ftl_ms"] if r["ftl_ms"] is not None else wall
+            r["wall_ms"] = round(wall, 2)
+            row("multi", a.multi_len, r)
+    if kind == "xkv" and a.gateway_pid:
+        os.kill(a.gateway_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        reset()
+        killed = _run(llm, [ref_prompt], logprobs=5)[0]
+        _emit("E2E_REF", {"gateway_killed": killed})
+        row("after_kill_cold", 4096, _run(llm, [prompt(4096)])[0])
+    _emit("E2E_DONE", {"kind": kind})
 
 
 # ---------------------------------------------------------------------------------------- parent
-def _median(rows, phase, n):
-    v = [r["ttft_ms"] for r in rows if r["phase"] == phase and r["tokens"] == n]
+def _median(rows, kind, phase, n, key="ttft_ms"):
+    v = [r[key] for r in rows if r["kind"] == kind and r["phase"] == phase and r["tokens"] == n
+         and r.get(key) is not None]
     return statistics.median(v) if v else None
 
 
-def _start_gateway(a):
+def _start_gateway(a, log):
+    from xkv.gateway.testing import spawn_gateway
+
     cap = f"{int(a.card_gib * 1024)}M"
-    gw = subprocess.Popen([sys.executable, "-m", "xkv.gateway", "--capacity", cap, "--port", str(a.port),
-                           "--log-level", "INFO"], stdout=sys.stdout, stderr=sys.stderr)
-    time.sleep(3.0)
-    if gw.poll() is not None:
-        raise SystemExit(f"xkv-gateway exited with {gw.returncode}")
+    t = time.perf_counter()
+    gw, port = spawn_gateway(cap, a.port, timeout_s=300.0, stderr=log)
+    print(f"[gateway] {cap} card up in {time.perf_counter() - t:.1f} s on port {port}", flush=True)
     return gw
 
 
 def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    lens = [int(x) for x in a.lens.split(",")]
-    results = {}
+    res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}}
     for kind in a.kinds.split(","):
-        gw = _start_gateway(a) if kind == "xkv" else None
+        log = open(out / f"{kind}.log", "w")  # noqa: SIM115 (closed below, after the child)
+        gw = _start_gateway(a, log) if kind in ("xkv", "verify") else None
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
         if gw is not None:
             cmd += ["--gateway-pid", str(gw.pid)]
-        env = dict(os.environ, PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0")
+        env = dict(os.environ, PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0",
+                   XKV_GATEWAY_HOSTNAME="127.0.0.1")
         t = time.perf_counter()
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        (out / f"{kind}.log").write_text(p.stdout + "\n" + p.stderr)
-        line = [x for x in p.stdout.splitlines() if x.startswith("CHILD_RESULT ")]
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(a.child_timeout, p.kill)  # a hung child prints nothing
+        watchdog.start()
+        try:
+            for line in p.stdout:
+                log.write(line)
+                tag, _, body = line.partition(" ")
+                if tag in ("E2E_ROW", "E2E_REF", "E2E_INFO", "E2E_DONE"):
+                    obj = json.loads(body)
+                    if tag == "E2E_ROW":
+                        res["rows"].append(obj)
+                        print(f"  {kind:7s} {obj['phase']:15s} {obj['tokens']:6d} {obj['ttft_ms']:9.1f} ms "
+                              f"(engine {obj.get('engine_ms')}, cached {obj['cached']})", flush=True)
+                    elif tag == "E2E_REF":
+                        res["ref"].setdefault(kind, {}).update(obj)
+                    elif tag == "E2E_INFO":
+                        res["info"][kind] = obj
+                        print(f"[{kind}] {obj}", flush=True)
+                elif "XKV_VERIFY" in line:
+                    res["verify"].append(line.strip()[-200:])
+                elif "Traceback" in line or "Error" in line:
+                    print(f"  {kind}: {line.rstrip()[:300]}", flush=True)
+        finally:
+            p.wait()
+            watchdog.cancel()
+        res["rc"][kind] = p.returncode
         print(f"[{kind}] rc={p.returncode} in {time.perf_counter() - t:.0f} s", flush=True)
-        if line:
-            results[kind] = json.loads(line[-1][len("CHILD_RESULT "):])
-        else:
-            print(p.stderr[-4000:], flush=True)
         if gw is not None and gw.poll() is None:
-            gw.send_signal(signal.SIGTERM)
-            gw.wait(timeout=30)
-    (out / "e2e_ttft.json").write_text(json.dumps(results, indent=1))
-    _report(results, lens, out)
+            from xkv.gateway.testing import stop_gateway
+
+            stop_gateway(gw)
+        log.close()
+        (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
+    _report(res, out)
 
 
-def _report(results, lens, out):
-    none, xkv, off = (results.get(k, {}).get("rows", []) for k in KINDS)
-    hdr = "| tokens | recompute | GPU hit | xkv restore | Offloading restore | xkv/recompute | xkv/Offloading | xkv cold | cold overhead |"
-    lines = [hdr, "|" + "---|" * 9]
+def _verify_totals(lines):
+    tot = {}
+    for ln in lines:
+        parts = dict(x.split("=", 1) for x in ln.split() if "=" in x)
+        kind = "restore" if "XKV_VERIFY restore" in ln else "save"
+        if "total_checked" in parts:
+            tot[kind] = (int(parts["total_checked"]), int(parts["total_mismatched"]))
+    return tot
+
+
+def _report(res, out):
+    rows = res["rows"]
+    lens = sorted({r["tokens"] for r in rows if r["phase"] in ("cold", "restore", "gpu_hit")})
+    f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+    q = lambda x, y: "—" if x is None or not y else f"{x / y:.3f}"  # noqa: E731
+    pc = lambda x, y: "—" if x is None or not y else f"{(x / y - 1) * 100:+.1f}%"  # noqa: E731
+    lines = ["TTFT, ms (wall time of one LLM.generate, median):", "",
+             "| tokens | recompute | GPU hit | xkv restore | Offloading restore | xkv / recompute | "
+             "xkv / Offloading | cold with xkv stores | cold with Offloading stores |",
+             "|" + "---|" * 9]
     for n in lens:
-        rc, hit, rs, of = _median(none, "cold", n), _median(none, "gpu_hit", n), _median(xkv, "restore", n), _median(off, "restore", n)
-        xc = _median(xkv, "cold", n)
-        f = lambda v: "—" if v is None else f"{v:.1f}"
-        r = lambda x, y: "—" if x is None or not y else f"{x / y:.3f}"
-        lines.append(f"| {n} | {f(rc)} | {f(hit)} | {f(rs)} | {f(of)} | {r(rs, rc)} | {r(rs, of)} | {f(xc)} | "
-                     f"{'—' if xc is None or not rc else f'{(xc / rc - 1) * 100:+.1f}%'} |")
-    for kind, rows in (("none", none), ("xkv", xkv)):
-        m = [r["ttft_ms"] for r in rows if r["phase"].startswith("multi")]
+        rc, hit = _median(rows, "none", "cold", n), _median(rows, "none", "gpu_hit", n)
+        rs, of = _median(rows, "xkv", "restore", n), _median(rows, "offload", "restore", n)
+        xc, oc = _median(rows, "xkv", "cold", n), _median(rows, "offload", "cold", n)
+        lines.append(f"| {n} | {f(rc)} | {f(hit)} | {f(rs)} | {f(of)} | {q(rs, rc)} | {q(rs, of)} | "
+                     f"{f(xc)} ({pc(xc, rc)}) | {f(oc)} ({pc(oc, rc)}) |")
+    lines += ["", "Engine scheduled-to-first-token, ms (median): "
+              + "; ".join(f"{n}: none cold {f(_median(rows, 'none', 'cold', n, 'engine_ms'))}, hit "
+                          f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "
+                          f"{f(_median(rows, 'xkv', 'restore', n, 'engine_ms'))}, Offloading restore "
+                          f"{f(_median(rows, 'offload', 'restore', n, 'engine_ms'))}" for n in lens)]
+    for kind in ("none", "xkv", "offload"):
+        m = [r for r in rows if r["kind"] == kind and r["phase"] == "multi"]
         if m:
-            lines.append(f"\n{kind}: {len(m)} x 16k prompts beside 4 decoding requests: median TTFT "
-                         f"{statistics.median(m):.1f} ms, max {max(m):.1f} ms, cached {[r['cached'] for r in rows if r['phase'].startswith('multi')]}")
-    x = results.get("xkv", {})
-    ref = results.get("none", {}).get("ref")
-    for key in ("ref", "ref_restored", "ref_gateway_killed"):
-        if key in x and ref:
-            same = x[key]["logprobs"] == ref["logprobs"] and x[key]["tokens"] == ref["tokens"]
-            lines.append(f"xkv {key}: cached={x[key]['cached']} first-token logprobs equal to no-connector run: {same}")
+            t = [r["ttft_ms"] for r in m]
+            lines.append(f"multi ({kind}): {len(m)} x 16k prompts beside 4 decoding requests: first-token "
+                         f"latency median {statistics.median(t):.1f} ms, max {max(t):.1f} ms, cached "
+                         f"tokens {[r['cached'] for r in m]}")
+    ref = res["ref"]
+    none = ref.get("none", {})
+    checks = [("xkv", "cold", "cold"), ("xkv", "restored", "hit"), ("xkv", "gateway_killed", "cold"),
+              ("verify", "restored", "hit")]
+    for kind, key, base in checks:
+        x, b = ref.get(kind, {}).get(key), none.get(base)
+        if x and b:
+            same = x["logprobs"] == b["logprobs"] and x["tokens"] == b["tokens"]
+            lines.append(f"first-token top-5 logprobs, {kind} {key} (cached {x['cached']}) == no-connector "
+                         f"{base} (cached {b['cached']}): {same}")
+    vt = _verify_totals(res.get("verify", []))
+    for k, (c, m) in vt.items():
+        lines.append(f"byte-exact check ({k}): {c} block-layers compared with the card, {m} differ")
+    lines.append(f"child exit codes: {res.get('rc')}")
     table = "\n".join(lines)
     print(table, flush=True)
     (out / "table.md").write_text(table + "\n")
@@ -239,22 +334,30 @@ def _report(results, lens, out):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, rows, phase in (("recompute", none, "cold"), ("GPU prefix hit", none, "gpu_hit"),
-                                   ("xkv restore", xkv, "restore"), ("OffloadingConnector restore", off, "restore")):
-            ys = [_median(rows, phase, n) for n in lens]
-            if any(y is not None for y in ys):
-                ax.plot(lens, ys, marker="o", label=label)
-        ax.set_xscale("log", base=2), ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens"), ax.set_ylabel("TTFT (ms)"), ax.legend(), ax.grid(alpha=0.3)
-        ax.set_title("TTFT, Llama-3-8B shape, H200, vLLM 0.26")
-        fig.tight_layout()
-        fig.savefig(out / "e2e_ttft.png", dpi=120)
     except ImportError:
-        print("matplotlib missing: no plot", flush=True)
+        print("matplotlib missing: no plot (rerun with --report-only)", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, kind, phase in (("recompute", "none", "cold"), ("GPU prefix hit", "none", "gpu_hit"),
+                               ("xkv restore", "xkv", "restore"),
+                               ("OffloadingConnector restore", "offload", "restore")):
+        ys = [_median(rows, kind, phase, n) for n in lens]
+        if any(y is not None for y in ys):
+            ax.plot(lens, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2), ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens"), ax.set_ylabel("TTFT (ms)"), ax.legend(), ax.grid(alpha=0.3)
+    ax.set_title("TTFT, Llama-3-8B shape (dummy weights), H200, vLLM 0.26, FLASH_ATTN")
+    fig.tight_layout()
+    fig.savefig(out / "e2e_ttft.png", dpi=120)
 
 
 if __name__ == "__main__":
     args = _args()
-    _child(args) if args.child else _parent(args)
+    if args.child:
+        _child(args)
+    elif args.report_only:
+        o = Path(args.out)
+        o.mkdir(parents=True, exist_ok=True)
+        _report(json.loads(Path(args.report_only).read_text()), o)
+    else:
+        _parent(args)

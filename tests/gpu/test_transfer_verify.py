@@ -1,0 +1,103 @@
+"""The transfer handlers' byte-exact check (``verify_restores``) and the CUDA handler's streams.
+
+CPU tests run the SyncTransferHandler on an NHD-strided FLASH_ATTN-shaped cache (vLLM 0.26's
+``(B, H, N, 2D)`` view of ``[B, N, H, 2D]`` memory); the ``gpu`` test runs CudaTransferHandler on
+the same shape with a pinned card: a correct restore and save are counted as matches, a skipped or
+corrupted copy as mismatches (so the check can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xkv.connector import transfer
+from xkv.layout import describe_cache
+
+B, H, N, D2 = 12, 2, 16, 64  # blocks, kv heads, tokens per block, 2 * head dim (bf16)
+
+
+def _cache(device):
+    mem = torch.zeros(B, N, H, D2, dtype=torch.bfloat16, device=device)
+    return mem.permute(0, 2, 1, 3)  # logical (B, H, N, 2D), NHD strides
+
+
+def _card(nbytes, device="cpu"):
+    g = torch.Generator().manual_seed(7)
+    c = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    return c.pin_memory() if device == "cuda" else c
+
+
+def _setup(device):
+    kv = _cache(device)
+    pool = describe_cache(kv, num_blocks=B, layout="NHD")
+    bb = pool.block_bytes
+    card = _card(8 * bb + 3 * bb, "cuda" if device == "cuda" else "cpu")
+    # odd card order: two spans of adjacent fragments and one lone fragment
+    offs = torch.tensor([0, bb, 2 * bb, 5 * bb, 6 * bb, 9 * bb], dtype=torch.int64)
+    ids = torch.tensor([7, 2, 11, 0, 5, 3], dtype=torch.int64)
+    return kv, pool, card, offs, ids, bb
+
+
+def test_sync_restore_and_save_verified():
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    h = transfer.SyncTransferHandler(verify=True)
+    h.load_layer("l0", card, offs, pool, ids)
+    h.sync_loads()
+    assert h.verifier.checked["restore"] == 6 and h.verifier.mismatched["restore"] == 0
+    for i, b in enumerate(ids.tolist()):
+        assert torch.equal(pool.block(b), card[offs[i]: offs[i] + bb])
+    out = torch.zeros_like(card)
+    h.save_layer("l0", pool, ids, out, offs)
+    h.flush_saves()
+    assert h.verifier.checked["save"] == 6 and h.verifier.mismatched["save"] == 0
+
+
+def test_sync_skipped_restore_is_caught(monkeypatch):
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    # the pages already hold the card bytes (as after a reset of the GPU prefix cache) ...
+    transfer.kernels.restore(card, offs, pool, ids)
+    h = transfer.SyncTransferHandler(verify=True)
+    # ... and the restore does nothing: only the poison can tell
+    monkeypatch.setattr(transfer.kernels, "restore", lambda *a, **k: None)
+    h.load_layer("l0", card, offs, pool, ids)
+    h.sync_loads()
+    assert h.verifier.mismatched["restore"] == 6
+
+
+def test_sync_one_corrupt_byte_is_caught():
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    h = transfer.SyncTransferHandler(verify=True)
+    h.load_layer("l0", card, offs, pool, ids)
+    pool.run_view(0)[int(ids[4]), bb - 1] ^= 1  # after the copy, before the check
+    h.sync_loads()
+    assert (h.verifier.checked["restore"], h.verifier.mismatched["restore"]) == (6, 1)
+
+
+def test_empty_load_checks_nothing():
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    h = transfer.SyncTransferHandler(verify=True)
+    h.load_layer("l0", card, offs[:0], pool, ids[:0])
+    h.sync_loads()
+    assert h.verifier.checked["restore"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_handler_restore_save_verified():
+    kv, pool, card, offs, ids, bb = _setup("cuda")
+    h = transfer.CudaTransferHandler(torch.device("cuda"), verify=True)
+    h.begin_loads()
+    h.load_layer("l0", card, offs, pool, ids)
+    h.wait_layer("l0")
+    h.sync_loads()
+    assert h.verifier.checked["restore"] == 6 and h.verifier.mismatched["restore"] == 0
+    out = torch.zeros_like(card).pin_memory()
+    h.save_layer("l0", pool, ids, out, offs)
+    h.flush_saves()
+    assert h.verifier.mismatched["save"] == 0
+    for i in range(6):
+        assert torch.equal(out[offs[i]: offs[i] + bb], card[offs[i]: offs[i] + bb])
+    pool.run_view(0)[int(ids[0]), 0] ^= 1
+    h.save_layer("l0", pool, ids[:1], card, offs[:1])  # save writes the flipped byte: matches
+    h.flush_saves()
+    assert h.verifier.mismatched["save"] == 0
