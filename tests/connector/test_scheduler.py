@@ -173,18 +173,40 @@ def test_shared_prefix_in_one_batch_saved_once(make, fake_gateway):
     assert len(keys) == len(set(keys))  # a chunk is reserved by one request only
 
 
-def test_gateway_dies_turns_off(make, fake_gateway, caplog):
+def test_gateway_dies_turns_off(make, fake_gateway):
+    s = make()
+    _run(s, fake_gateway, H.make_request("a", _prompt(300)))
+    s.reset_prefix_cache()
+    fake_gateway.dead = True
+    # a failed call costs only that request its hit (a slow answer is not a death); failures
+    # in a row (LOOKUP, then RESERVE of the same request, then the next LOOKUP) turn it off
+    offs = []
+    for i in range(3):
+        s.add_request(H.make_request(f"b{i}", _prompt(300, base=100 * i + 5)))
+        so, meta = H.step(s)
+        assert so.num_scheduled_tokens[f"b{i}"] == 300 and not meta.loads
+        offs.append(meta.turned_off)
+    assert offs[0] is False and offs[-1] is True
+    fake_gateway.dead = False
+    n0 = len(fake_gateway.messages)
+    _run(s, fake_gateway, H.make_request("c", _prompt(300, base=99)))
+    assert fake_gateway.messages[n0:] == []  # off for good
+
+
+def test_one_failure_then_recovery(make, fake_gateway):
     s = make()
     _run(s, fake_gateway, H.make_request("a", _prompt(300)))
     s.reset_prefix_cache()
     fake_gateway.dead = True
     s.add_request(H.make_request("b", _prompt(300)))
-    so, meta = H.step(s)
-    assert so.num_scheduled_tokens["b"] == 300 and not meta.loads and meta.turned_off
+    H.step(s)  # LOOKUP and RESERVE fail: two in a row, not yet off
     fake_gateway.dead = False
-    n0 = len(fake_gateway.messages)
-    _run(s, fake_gateway, H.make_request("c", _prompt(300, base=99)))
-    assert fake_gateway.messages[n0:] == []  # off for good
+    while s.has_unfinished_requests():
+        H.step(s)
+    assert s.reset_prefix_cache()
+    s.add_request(H.make_request("c", _prompt(300)))
+    _, meta = H.step(s)
+    assert meta.loads[0].num_tokens == 256 and not meta.turned_off
 
 
 def test_kv_roles(make, fake_gateway):

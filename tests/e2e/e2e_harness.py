@@ -25,7 +25,8 @@ def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, 
     """Run ``steps`` (see engine_driver.py) in a child process; returns (result, log text)."""
     proc, port = gateway
     sc = {"model": models[kind], **MODEL_ARGS[kind], "port": port, "gateway_pid": proc.pid,
-          "extra": extra or {}, "steps": steps, "verify": verify and not multiprocess}
+          # a loaded 2-core CI box can miss the 50 ms production default now and then
+          "extra": {"lookup_timeout_ms": 2000, **(extra or {})}, "steps": steps, "verify": verify and not multiprocess}
     with tempfile.TemporaryDirectory() as d:
         scp, rp = Path(d, "scenario.json"), Path(d, "result.json")
         scp.write_text(json.dumps(sc))

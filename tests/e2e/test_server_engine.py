@@ -36,7 +36,8 @@ def test_openai_server_quick_start(models, gateway, tmp_path):
     ktc = {"kv_connector": "FusIOnXConnector",
            "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"xkv_gateway_port": gw_port, "chunk_size": 64}}
+           "kv_connector_extra_config": {"xkv_gateway_port": gw_port, "chunk_size": 64,
+                                         "lookup_timeout_ms": 2000}}
     env = dict(os.environ, PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_SERVER_DEV_MODE="1", VLLM_LOG_STATS_INTERVAL="1", VLLM_CACHE_ROOT=VLLM_CACHE,
                VLLM_USE_V2_MODEL_RUNNER="0",

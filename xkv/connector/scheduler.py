@@ -14,7 +14,8 @@ One request's life (see docs/architecture.md):
 4. Workers report finished loads (``update_connector_output``); the lease is released once every
    rank finished, and in any case when the request finishes.
 
-Failure: a dead gateway (``GatewayUnavailable``) turns the connector off for good: zero hits, no
+Failure: ``MAX_FAILURES`` consecutive ``GatewayUnavailable`` (dead, restarted, or deadlines
+missed; a single slow answer only costs that request its hit) turn the connector off for good: zero hits, no
 saves, and ``StepMetadata.turned_off`` tells every worker to turn off too.
 """
 
@@ -40,6 +41,10 @@ from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
+
+#: Consecutive failed gateway calls (no reply within the deadline, dead, restarted) after which a
+#: process stops using the external cache until vLLM and the gateway are restarted together.
+MAX_FAILURES = 3
 
 
 def request_opted_out(request: Any) -> bool:
@@ -105,6 +110,7 @@ class SchedulerSide:
         self.world_size = world_size
         self.stats = ConnectorStats()
         self.turned_off = False
+        self._failures = 0  # consecutive GatewayUnavailable
         self._lookups: dict[str, _Lookup] = {}
         self._states: dict[str, _ReqState] = {}
         self._pending_loads: list[TransferJob] = []
@@ -160,12 +166,13 @@ class SchedulerSide:
                 timeout_s=self.cfg.lookup_timeout_ms / 1000,
             )
         except GatewayUnavailable as e:
-            self._turn_off(f"LOOKUP failed: {e}")
+            self._unavailable(f"LOOKUP failed: {e}")
             return 0
         except GatewayError as e:
             self.stats.add("gateway_errors")
             log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
             return 0
+        self._failures = 0
         self.stats.add("lookups")
         hits = min(res.num_chunks, stop - start)
         ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
@@ -303,12 +310,13 @@ class SchedulerSide:
             try:
                 res = self.gw.reserve(self.layout_ids[g], keys)
             except GatewayUnavailable as e:
-                self._turn_off(f"RESERVE failed: {e}")
+                self._unavailable(f"RESERVE failed: {e}")
                 return
             except GatewayError as e:
                 self.stats.add("gateway_errors")
                 log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
                 continue
+            self._failures = 0
             refs, blocks, chunk_of, pos = [], [], [], []
             for c, r in zip(todo, res, strict=True):
                 if r is None:  # stored already, being written elsewhere, or no space
@@ -365,8 +373,9 @@ class SchedulerSide:
             return
         try:
             self.gw.release(lease_id)
+            self._failures = 0
         except GatewayUnavailable as e:
-            self._turn_off(f"RELEASE failed: {e}")
+            self._unavailable(f"RELEASE failed: {e}")
         except GatewayError as e:
             self.stats.add("gateway_errors")
             log.debug("xkv: RELEASE %s refused: %s", lease_id, e)
@@ -374,6 +383,14 @@ class SchedulerSide:
     def _job_id(self) -> int:
         self._next_job += 1
         return self._next_job - 1
+
+    def _unavailable(self, reason: str) -> None:
+        self._failures += 1
+        self.stats.add("gateway_errors")
+        if self._failures >= MAX_FAILURES:
+            self._turn_off(f"{reason} ({self._failures} failed calls in a row)")
+        else:
+            log.warning("xkv scheduler: %s; no external hit for this call", reason)
 
     def _turn_off(self, reason: str) -> None:
         if self.turned_off:

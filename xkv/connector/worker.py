@@ -24,6 +24,7 @@ import torch
 
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
 from xkv.connector.registry import GroupPlan, Registry
+from xkv.connector.scheduler import MAX_FAILURES
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler
 from xkv.gateway.client import GatewayError, GatewayUnavailable
@@ -55,6 +56,7 @@ class WorkerSide:
         self._handler_factory = handler_factory
         self.stats = ConnectorStats()
         self.turned_off = False
+        self._failures = 0  # consecutive GatewayUnavailable
         self.gw = None
         self.card: torch.Tensor | None = None
         self.epoch = 0
@@ -251,9 +253,17 @@ class WorkerSide:
                     "aborting %d chunk(s)", job.req_id, g, len(keys))
                 self.gw.abort(self.layout_ids[g], shard, keys)
                 self.stats.add("save_errors", len(keys))
+            self._failures = 0
         except GatewayUnavailable as e:
             self.stats.add("save_errors", len(keys))
-            self.turn_off(f"COMMIT failed: {e}")
+            self.stats.add("gateway_errors")
+            self._failures += 1
+            if self._failures >= MAX_FAILURES:
+                self.turn_off(f"{'COMMIT' if ok else 'ABORT'} failed {self._failures} times in a "
+                              f"row: {e}")
+            else:
+                log.warning("xkv: COMMIT for request %s failed: %s", job.req_id, e)
+            return
         except GatewayError as e:
             self.stats.add("save_errors", len(keys))
             self.stats.add("gateway_errors")
