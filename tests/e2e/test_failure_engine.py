@@ -53,6 +53,8 @@ def test_gateway_killed_during_requests(models, gateway):
     ], extra={"chunk_size": 64, "lookup_timeout_ms": 100})
     r = {x["name"]: x for x in res["runs"]}
     ref = r["store"]["tokens"]
+    assert r["during"]["seconds"] > 0.05  # the gateway died while the batch was running
+    assert r["during"]["gw_after"] is None  # ... and was gone when it ended
     assert [t[:8] for t in r["during"]["tokens"][:6]] == ref
     assert r["after"]["tokens"] == ref
     assert r["after"]["cached"] == [0] * 6
