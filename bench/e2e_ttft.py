@@ -62,6 +62,7 @@ def _args(argv=None):
     ap.add_argument("--port", type=int, default=5599)
     ap.add_argument("--multi", type=int, default=8, help="concurrent 16k restores (0: skip)")
     ap.add_argument("--multi-len", type=int, default=16384, help="prompt length of the multi case")
+    ap.add_argument("--vocab", type=int, default=120000, help="token ids are drawn below this")
     ap.add_argument("--ref-chunks", type=int, default=12, help="ref prompt = this many chunks + 1")
     ap.add_argument("--child-timeout", type=float, default=400.0, help="seconds per engine child")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
@@ -114,7 +115,7 @@ def _rec(o, wall):
     if o.outputs[0].logprobs:
         lp = sorted((int(k), float(v.logprob)) for k, v in o.outputs[0].logprobs[0].items())
     return dict(ttft_ms=round(wall, 2), engine_ms=eng, ftl_ms=ftl, cached=o.num_cached_tokens,
-                tokens=list(o.outputs[0].token_ids), logprobs=lp)
+                out_tokens=list(o.outputs[0].token_ids), logprobs=lp)
 
 
 def _run(llm, prompts, logprobs=None):
@@ -136,9 +137,9 @@ def _child(a):
     rng = random.Random(1234)
 
     def prompt(n):
-        return [rng.randrange(1000, 120000) for _ in range(n)]
+        return [rng.randrange(1000, a.vocab) for _ in range(n)]
 
-    ref_prompt = random.Random(99).choices(range(1000, 120000), k=a.ref_chunks * a.chunk_size + 1)
+    ref_prompt = random.Random(99).choices(range(1000, a.vocab), k=a.ref_chunks * a.chunk_size + 1)
     t0 = time.perf_counter()
     llm = _engine(a, kind, max(lens + [a.multi_len, len(ref_prompt)]))
     _emit("E2E_INFO", dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1)))
@@ -162,7 +163,7 @@ def _child(a):
     _emit("E2E_REF", ref)
 
     # warm-up: compile kernels for short and long shapes and the hit / restore path
-    for n in (512, max(lens)):
+    for n in (min(512, min(lens)), max(lens)):
         p = prompt(n)
         _run(llm, [p]), _run(llm, [p])
         if kind != "none":
@@ -258,6 +259,8 @@ def _parent(a):
                         print(f"[{kind}] {obj}", flush=True)
                 elif "XKV_VERIFY" in line:
                     res["verify"].append(line.strip()[-200:])
+                elif "XKV_TIMING" in line:
+                    res.setdefault("timing", {}).setdefault(kind, []).append(line.strip()[-120:])
                 elif "Traceback" in line or "Error" in line:
                     print(f"  {kind}: {line.rstrip()[:300]}", flush=True)
         finally:
@@ -319,7 +322,7 @@ def _report(res, out):
     for kind, key, base in checks:
         x, b = ref.get(kind, {}).get(key), none.get(base)
         if x and b:
-            same = x["logprobs"] == b["logprobs"] and x["tokens"] == b["tokens"]
+            same = x["logprobs"] == b["logprobs"] and x["out_tokens"] == b["out_tokens"]
             lines.append(f"first-token top-5 logprobs, {kind} {key} (cached {x['cached']}) == no-connector "
                          f"{base} (cached {b['cached']}): {same}")
     vt = _verify_totals(res.get("verify", []))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -146,6 +147,8 @@ class CudaTransferHandler:
     they run on, so issuing a layer never waits for the GPU (a device index tensor would be read
     back by the launcher's validation, a synchronisation per layer that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
+    ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
+    load stream from the first copy to the last (events), host time spent issuing them.
     """
 
     def __init__(self, device: torch.device, verify: bool = False):
@@ -156,9 +159,15 @@ class CudaTransferHandler:
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
+        self._timing = os.environ.get("XKV_TIMING", "0") == "1"
+        self._t: list = []  # [start event, host start, host end of issue, bytes]
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._timing:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.load_stream)
+            self._t = [ev, time.perf_counter(), 0.0, 0]
 
     def load_layer(self, name: str, card, offsets, pool, block_ids) -> None:
         with torch.cuda.stream(self.load_stream):
@@ -169,6 +178,9 @@ class CudaTransferHandler:
             ev = torch.cuda.Event()
             ev.record(self.load_stream)
         self._events[name] = ev
+        if self._t:
+            self._t[2] = time.perf_counter()
+            self._t[3] += int(block_ids.numel()) * pool.block_bytes
 
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
@@ -176,8 +188,18 @@ class CudaTransferHandler:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
     def sync_loads(self) -> None:
+        end = None
+        if self._t:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.load_stream)
         self.load_stream.synchronize()
         self._events.clear()
+        if end is not None:
+            start, h0, h1, nbytes = self._t
+            ms = start.elapsed_time(end)
+            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f GBps=%.1f", nbytes,
+                     ms, (h1 - h0) * 1e3, nbytes / ms / 1e6 if ms else 0.0)
+            self._t = []
         if self.verifier is not None:
             self.verifier.check("restore")
             torch.cuda.current_stream(self.device).synchronize()
