@@ -302,4 +302,7 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         # NONE_HASH seed rule (26/28 random per process unless PYTHONHASHSEED is set).
         "hash_scheme": block_hash_scheme(),
         "none_hash": none_hash_seed(),
+        # Every probed behaviour: objects written under another set of vLLM behaviours are
+        # never trusted, even where the fields above happen to agree (e.g. 0.26 and 0.28).
+        "vllm_features": sorted(k for k, v in f.items() if v),
     }

