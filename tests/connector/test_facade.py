@@ -41,13 +41,15 @@ def test_scheduler_role_by_name_without_module_path(fake_gateway, llama_dir):
 
 
 def test_cache_nobody_writes_refused(fake_gateway, llama_dir):
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+    # (Mamba state groups are stored since issue 5: tests/hybrid; a sliding-window group is not)
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
     vc = H.make_vllm_config(llama_dir)
     kcfg = H.make_kv_cache_config()
     kcfg.kv_cache_groups.append(KVCacheGroupSpec(
-        ["model.layers.2.mixer"],
-        MambaSpec(block_size=32, shapes=((4, 8), (2, 8)), dtypes=(torch.float32, torch.float32))))
+        ["model.layers.2.self_attn"],
+        SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                          sliding_window=64)))
     with pytest.raises(ValueError, match="has no writer"):
         H.make_scheduler(vc, kcfg)
 

@@ -50,6 +50,46 @@ RECIPES: dict[str, dict] = {
             torch_dtype="bfloat16", tie_word_embeddings=False, rope_scaling=None,
         ),
     },
+    # Hybrid recipes (issue 5). vLLM's CPU engine raises the block size of hybrid models itself
+    # (nemotron_h 96, granitemoehybrid 64, qwen3_next 160 with these shapes).
+    "nemotron_h": {  # pattern M*M-: Mamba2, attention, Mamba2, MLP -> 3 KV cache groups
+        "arch": "NemotronHForCausalLM",
+        "config": dict(
+            model_type="nemotron_h", hidden_size=128, intermediate_size=256,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            hybrid_override_pattern="M*M-", num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=8,
+            mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=2,
+            chunk_size=64, max_position_embeddings=2048, initializer_range=0.2,
+            layer_norm_epsilon=1e-5, torch_dtype="bfloat16", tie_word_embeddings=False,
+        ),
+    },
+    "granitemoehybrid": {  # mamba/attention/mamba/attention, dense (no experts) -> 2 groups
+        "arch": "GraniteMoeHybridForCausalLM",
+        "config": dict(
+            model_type="granitemoehybrid", hidden_size=128, intermediate_size=256,
+            shared_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"],
+            num_local_experts=0, num_experts_per_tok=0, mamba_n_heads=8, mamba_d_head=32,
+            mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=64, position_embedding_type="rope", max_position_embeddings=2048,
+            initializer_range=0.2, rms_norm_eps=1e-5, torch_dtype="bfloat16",
+            tie_word_embeddings=False,
+        ),
+    },
+    "qwen3_next": {  # gated delta net + full attention x2, MoE; CPU GDN needs head dim 128
+        "arch": "Qwen3NextForCausalLM",
+        "config": dict(
+            model_type="qwen3_next", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
+            linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+            max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-6,
+            torch_dtype="bfloat16", tie_word_embeddings=False,
+        ),
+    },
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from xkv.connector import compat
 from xkv.connector.config import ConfigError, ConnectorConfig
 from xkv.connector.keys import fingerprint
 from xkv.connector.metadata import StepMetadata, WorkerReport
-from xkv.connector.registry import build_registry
+from xkv.connector.registry import build_registry, state_group
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import StatsMixin
 from xkv.connector.worker import WorkerSide
@@ -96,7 +97,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("xkv: vLLM passed no kv_cache_config; this vLLM is not supported")
         tp, pp, world = compat.parallel_sizes(vllm_config)
         cfg.check_fanout_groups(tp)
-        groups = compat.cache_groups(kv_cache_config)
+        groups = _state_groups(vllm_config, kv_cache_config, compat.cache_groups(kv_cache_config))
         sizes = {g.block_size for g in groups}
         if len(sizes) > 1:
             raise ConfigError(f"xkv: KV cache groups with different block sizes {sorted(sizes)}")
@@ -250,6 +251,53 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._scheduler, self._worker):
             if side is not None:
                 side.shutdown()
+
+
+def _state_groups(vllm_config: Any, kv_cache_config: Any, groups: list) -> list:
+    """Mamba / linear-attention groups become ``mamba`` state groups, after checking that vLLM
+    keeps a state per block (``mamba_cache_mode == "align"``, which prefix caching turns on).
+
+    Without prefix caching vLLM runs Mamba models with ``mamba_cache_mode="none"``: one state
+    block per request, no state at any block boundary, so nothing restorable would ever exist
+    (and the attention pages alone would resume from a wrong state). Refused at start.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out = []
+    for g in groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            out.append(g)
+            continue
+        cc = vllm_config.cache_config
+        mode = str(getattr(spec, "mamba_cache_mode", None) or getattr(cc, "mamba_cache_mode", ""))
+        if not getattr(cc, "enable_prefix_caching", False) or mode == "none":
+            raise ConfigError(
+                f"xkv: hybrid model with a {getattr(spec, 'mamba_type', 'Mamba')} state cache "
+                f"(KV cache group {g.index}) but prefix caching is off, so vLLM keeps no Mamba "
+                "state per block (mamba_cache_mode='none') and nothing could be restored: add "
+                "--enable-prefix-caching (LLM(enable_prefix_caching=True)) to use "
+                "FusIOnXConnector with this model"
+            )
+        if mode != "align":
+            raise ConfigError(
+                f"xkv: mamba_cache_mode={mode!r}: FusIOnXConnector restores Mamba states in "
+                "vLLM's 'align' mode only (the default with --enable-prefix-caching); remove "
+                "--mamba-cache-mode or set it to 'align'"
+            )
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise ConfigError(
+                "xkv: speculative decoding with a Mamba state cache is not supported by "
+                "FusIOnXConnector (the running state block moves with the draft tokens)"
+            )
+        content = getattr(spec, "state_content_size_bytes", None)
+        if not isinstance(content, int) or content <= 0:
+            content = sum(
+                math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+        out.append(state_group(g, content))
+    return out
 
 
 def _handler_factory(device: torch.device, verify: bool = False):

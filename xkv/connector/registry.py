@@ -7,19 +7,24 @@ group the registry decides the sharding (decision 3 of the notes):
   reads shard r.
 * ``mla`` — one latent replicated on every TP rank: one shard, written by TP rank 0, read by
   every rank.
+* ``mamba`` — recurrent state pages (Mamba2 conv + SSM state, gated-delta-net state) of a hybrid
+  model in vLLM's ``align`` cache mode: heads are split by TP, so one shard per rank, each rank
+  writes and reads its own. A state is not a per-token cache: the object of chunk ``c`` holds
+  ONE block per layer, the state after token ``(c + 1) * chunk_size`` (``blocks_per_object`` 1),
+  and exists only where vLLM materialised that state (see docs/architecture.md).
 
-Any other kind (Mamba states, sliding-window or cross-attention caches, ...) would be a cache that
-nobody writes, so restoring the others would resume from a state that was never stored: the
-registry refuses the model at start with ``RegistryError`` naming the group and its layers.
-(Hybrid Mamba groups become a sharded kind in a later issue; the plan is per group already.)
+Any other kind (sliding-window or cross-attention caches, ...) would be a cache that nobody
+writes, so restoring the others would resume from a state that was never stored: the registry
+refuses the model at start with ``RegistryError`` naming the group and its layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SHARDED_KINDS = ("attention",)
 REPLICATED_KINDS = ("mla",)
+STATE_KINDS = ("mamba",)  # one state block per object, one shard per TP rank
 
 
 class RegistryError(ValueError):
@@ -53,9 +58,20 @@ class GroupPlan:
     slot_alignment: int = 1  # slot_alignment_bytes: registered shard size is a multiple of it
 
     @property
+    def is_state(self) -> bool:
+        """A recurrent-state group: one block per object, the state at the chunk's end."""
+        return self.group.kind in STATE_KINDS
+
+    @property
+    def blocks_per_object(self) -> int:
+        """Blocks of one layer inside an object: k for caches, 1 for a state group."""
+        return 1 if self.is_state else self.blocks_per_chunk
+
+    @property
     def shard_bytes(self) -> int:
-        """Bytes of one shard of one object: layers x k blocks x block bytes (layer-major)."""
-        return len(self.group.layer_names) * self.blocks_per_chunk * self.group.block_bytes
+        """Bytes of one shard of one object: layers x blocks_per_object x block bytes
+        (layer-major)."""
+        return len(self.group.layer_names) * self.blocks_per_object * self.group.block_bytes
 
     @property
     def registered_bytes(self) -> int:
@@ -76,6 +92,16 @@ class GroupPlan:
 class Registry:
     groups: tuple[GroupPlan, ...]
     tp_size: int
+
+    @property
+    def multi_group(self) -> bool:
+        """Several KV cache groups (a hybrid model): vLLM <= 0.29 cannot take block-level load
+        errors for these, so a promised load must never fail (decision 6)."""
+        return len(self.groups) > 1
+
+    @property
+    def has_state(self) -> bool:
+        return any(p.is_state for p in self.groups)
 
     @property
     def num_caches(self) -> int:
@@ -124,7 +150,7 @@ def build_registry(
         raise RegistryError("the engine allocated no KV cache group: nothing to exchange")
     plans = []
     for g in groups:
-        if g.kind in SHARDED_KINDS:
+        if g.kind in SHARDED_KINDS or g.kind in STATE_KINDS:
             shards, writers = tp_size, tuple(range(tp_size))
         elif g.kind in REPLICATED_KINDS:
             shards, writers = 1, (0,)
@@ -132,8 +158,9 @@ def build_registry(
             raise RegistryError(
                 f"KV cache group {g.index} ({g.spec or g.kind}, layers {list(g.layer_names)[:4]}"
                 f"{'...' if len(g.layer_names) > 4 else ''}) has no writer: FusIOnXConnector "
-                "stores full-attention and MLA caches only, so restoring the other groups would "
-                "resume from a state nobody saved. This model is not supported yet."
+                "stores full-attention, MLA and Mamba/linear-attention state caches only, so "
+                "restoring the other groups would resume from a state nobody saved. This model "
+                "is not supported yet."
             )
         if not g.layer_names:
             raise RegistryError(f"KV cache group {g.index} has no layers")
@@ -158,7 +185,23 @@ def build_registry(
                 slot_alignment=slot_alignment,
             )
         )
+    if any(p.is_state for p in plans) and all(p.is_state for p in plans):
+        raise RegistryError(
+            "only recurrent-state KV cache groups and no attention group: FusIOnXConnector "
+            "restores a state together with the attention pages of its prefix; a pure "
+            "state-space model is not supported"
+        )
     return Registry(groups=tuple(plans), tp_size=tp_size)
+
+
+def state_group(g: CacheGroup, content_bytes: int) -> CacheGroup:
+    """``g`` (a vLLM ``MambaSpec`` group) as a ``mamba`` state group whose block is the state's
+    ``content_bytes`` (conv + SSM state), not the padded page vLLM allocates."""
+    if content_bytes <= 0:
+        raise RegistryError(
+            f"KV cache group {g.index} ({g.spec}): state content of {content_bytes} bytes"
+        )
+    return replace(g, kind="mamba", block_bytes=int(content_bytes))
 
 
 def _ranks(ranks: tuple[int, ...], tp_size: int, what: str) -> str:

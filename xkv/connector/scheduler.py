@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from xkv.connector.config import ConnectorConfig
@@ -37,6 +37,12 @@ from xkv.connector.metadata import (
     WorkerReport,
 )
 from xkv.connector.registry import Registry
+from xkv.connector.states import (
+    MAX_STATE_PROBES,
+    saved_boundary,
+    state_load,
+    with_running_block,
+)
 from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
@@ -69,8 +75,13 @@ class _Lookup:
     hits: int  # chunks present from `start`
     ext: int  # tokens promised
     lease_id: int | None
-    slots: list[list[Any]]  # [group][chunk - start] -> ChunkSlots
+    slots: dict[int, list[Any]]  # {cache group: [chunk - start] -> ChunkSlots}
     keys: list[bytes]
+    state_lease_id: int | None = None  # state groups: the lease of the hit boundary's state
+    state_slots: dict[int, Any] = field(default_factory=dict)  # {state group: ChunkSlots}
+
+    def leases(self) -> list[int]:
+        return [x for x in (self.lease_id, self.state_lease_id) if x is not None]
 
 
 @dataclass
@@ -101,6 +112,8 @@ class SchedulerSide:
         self.load, self.save = load, save  # kv_role: consumer loads only, producer saves only
         self.registry = registry
         self.chunk_size = registry.groups[0].chunk_size
+        self._attn = [g for g, p in enumerate(registry.groups) if not p.is_state]
+        self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
         if self.chunk_size % hash_block_size:
             raise ValueError(
                 f"chunk_size={self.chunk_size} is not a multiple of vLLM's hash block size "
@@ -114,7 +127,7 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._states: dict[str, _ReqState] = {}
         self._pending_loads: list[TransferJob] = []
-        self._load_leases: dict[int, tuple[str, int]] = {}  # job id -> (req id, lease id)
+        self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
         self._loads_done: Counter = Counter()
         self._next_job = 1
         self.gw = None
@@ -159,28 +172,42 @@ class SchedulerSide:
         if stop <= start:
             return 0
         keys = chunk_keys(request.block_hashes, self.hashes_per_chunk, start, stop)
+        lease = state_lease = None
         try:
             res = self.gw.lookup(
-                [(lid, keys) for lid in self.layout_ids],
+                [(self.layout_ids[g], keys) for g in self._attn],
                 lease=True,
                 timeout_s=self.cfg.lookup_timeout_ms / 1000,
             )
+            lease = res.lease_id or None  # the gateway answers 0 when it took no lease
+            hits = min(res.num_chunks, stop - start)
+            state_slots: dict[int, Any] = {}
+            if self._state and hits:
+                hits, state_lease, state_slots = self._state_lookup(keys, hits)
         except GatewayUnavailable as e:
+            self._release_all(lease, state_lease)
             self._unavailable(f"LOOKUP failed: {e}")
             return 0
         except GatewayError as e:
+            self._release_all(lease, state_lease)
             self.stats.add("gateway_errors")
             log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
             return 0
         self._failures = 0
         self.stats.add("lookups")
-        hits = min(res.num_chunks, stop - start)
         ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
         ext = min(ext, request.num_tokens - 1 - num_computed_tokens)
-        lease = res.lease_id or None  # the gateway answers 0 when it took no lease
-        if ext == 0 and lease is not None:
-            self._release(lease)
-            lease = None
+        if self.registry.multi_group and ext and (
+            lease is None or (self._state and state_lease is None)
+            or (self._state and num_computed_tokens + ext != (start + hits) * self.chunk_size)
+        ):
+            # Decision 6: vLLM <= 0.29 cannot take a block load error for a hybrid model, so a
+            # hit is promised only when every byte of it is leased (and, with states, when it
+            # ends exactly on the stored state's boundary).
+            ext = 0
+        if ext == 0:
+            self._release_all(lease, state_lease)
+            lease = state_lease = None
         self.stats.add("lookup_chunks_hit", hits)
         self._lookups[req_id] = _Lookup(
             local=num_computed_tokens,
@@ -189,10 +216,30 @@ class SchedulerSide:
             hits=hits,
             ext=ext,
             lease_id=lease,
-            slots=[list(g) for g in res.slots],
+            slots={g: list(res.slots[i]) for i, g in enumerate(self._attn)},
             keys=keys,
+            state_lease_id=state_lease,
+            state_slots=state_slots,
         )
         return ext
+
+    def _state_lookup(self, keys: list[bytes], hits: int) -> tuple[int, int | None, dict]:
+        """Longest ``n <= hits`` whose boundary state (chunk ``start + n - 1``) is stored in
+        every state group: (n, lease id, {state group: ChunkSlots}); (0, None, {}) if none of
+        the last ``MAX_STATE_PROBES`` boundaries has one. States exist only where vLLM ended a
+        step (see xkv.connector.states), so the attention prefix alone is not a hit."""
+        for n in range(hits, max(0, hits - MAX_STATE_PROBES), -1):
+            res = self.gw.lookup(
+                [(self.layout_ids[g], [keys[n - 1]]) for g in self._state],
+                lease=True,
+                timeout_s=self.cfg.lookup_timeout_ms / 1000,
+            )
+            if res.num_chunks >= 1:
+                return n, res.lease_id or None, {
+                    g: res.slots[i][0] for i, g in enumerate(self._state)
+                }
+            self._release_all(res.lease_id or None)
+        return 0, None, {}
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -209,8 +256,8 @@ class SchedulerSide:
         if lk is not None:
             st.present.update(range(lk.start, lk.start + lk.hits))
         if num_external_tokens == 0:
-            if lk is not None and lk.lease_id is not None:
-                self._release(lk.lease_id)
+            if lk is not None:
+                self._release_all(*lk.leases())
             return
         if lk is None or lk.ext != num_external_tokens:
             # vLLM never admits external tokens we did not offer; refusing beats loading garbage.
@@ -222,6 +269,12 @@ class SchedulerSide:
         for g, plan in enumerate(self.registry.groups):
             bs, k = plan.group.block_size, plan.blocks_per_chunk
             ids = st.block_ids[plan.group.index]
+            if plan.is_state:
+                c = lk.start + lk.hits - 1
+                cs = lk.state_slots[g]
+                ref = ChunkRef(lk.keys[c - lk.start], tuple(cs.offsets), tuple(cs.generations))
+                groups.append(state_load(g, ids, lk.local + num_external_tokens, bs, ref, req_id))
+                continue
             first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
             if last > len(ids):
                 raise RuntimeError(
@@ -249,22 +302,24 @@ class SchedulerSide:
             )
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
         self._pending_loads.append(job)
-        if lk.lease_id is not None:
-            st.lease_ids.add(lk.lease_id)
-            self._load_leases[job.job_id] = (req_id, lk.lease_id)
+        if lk.leases():
+            st.lease_ids.update(lk.leases())
+            self._load_leases[job.job_id] = (req_id, lk.leases())
         self.stats.add("tokens_promised", num_external_tokens)
 
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, so: Any) -> StepMetadata:
         """The step's loads and saves. ``so``: vLLM's SchedulerOutput (duck-typed)."""
-        loads, self._pending_loads = tuple(self._pending_loads), []
+        snapshot = getattr(getattr(so, "kv_connector_block_state", None), "block_ids", None) or {}
         saves: list[TransferJob] = []
+        computed: dict[str, int] = {}  # tokens each request had before this step
         for new in so.scheduled_new_reqs:
             st = self._states.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = [list(b) for b in new.block_ids]
+            computed[new.req_id] = new.num_computed_tokens
+            st.block_ids = [list(b) for b in snapshot.get(new.req_id, new.block_ids)]
             self._plan_save(st, new.num_computed_tokens, so.num_scheduled_tokens, saves)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -272,6 +327,7 @@ class SchedulerSide:
             st = self._states.get(req_id)
             if st is None:
                 continue
+            computed[req_id] = cached.num_computed_tokens[i]
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if req_id in resumed:
@@ -279,7 +335,12 @@ class SchedulerSide:
                 else:
                     for g, b in enumerate(new_ids):
                         st.block_ids[g].extend(b)
+            if req_id in snapshot:  # vLLM's authoritative table (position-indexed state lists)
+                st.block_ids = [list(b) for b in snapshot[req_id]]
             self._plan_save(st, cached.num_computed_tokens[i], so.num_scheduled_tokens, saves)
+        loads, self._pending_loads = tuple(self._pending_loads), []
+        if self._state:
+            loads = tuple(self._add_running_blocks(job, so, computed) for job in loads)
         return StepMetadata(
             loads=loads,
             saves=tuple(saves),
@@ -294,46 +355,76 @@ class SchedulerSide:
         req = st.request
         if not self.save or not self._eligible(req):
             return
-        end = min(computed + scheduled.get(req.request_id, 0), req.num_prompt_tokens)
-        c_end = min(end // self.chunk_size, len(req.block_hashes) // self.hashes_per_chunk)
+        n_sched = scheduled.get(req.request_id, 0)
+        end = min(computed + n_sched, req.num_prompt_tokens)
+        hashed = len(req.block_hashes) // self.hashes_per_chunk
+        c_end = min(end // self.chunk_size, hashed)
         cands = [c for c in range(st.next_save_chunk, c_end) if c not in st.present]
         st.next_save_chunk = max(st.next_save_chunk, c_end)
-        if not cands:
-            return
-        groups = []
-        for g, plan in enumerate(self.registry.groups):
+        groups: list[GroupTransfer] = []
+        for g in self._attn if cands else ():
+            plan = self.registry.groups[g]
             k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
             todo = [c for c in cands if (c + 1) * k <= len(ids)]
-            if not todo:
-                continue
-            keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in todo]
-            try:
-                res = self.gw.reserve(self.layout_ids[g], keys)
-            except GatewayUnavailable as e:
-                self._unavailable(f"RESERVE failed: {e}")
+            if todo and not self._reserve(
+                req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
+            ):
                 return
-            except GatewayError as e:
-                self.stats.add("gateway_errors")
-                log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
-                continue
-            self._failures = 0
-            refs, blocks, chunk_of, pos = [], [], [], []
-            for c, r in zip(todo, res, strict=True):
-                if r is None:  # stored already, being written elsewhere, or no space
-                    continue
-                n = len(refs)
-                refs.append(ChunkRef(r.key, tuple(r.offsets), tuple(r.generations)))
-                blocks.extend(ids[c * k : (c + 1) * k])
-                chunk_of.extend([n] * k)
-                pos.extend(range(k))
-            if refs:
-                self.stats.add("chunks_reserved", len(refs))
-                groups.append(
-                    GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs))
-                )
+        c = saved_boundary(computed, n_sched, req.num_prompt_tokens, self.chunk_size, hashed)
+        for g in self._state if c is not None else ():
+            plan = self.registry.groups[g]
+            ids, i = st.block_ids[plan.group.index], (c + 1) * plan.blocks_per_chunk - 1
+            ok = i >= len(ids) or ids[i] == 0 or self._reserve(  # ids[i]: the running block
+                req, g, [c], lambda _c, b=ids[i]: [b], groups)
+            if not ok:
+                return
         if groups:
             ntok = len(cands) * self.chunk_size
             out.append(TransferJob(self._job_id(), req.request_id, tuple(groups), ntok))
+
+    def _reserve(self, req: Any, g: int, chunks: list[int], blocks_of, out: list) -> bool:
+        """RESERVE ``chunks`` of group ``g``; a GroupTransfer of the reserved ones goes to
+        ``out`` (``blocks_of(c)``: the blocks of chunk c in object order). False when the
+        gateway is unavailable (the caller stops planning this request's saves)."""
+        keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in chunks]
+        try:
+            res = self.gw.reserve(self.layout_ids[g], keys)
+        except GatewayUnavailable as e:
+            self._unavailable(f"RESERVE failed: {e}")
+            return False
+        except GatewayError as e:
+            self.stats.add("gateway_errors")
+            log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
+            return True
+        self._failures = 0
+        refs, blocks, chunk_of, pos = [], [], [], []
+        for c, r in zip(chunks, res, strict=True):
+            if r is None:  # stored already, being written elsewhere, or no space
+                continue
+            b = list(blocks_of(c))
+            chunk_of.extend([len(refs)] * len(b))
+            refs.append(ChunkRef(r.key, tuple(r.offsets), tuple(r.generations)))
+            blocks.extend(b)
+            pos.extend(range(len(b)))
+        if refs:
+            self.stats.add("chunks_reserved", len(refs))
+            out.append(GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs)))
+        return True
+
+    def _add_running_blocks(self, job: TransferJob, so: Any, computed: dict[str, int]):
+        """State loads also write the step's running block (see xkv.connector.states)."""
+        st = self._states.get(job.req_id)
+        n = so.num_scheduled_tokens.get(job.req_id, 0)
+        if st is None or job.req_id not in computed or not n:
+            return job
+        groups = tuple(
+            with_running_block(gt, st.block_ids[self.registry.groups[gt.group].group.index],
+                               computed[job.req_id], n,
+                               self.registry.groups[gt.group].group.block_size)
+            if self.registry.groups[gt.group].is_state else gt
+            for gt in job.groups
+        )
+        return replace(job, groups=groups)
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         if report is None:
@@ -344,11 +435,11 @@ class SchedulerSide:
                 del self._loads_done[job_id]
                 req_lease = self._load_leases.pop(job_id, None)
                 if req_lease:
-                    req_id, lease = req_lease
+                    req_id, leases = req_lease
                     st = self._states.get(req_id)
                     if st:
-                        st.lease_ids.discard(lease)
-                    self._release(lease)
+                        st.lease_ids.difference_update(leases)
+                    self._release_all(*leases)
 
     def request_finished(self, request: Any) -> None:
         req_id = request.request_id
@@ -365,8 +456,13 @@ class SchedulerSide:
 
     def _drop_lookup(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
-        if lk and lk.lease_id is not None:
-            self._release(lk.lease_id)
+        if lk:
+            self._release_all(*lk.leases())
+
+    def _release_all(self, *leases: int | None) -> None:
+        for lease in leases:
+            if lease is not None:
+                self._release(lease)
 
     def _release(self, lease_id: int) -> None:
         if self.turned_off or self.gw is None:

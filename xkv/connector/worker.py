@@ -142,6 +142,7 @@ class WorkerSide:
         if not usable:
             if not self.turned_off and meta.epoch != self.epoch:
                 self.turn_off(f"gateway epoch changed ({self.epoch} -> {meta.epoch})")
+            self._no_block_errors("the card is not mapped on this rank, or its gateway changed")
             for job in meta.loads:
                 self._fail(job.block_ids())
                 self._loads_done[job.job_id] += 1
@@ -161,6 +162,11 @@ class WorkerSide:
             for layer, name in enumerate(plan.group.layer_names):
                 offs = base + layer * step
                 self.handler.load_layer(name, self.card, offs, self.pools[name], blocks)
+            if plan.is_state:
+                # State layers get no wait_for_layer_load call: the forward must start after
+                # their pages (boundary and running block) landed.
+                for name in plan.group.layer_names:
+                    self.handler.wait_layer(name)
             nbytes = len(blocks) * plan.group.block_bytes * len(plan.group.layer_names)
             self.stats.add("bytes_restored", nbytes)
             self.stats.add("blocks_restored", len(blocks))
@@ -183,7 +189,7 @@ class WorkerSide:
 
     @staticmethod
     def _layer_stride(plan: GroupPlan) -> int:
-        return plan.blocks_per_chunk * plan.group.block_bytes
+        return plan.blocks_per_object * plan.group.block_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.handler.wait_layer(layer_name)
@@ -223,6 +229,12 @@ class WorkerSide:
         if meta is None or not meta.saves:
             return
         t0 = time.perf_counter()
+        # State layers have no save_kv_layer hook: their end-of-step state is saved here, after
+        # the forward that wrote it.
+        for plan in self.registry.groups:
+            if plan.is_state:
+                for name in plan.group.layer_names:
+                    self.save_kv_layer(name)
         self.handler.flush_saves()
         for job in meta.saves:
             for gt in job.groups:
@@ -286,6 +298,7 @@ class WorkerSide:
             except (GatewayError, ValueError):
                 ok = False
             if not ok:
+                self._no_block_errors(f"slot of chunk {ref.key.hex()[:16]} was reused")
                 self._fail(b for b, cc in zip(gt.block_ids, gt.chunk_of, strict=True) if cc == c)
         self._load_checks = []
         self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
@@ -305,6 +318,17 @@ class WorkerSide:
         self._meta = None
 
     # ------------------------------------------------------------------ failure
+
+    def _no_block_errors(self, why: str) -> None:
+        """vLLM <= 0.29 crashes its scheduler on block load errors of multi-group (hybrid)
+        models, and 0.33 refuses them; the scheduler side only promises leased data there, so
+        this is a broken invariant: stop with a clear message rather than hand vLLM errors it
+        cannot take (or restore bytes that are not the request's)."""
+        if self.registry.multi_group:
+            raise RuntimeError(
+                f"xkv: a promised load cannot be completed on tp rank {self.tp_rank} ({why}); "
+                "vLLM cannot recompute blocks of a model with several KV cache groups"
+            )
 
     def _fail(self, block_ids) -> None:
         before = len(self._load_errors)

@@ -1,0 +1,69 @@
+"""Hybrid models (attention + Mamba2 / gated delta net) on vLLM's CPU engine with a real gateway.
+
+For each tiny model, in one child process (three engines):
+
+* reference: an engine without the connector;
+* store: a fresh engine with the connector runs P1, and P2 whose state objects are aborted
+  instead of committed (its attention chunks are stored: "a state object dropped");
+* restore: a fresh engine (empty local cache) — P1 is restored up to its stored state boundary
+  (``num_cached_tokens`` = the last full block of P1), every restored state page equals the
+  bytes saved for that key, and the state is written to the boundary AND the running block;
+  P2 gets no hit at all; greedy tokens of both equal the reference;
+* the gateway SIGKILLed while a batch runs: correct tokens; afterwards zero hits, no crash.
+"""
+
+import pytest
+from hybrid_harness import BLOCK, run_hybrid
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LINE = "External KV cache turned off on this rank"
+
+
+def prompt(n, base=10):
+    return [(base + 7 * i) % 1000 + 4 for i in range(n)]
+
+
+P1 = prompt(300)
+P2 = prompt(300, base=555)
+P3 = prompt(250, base=77)
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "granitemoehybrid", "qwen3_next"])
+def test_hybrid_store_restore_drop_kill(hybrid_models, gateway, kind):
+    bs = BLOCK[kind]
+    hit = (len(P1) - 1) // bs * bs  # the state after the prompt's last full block
+    drop = {"tokens": P2, "params": {"xkv_test_drop_state": True}}
+    res, log = run_hybrid(hybrid_models, kind, gateway, [
+        {"op": "engine", "connector": False},
+        {"op": "generate", "name": "ref", "prompts": [{"tokens": p} for p in (P1, P2, P3)]},
+        {"op": "engine"},
+        {"op": "generate", "name": "store", "prompts": [{"tokens": P1}, drop]},
+        {"op": "engine"},
+        {"op": "generate", "name": "restore", "prompts": [{"tokens": P1}, {"tokens": P2}]},
+        {"op": "reset"},
+        {"op": "generate", "name": "during", "kill_after_s": 0.05, "max_tokens": 24,
+         "prompts": [{"tokens": P3}, {"tokens": P1}]},
+        {"op": "reset"},
+        {"op": "generate", "name": "after", "prompts": [{"tokens": P1}, {"tokens": P2}]},
+    ], extra={"chunk_size": bs})
+    r = {x["name"]: x for x in res["runs"]}
+    ref = r["ref"]["tokens"]
+    assert r["store"]["cached"] == [0, 0]
+    assert r["store"]["tokens"] == ref[:2]
+    # restore: P1 from the card up to its stored state; P2 (no state object) not at all
+    assert r["restore"]["cached"] == [hit, 0]
+    assert r["restore"]["tokens"] == ref[:2]
+    assert res["state_loads_checked"] > 0
+    assert res["state_loads_equal"] == res["state_loads_checked"]
+    assert res["state_loads_match_saved"] == res["state_loads_checked"]
+    assert res["state_saves_checked"] > 0 and res["state_saves_equal"] == res["state_saves_checked"]
+    assert res["loads_equal"] == res["loads_checked"] and res["saves_equal"] == res["saves_checked"]
+    assert set(res["state_blocks_per_load"]) == {2}  # boundary block + running block
+    assert r["restore"]["gw_after"]["leases"] == 0
+    # the gateway killed mid-run: the same tokens, then zero hits, and the engine serves on
+    assert r["during"]["gw_after"] is None
+    assert [t[:8] for t in r["during"]["tokens"]] == [ref[2], ref[0]]
+    assert r["after"]["cached"] == [0, 0] and r["after"]["tokens"] == ref[:2]
+    assert log.count(LINE) == 1
+    assert "Traceback" not in log
