@@ -9,7 +9,8 @@ For each tiny model, in one child process (three engines):
   (``num_cached_tokens`` = the last full block of P1), every restored state page equals the
   bytes saved for that key, and the state is written to the boundary AND the running block;
   P2 gets no hit at all; greedy tokens of both equal the reference;
-* the gateway SIGKILLed while a batch runs: correct tokens; afterwards zero hits, no crash.
+* the gateway SIGKILLed while a batch runs: correct tokens; afterwards zero hits, no crash;
+* an engine without prefix caching is refused at start with a message that says to add it.
 """
 
 import pytest
@@ -46,6 +47,7 @@ def test_hybrid_store_restore_drop_kill(hybrid_models, gateway, kind):
          "prompts": [{"tokens": P3}, {"tokens": P1}]},
         {"op": "reset"},
         {"op": "generate", "name": "after", "prompts": [{"tokens": P1}, {"tokens": P2}]},
+        {"op": "expect_error", "extra": {"xkv_test_prefix_caching": False}},
     ], extra={"chunk_size": bs})
     r = {x["name"]: x for x in res["runs"]}
     ref = r["ref"]["tokens"]
@@ -66,4 +68,6 @@ def test_hybrid_store_restore_drop_kill(hybrid_models, gateway, kind):
     assert [t[:8] for t in r["during"]["tokens"]] == [ref[2], ref[0]]
     assert r["after"]["cached"] == [0, 0] and r["after"]["tokens"] == ref[:2]
     assert log.count(LINE) == 1
-    assert "Traceback" not in log
+    # without prefix caching vLLM keeps no state per block: refused at start, saying what to add
+    (err,) = res["errors"]
+    assert err is not None and "--enable-prefix-caching" in err and "prefix caching is off" in err
