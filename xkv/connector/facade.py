@@ -106,7 +106,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         self._registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
                                         slot_alignment=cfg.slot_alignment_bytes)
         fps = [
-            fingerprint(compat.fingerprint_fields(vllm_config, kv_cache_config, p))
+            fingerprint({**compat.fingerprint_fields(vllm_config, kv_cache_config, p),
+                         **_state_fields(kv_cache_config, p)})
             for p in self._registry.groups
         ]
         self._scheduler: SchedulerSide | None = None
@@ -298,6 +299,20 @@ def _state_groups(vllm_config: Any, kv_cache_config: Any, groups: list) -> list:
             )
         out.append(state_group(g, content))
     return out
+
+
+def _state_fields(kv_cache_config: Any, plan: Any) -> dict[str, Any]:
+    """What else must match to share a state group's objects: the state tensors' shapes and
+    dtypes (two SSM cache dtypes of one size, fp16 vs bf16, would otherwise share a layout)."""
+    if not plan.is_state:
+        return {}
+    spec = kv_cache_config.kv_cache_groups[plan.group.index].kv_cache_spec
+    return {
+        "state_shapes": [list(s) for s in spec.shapes],
+        "state_dtypes": [str(d) for d in spec.dtypes],
+        "mamba_type": str(getattr(spec, "mamba_type", "")),
+        "mamba_cache_mode": str(getattr(spec, "mamba_cache_mode", "")),
+    }
 
 
 def _handler_factory(device: torch.device, verify: bool = False):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from xkv.connector.config import ConnectorConfig
@@ -37,12 +37,7 @@ from xkv.connector.metadata import (
     WorkerReport,
 )
 from xkv.connector.registry import Registry
-from xkv.connector.states import (
-    MAX_STATE_PROBES,
-    saved_boundary,
-    state_load,
-    with_running_block,
-)
+from xkv.connector.states import add_running_blocks, probe_states, saved_boundary, state_load
 from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
@@ -183,7 +178,9 @@ class SchedulerSide:
             hits = min(res.num_chunks, stop - start)
             state_slots: dict[int, Any] = {}
             if self._state and hits:
-                hits, state_lease, state_slots = self._state_lookup(keys, hits)
+                hits, state_lease, state_slots = probe_states(
+                    self.gw, [self.layout_ids[g] for g in self._state], self._state, keys,
+                    hits, self.cfg.lookup_timeout_ms / 1000)
         except GatewayUnavailable as e:
             self._release_all(lease, state_lease)
             self._unavailable(f"LOOKUP failed: {e}")
@@ -222,24 +219,6 @@ class SchedulerSide:
             state_slots=state_slots,
         )
         return ext
-
-    def _state_lookup(self, keys: list[bytes], hits: int) -> tuple[int, int | None, dict]:
-        """Longest ``n <= hits`` whose boundary state (chunk ``start + n - 1``) is stored in
-        every state group: (n, lease id, {state group: ChunkSlots}); (0, None, {}) if none of
-        the last ``MAX_STATE_PROBES`` boundaries has one. States exist only where vLLM ended a
-        step (see xkv.connector.states), so the attention prefix alone is not a hit."""
-        for n in range(hits, max(0, hits - MAX_STATE_PROBES), -1):
-            res = self.gw.lookup(
-                [(self.layout_ids[g], [keys[n - 1]]) for g in self._state],
-                lease=True,
-                timeout_s=self.cfg.lookup_timeout_ms / 1000,
-            )
-            if res.num_chunks >= 1:
-                return n, res.lease_id or None, {
-                    g: res.slots[i][0] for i, g in enumerate(self._state)
-                }
-            self._release_all(res.lease_id or None)
-        return 0, None, {}
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -340,7 +319,13 @@ class SchedulerSide:
             self._plan_save(st, cached.num_computed_tokens[i], so.num_scheduled_tokens, saves)
         loads, self._pending_loads = tuple(self._pending_loads), []
         if self._state:
-            loads = tuple(self._add_running_blocks(job, so, computed) for job in loads)
+            loads = tuple(
+                add_running_blocks(job, self.registry, self._states[job.req_id].block_ids,
+                                   computed.get(job.req_id),
+                                   so.num_scheduled_tokens.get(job.req_id, 0))
+                if job.req_id in self._states else job
+                for job in loads
+            )
         return StepMetadata(
             loads=loads,
             saves=tuple(saves),
@@ -410,21 +395,6 @@ class SchedulerSide:
             self.stats.add("chunks_reserved", len(refs))
             out.append(GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs)))
         return True
-
-    def _add_running_blocks(self, job: TransferJob, so: Any, computed: dict[str, int]):
-        """State loads also write the step's running block (see xkv.connector.states)."""
-        st = self._states.get(job.req_id)
-        n = so.num_scheduled_tokens.get(job.req_id, 0)
-        if st is None or job.req_id not in computed or not n:
-            return job
-        groups = tuple(
-            with_running_block(gt, st.block_ids[self.registry.groups[gt.group].group.index],
-                               computed[job.req_id], n,
-                               self.registry.groups[gt.group].group.block_size)
-            if self.registry.groups[gt.group].is_state else gt
-            for gt in job.groups
-        )
-        return replace(job, groups=groups)
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         if report is None:

@@ -15,12 +15,15 @@ tokens is written to index ``cdiv(E, block_size) - 1``. So:
   copies boundary -> running before ``start_load_kv`` runs, so the boundary write alone would
   be read too late (docs/architecture.md, "Hybrid models").
 
-Pure functions, no gateway, no vLLM types.
+No vLLM types; only :func:`probe_states` talks to the gateway.
 """
 
 from __future__ import annotations
 
-from xkv.connector.metadata import ChunkRef, GroupTransfer
+from dataclasses import replace
+from typing import Any
+
+from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
 
 #: At most this many LOOKUPs to find the longest prefix whose boundary state is stored: the
 #: state of the last chunk of the attention prefix is tried first, then earlier boundaries.
@@ -86,3 +89,37 @@ def saved_boundary(computed: int, scheduled: int, num_prompt_tokens: int, chunk_
         return None
     c = end // chunk_size - 1
     return c if c < num_chunks_hashed else None
+
+
+def add_running_blocks(job: TransferJob, registry: Any, block_ids: list[list[int]],
+                       computed: int | None, scheduled: int) -> TransferJob:
+    """``job`` with every state load also writing the step's running block. ``block_ids``: the
+    request's lists by vLLM group index; ``computed``: its tokens before this step (None: not
+    scheduled in this step, nothing to add)."""
+    if computed is None or not scheduled:
+        return job
+    groups = []
+    for gt in job.groups:
+        plan = registry.groups[gt.group]
+        if plan.is_state:
+            gt = with_running_block(gt, block_ids[plan.group.index], computed, scheduled,
+                                    plan.group.block_size)
+        groups.append(gt)
+    return replace(job, groups=tuple(groups))
+
+
+def probe_states(gw: Any, layout_ids: list[int], groups: list[int], keys: list[bytes],
+                 hits: int, timeout_s: float) -> tuple[int, int | None, dict[int, Any]]:
+    """Longest ``n <= hits`` whose boundary state (``keys[n - 1]``) is stored in every state
+    group (``groups``, their ``layout_ids``): ``(n, lease id, {group: ChunkSlots})``, or
+    ``(0, None, {})`` when none of the last ``MAX_STATE_PROBES`` boundaries has one. States
+    exist only where vLLM ended a step, so an attention prefix alone is not a hit. Misses hold
+    no lease; a gateway error propagates (no lease is left behind)."""
+    for n in range(hits, max(0, hits - MAX_STATE_PROBES), -1):
+        res = gw.lookup([(lid, [keys[n - 1]]) for lid in layout_ids], lease=True,
+                        timeout_s=timeout_s)
+        if res.num_chunks >= 1:
+            return n, res.lease_id or None, {g: res.slots[i][0] for i, g in enumerate(groups)}
+        if res.lease_id:  # the gateway takes no lease without a hit; never keep one anyway
+            gw.release(res.lease_id)
+    return 0, None, {}
