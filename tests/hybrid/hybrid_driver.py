@@ -11,7 +11,8 @@ Same steps as engine_driver.py (engine, generate, reset, kill_gateway, expect_er
   written per state load (boundary + running block) to ``state_blocks_per_load``;
 * ``"params": {"xkv_test_drop_state": true}`` on a prompt: its state objects are aborted
   instead of committed (the attention chunks are committed), as if dropped on the gateway;
-* ``"extra": {"xkv_test_prefix_caching": false}``: the engine is built without prefix caching.
+* ``"extra": {"xkv_test_prefix_caching": false}``: the engine is built without prefix caching;
+  ``"extra": {"xkv_test_max_batched": n}``: with ``max_num_batched_tokens=n``.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _build(sc, step):
     extra = {"xkv_gateway_port": sc["port"], **sc.get("extra", {}), **step.get("extra", {})}
     prefix_caching = extra.pop("xkv_test_prefix_caching", True)
     kw = {}
+    if "xkv_test_max_batched" in extra:  # a small chunked-prefill budget: several steps
+        kw["max_num_batched_tokens"] = extra.pop("xkv_test_max_batched")
     if step.get("connector", True):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="FusIOnXConnector",

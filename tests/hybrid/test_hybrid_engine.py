@@ -71,3 +71,28 @@ def test_hybrid_store_restore_drop_kill(hybrid_models, gateway, kind):
     # without prefix caching vLLM keeps no state per block: refused at start, saying what to add
     (err,) = res["errors"]
     assert err is not None and "--enable-prefix-caching" in err and "prefix caching is off" in err
+
+
+def test_chunked_prefill_states_at_every_step_end(hybrid_models, gateway):
+    """With a small prefill budget a prompt runs in several steps; every step that ends on a
+    chunk boundary stores its state, so a prompt sharing only the first 200 tokens restores
+    from the 192-token boundary (states saved from vLLM's block table of a running request)."""
+    bs = BLOCK["nemotron_h"]
+    p4 = P1[:200] + prompt(100, base=901)
+    small = {"xkv_test_max_batched": 2 * bs}
+    res, _ = run_hybrid(hybrid_models, "nemotron_h", gateway, [
+        {"op": "engine", "connector": False, "extra": small},
+        {"op": "generate", "name": "ref", "prompts": [{"tokens": P1}, {"tokens": p4}]},
+        {"op": "engine", "extra": small},
+        {"op": "generate", "name": "store", "prompts": [{"tokens": P1}]},
+        {"op": "engine", "extra": small},
+        {"op": "generate", "name": "restore", "prompts": [{"tokens": p4}, {"tokens": P1}]},
+    ], extra={"chunk_size": bs})
+    r = {x["name"]: x for x in res["runs"]}
+    ref = r["ref"]["tokens"]
+    assert r["store"]["tokens"] == ref[:1]
+    # P1's states after 192 and 288, then p4's after 288 (restored at 192): x 2 state groups
+    assert res["state_saves_checked"] == 3 * 2
+    assert r["restore"]["cached"] == [2 * bs, 3 * bs]
+    assert r["restore"]["tokens"] == [ref[1], ref[0]]
+    assert res["state_loads_match_saved"] == res["state_loads_checked"] > 0
