@@ -82,11 +82,16 @@ class FanoutRestorer:
     agreement (so the others never wait for it) and then restores as usual.
     ``share_copy``: ``"kernel"`` (restore_slice), ``"dma"`` (copy engine when the share is at most
     ``MAX_DMA_COPIES`` contiguous ranges, else restore_slice) or ``"auto"`` (= dma).
+    ``max_programs``: SM budget of the share copy (it overlaps compute; None = the kernels'
+    default). ``scatter_programs``: SM budget of the scatter (staging -> cache), which runs on the
+    compute stream right before the layer, so it takes every SM by default (a 4-program
+    device-to-device copy would cost more than the host copy it follows).
     """
 
     def __init__(self, config: FanoutConfig, exchanger: Exchanger, device: torch.device | str, *,
                  mode: Mode = Mode.LAYERWISE, active: bool = True, share_copy: str = "auto",
-                 max_programs: int | None = None, staging: torch.Tensor | None = None) -> None:
+                 max_programs: int | None = None, scatter_programs: int | None = None,
+                 staging: torch.Tensor | None = None) -> None:
         if share_copy not in ("kernel", "dma", "auto"):
             raise ValueError(f"share_copy={share_copy!r}: expected 'kernel', 'dma' or 'auto'")
         self.config, self.exchanger, self.mode, self.active = config, exchanger, mode, active
@@ -101,6 +106,9 @@ class FanoutRestorer:
                              f"got {staging.dtype} {tuple(staging.shape)} on {staging.device}")
         self.staging = staging
         self._cuda = self.device.type == "cuda"
+        if scatter_programs is None and self._cuda:
+            scatter_programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.scatter_programs = scatter_programs
         if self._cuda and active:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._copied = [torch.cuda.Event() for _ in range(self.slots)]
@@ -278,7 +286,7 @@ class FanoutRestorer:
                 self.exchanger.all_gather_inplace(slot, r.share)
                 self.stats["bytes_gathered"] += r.gathered
             load = b.loads[r.seg]
-            unpack(slot[: r.nbytes], load.dst, b.bids[r.seg][r.b0:r.b1])
+            unpack(slot[: r.nbytes], load.dst, b.bids[r.seg][r.b0:r.b1], max_programs=self.scatter_programs)
             if self._cuda:
                 self._free[s].record(cur)
             self.stats["rounds"] += 1
