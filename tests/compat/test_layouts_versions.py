@@ -93,3 +93,26 @@ def test_pages_round_trip_on_version_tensors(kind, layout, bs):
         untouched = sorted(set(range(nb)) - set(back.tolist()))
         for j in untouched:
             assert (V.raw_page(dst, name, j) == 0x5A).all(), f"{name}: block {j} written"
+
+
+def test_hybrid_state_pages_register_on_version_tensors(llama_dir, gateway_port):
+    """A hybrid cache as this vLLM allocates it (26: Mamba as a list of typed states; 28: an
+    int8 page with its padding; 29+: an int8 content view): the connector registers it, and the
+    state pool of every block is exactly the state bytes at the start of that block's page."""
+    nb, bs = 8, 16
+    kvc, caches, buf, page, state = V.make_hybrid(bs, nb)
+    mamba, attn = V.HYBRID_LAYERS
+    form = _mamba_form(caches[mamba])
+    assert form == _row()[1]
+    g = torch.Generator().manual_seed(3)
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+    vc = V.make_vllm_config(llama_dir, block_size=bs, extra={
+        "xkv_gateway_port": gateway_port, "chunk_size": bs, "key_namespace": "compat-hybrid"})
+    w = V.make_worker(vc, kvc, V.Caches(caches, {}, {}, page, state))
+    pools = w._worker.pools
+    assert pools[mamba].block_bytes == state and pools[attn].block_bytes == page
+    staging = torch.empty(nb * state, dtype=torch.uint8)
+    pack(pools[mamba], torch.arange(nb), staging)
+    for b in range(nb):
+        assert staging[b * state:(b + 1) * state].equal(buf[b * page: b * page + state])
+    w.shutdown()

@@ -249,3 +249,49 @@ def step(scheduler: Scheduler, worker, caches: Caches, block_size: int):
                             sampled_token_ids=sampled, kv_connector_output=kv_out)
     scheduler.update_from_output(so, out)
     return so, kv_out
+
+
+# ------------------------------------------------------------------ hybrid (attention + Mamba)
+
+HYBRID_LAYERS = ("model.layers.0.mixer", "model.layers.1.self_attn.attn")
+
+
+def make_hybrid(block_size: int, num_blocks: int):
+    """A hybrid model's cache as vLLM lays it out: an attention group and a Mamba ``align`` group
+    whose padded state page equals the attention page, both overlaying one buffer, allocated by
+    this vLLM's own code. Returns (KVCacheConfig, tensors, raw uint8 buffer, page bytes,
+    state content bytes)."""
+    mamba, attn = HYBRID_LAYERS
+    a = spec_for("attention", block_size)
+    page = a.page_size_bytes
+    m = MambaSpec(block_size=block_size, shapes=((3, 40), (2, 4, 8)),
+                  dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
+                  mamba_cache_mode="align")
+    groups = [KVCacheGroupSpec([mamba], m), KVCacheGroupSpec([attn], a)]
+    if compat.features()["layer_stride_tensors"]:
+        tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=page * num_blocks,
+                                 block_stride=page) for n in HYBRID_LAYERS]
+    else:
+        tensors = [KVCacheTensor(size=page * num_blocks, shared_by=list(HYBRID_LAYERS))]
+    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    if compat.features()["generic_kv_views"]:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        kvc.kv_cache_layout = "LBHNC"
+        caches = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout["LBHNC"],
+                                   [block_size, block_size])
+        buf = _as_bytes(caches[attn])
+    else:
+        from vllm.v1.attention.backends.utils import set_kv_cache_layout
+        from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
+        from vllm.v1.worker.utils import AttentionGroup
+
+        set_kv_cache_layout("HND")
+        raw = _allocate_kv_cache(kvc, {}, torch.device("cpu"))
+        ag = [AttentionGroup(_backend("mamba"), [mamba], m, 0),
+              AttentionGroup(_backend("attention"), [attn], a, 1)]
+        caches = _reshape_kv_cache(ag, raw, "auto", [block_size, block_size], {}, kvc)
+        buf = _as_bytes(raw[attn])
+    state = 3 * 40 * 2 + 2 * 4 * 8 * 4
+    return kvc, caches, buf, page, state

@@ -160,6 +160,26 @@ def kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
     return str(get_kv_cache_layout())
 
 
+def state_views(kv_caches: Mapping[str, Any], state_bytes: Mapping[str, int]) -> dict[str, Any]:
+    """``kv_caches`` with every state layer's tensor cut to its content bytes.
+
+    A Mamba layer is registered as a list of typed state tensors (26: content only), an int8
+    ``(B, 1, 1, padded page)`` view (28: the padding included) or an int8 ``(B, 1, 1, content)``
+    view with a padded block stride (29+). Told apart by form, the 28 view is narrowed to its
+    first ``state_bytes[layer]`` bytes (the states, then padding), i.e. the 29+ form, so every
+    version moves exactly the state bytes. ``state_bytes``: layer -> content bytes.
+    """
+    import torch
+
+    out = dict(kv_caches)
+    for name, n in state_bytes.items():
+        t = out.get(name)
+        if (isinstance(t, torch.Tensor) and t.dim() == 4 and t.element_size() == 1
+                and t.shape[1:3] == (1, 1) and t.shape[3] > n):
+            out[name] = t.narrow(3, 0, n)
+    return out
+
+
 def layout_hint(layout: str | None) -> str:
     """What to tell a user whose tensors do not follow ``layout`` (26/28: per-process names)."""
     if features()["generic_kv_views"]:

@@ -175,6 +175,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        states = {n: p.group.block_bytes for p in self._registry.groups if p.is_state
+                  for n in p.group.layer_names}
+        kv_caches = compat.state_views(kv_caches, states)
         try:
             lines = self._worker.register_kv_caches(
                 kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout
