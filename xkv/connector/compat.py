@@ -261,6 +261,27 @@ def tp_rank() -> int:
     return int(ps.get_tensor_model_parallel_rank())
 
 
+def tp_comms() -> tuple[Any, Any]:
+    """(TP CPU group, vLLM's TP ``PyNcclCommunicator`` or None) for the fan-out restorer;
+    (None, None) when no process group exists (unit tests: torch's default group is used)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, None
+    g = ps.get_tp_group()
+    comm = getattr(g, "device_communicator", None)
+    return g.cpu_group, getattr(comm, "pynccl_comm", None)
+
+
+def layerwise_load_hook(vllm_config: Any) -> bool:
+    """False for models whose attention never calls ``wait_for_layer_load``: DeepSeek-V3.2 /
+    GLM-5.x DSA (``DeepseekV32Attention`` overrides ``forward``; its config has ``index_topk``)."""
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    archs = set(getattr(hf, "architectures", None) or ())
+    dsa = {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
+    return not (archs & dsa or getattr(hf, "index_topk", None))
+
+
 def kv_events_endpoint(vllm_config: Any) -> str | None:
     """The endpoint vLLM's KV-events publisher binds on this host, if it is on."""
     ev = getattr(vllm_config, "kv_events_config", None)

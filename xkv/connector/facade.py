@@ -32,6 +32,7 @@ from xkv.connector.registry import build_registry, state_group
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import StatsMixin
 from xkv.connector.worker import WorkerSide
+from xkv.fanout import FanoutConfig
 from xkv.layout import LayoutError
 
 log = logging.getLogger("xkv.connector")
@@ -128,6 +129,10 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._tp_rank = compat.tp_rank()
+            # the fan-out keys' own validation (xkv.fanout); ConnectorConfig checked the rest
+            fan_cfg = FanoutConfig.from_extra_config(ktc.kv_connector_extra_config)
+            fanout = (functools.partial(_fanout_factory, fan_cfg, vllm_config, kv_cache_config,
+                                        self._tp_rank, tp) if fan_cfg.enabled else None)
             self._worker = WorkerSide(
                 self._registry,
                 fps,
@@ -135,6 +140,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank=self._tp_rank,
                 gateway_factory=_gateway_factory(cfg, cfg.gateway_timeout_ms / 1000),
                 handler_factory=functools.partial(_handler_factory, verify=cfg.verify_restores),
+                fanout_factory=fanout,
             )
 
     # ================================================================ scheduler role
@@ -245,7 +251,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # restores and saves hang on the per-layer hooks
+        # restores and saves hang on the per-layer hooks; fan-out's all-gather + scatter run in
+        # wait_for_layer_load too, which a full CUDA graph would skip on replay
+        return True
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -324,3 +332,19 @@ def _handler_factory(device: torch.device, verify: bool = False):
     if device.type == "cuda":
         return CudaTransferHandler(device, verify=verify)
     return SyncTransferHandler(verify=verify)
+
+
+def _fanout_factory(fan_cfg: FanoutConfig, vllm_config: Any, kv_cache_config: Any, tp_rank: int,
+                    tp_size: int, kv_caches: dict, device: torch.device):
+    """The worker's fan-out restorer (None = off, one warning saying why). Called once on every
+    TP rank after the KV cache was allocated: ``build_restorer`` is collective over the TP group."""
+    from xkv.fanout import build_restorer, facts_from_vllm
+
+    facts = facts_from_vllm(vllm_config, kv_cache_config,
+                            layer_views=list(kv_caches.values()),
+                            layerwise_hook=compat.layerwise_load_hook(vllm_config),
+                            cuda=device.type == "cuda")
+    cpu_group, pynccl = compat.tp_comms()
+    restorer, _ = build_restorer(fan_cfg, facts, tp_rank, tp_size, device,
+                                 cpu_group=cpu_group, tp_pynccl=pynccl)
+    return restorer

@@ -7,6 +7,8 @@ backends K and V share the last dim; byte pages are right for both.
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
 layer only; ``save_kv_layer`` copies the layer's pages of reserved chunks to their slots;
+MLA groups can be fanned out over NVLink instead (``xkv.fanout``, docs/fanout.md): each rank
+copies 1/N of a layer and the group all-gathers the rest at ``wait_for_layer_load``.
 ``wait_for_save`` commits shards whose every layer was written (otherwise aborts them);
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
 error, never wrong bytes) and collects the step's load errors.
@@ -47,6 +49,7 @@ class WorkerSide:
         tp_rank: int,
         gateway_factory: Callable[[], Any],
         handler_factory: Callable[[torch.device], Any] | None = None,
+        fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
     ):
         self.registry = registry
         self.fingerprints = fingerprints
@@ -54,6 +57,11 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self._gateway_factory = gateway_factory
         self._handler_factory = handler_factory
+        # (kv_caches, device) -> FanoutRestorer | None; collective over the TP group, so every rank
+        # calls it exactly once, in register_kv_caches, whatever happens to its gateway
+        self._fanout_factory = fanout_factory
+        self.restorer: Any = None
+        self._fanout_layers: set[str] = set()  # this step's layers restored by the restorer
         self.stats = ConnectorStats()
         self.turned_off = False
         self._failures = 0  # consecutive GatewayUnavailable
@@ -105,6 +113,8 @@ class WorkerSide:
         device = next(iter(self.pools.values())).base.device if self.pools else torch.device("cpu")
         if self._handler_factory is not None:
             self.handler = self._handler_factory(device)
+        if self._fanout_factory is not None:
+            self.restorer = self._fanout_factory(kv_caches, device)
         try:
             self.gw = self._gateway_factory()
             infos = [
@@ -139,29 +149,36 @@ class WorkerSide:
         # stays mapped, and the generation check below catches a reused slot. A card that was
         # never mapped, or offsets from another gateway process (epoch), cannot be read.
         usable = self.card is not None and meta.epoch == self.epoch
+        by_group: dict[int, list[GroupTransfer]] = {}
+        for job in meta.loads:
+            for gt in job.groups:
+                by_group.setdefault(gt.group, []).append(gt)
         if not usable:
             if not self.turned_off and meta.epoch != self.epoch:
                 self.turn_off(f"gateway epoch changed ({self.epoch} -> {meta.epoch})")
             self._no_block_errors("the card is not mapped on this rank, or its gateway changed")
+            # The other ranks are inside the restorer's agreement for this batch: join it with
+            # an empty source, which this rank refuses, so every rank restores as usual.
+            self._fanout_begin(torch.empty(0, dtype=torch.uint8), by_group)
             for job in meta.loads:
                 self._fail(job.block_ids())
                 self._loads_done[job.job_id] += 1
             return
         t0 = time.perf_counter()
         self.handler.begin_loads()
-        by_group: dict[int, list[GroupTransfer]] = {}
         for job in meta.loads:
             for gt in job.groups:
-                by_group.setdefault(gt.group, []).append(gt)
                 self._load_checks.extend((gt, c) for c in range(len(gt.chunks)))
             self._loads_done[job.job_id] += 1
+        fanned = self._fanout_begin(self.card, by_group)
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-            base, step = self._base_offsets(plan, transfers), self._layer_stride(plan)
-            for layer, name in enumerate(plan.group.layer_names):
-                offs = base + layer * step
-                self.handler.load_layer(name, self.card, offs, self.pools[name], blocks)
+            if g not in fanned:
+                base, step = self._base_offsets(plan, transfers), self._layer_stride(plan)
+                for layer, name in enumerate(plan.group.layer_names):
+                    offs = base + layer * step
+                    self.handler.load_layer(name, self.card, offs, self.pools[name], blocks)
             if plan.is_state:
                 # State layers get no wait_for_layer_load call: the forward must start after
                 # their pages (boundary and running block) landed.
@@ -171,6 +188,42 @@ class WorkerSide:
             self.stats.add("bytes_restored", nbytes)
             self.stats.add("blocks_restored", len(blocks))
         self._t_load = time.perf_counter() - t0
+
+    def _fanout_begin(self, src: torch.Tensor, by_group: dict[int, list[GroupTransfer]]) -> set[int]:
+        """Hand this step's MLA group loads to the fan-out restorer; returns the groups it took
+        (empty: restore them through the handler). Built from scheduler metadata only, so every
+        TP rank calls ``begin`` with the same loads (it agrees across ranks inside)."""
+        self._fanout_layers = set()
+        if self.restorer is None:
+            return set()
+        from xkv.fanout import LayerLoad
+
+        groups, loads = [], []
+        for g, transfers in by_group.items():
+            plan = self.registry.groups[g]
+            if plan.group.kind != "mla" or plan.is_state:
+                continue
+            # host index tensors: the restorer validates and plans on the host
+            blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+            base, step = self._base_offsets(plan, transfers), self._layer_stride(plan)
+            groups.append(g)
+            loads += [LayerLoad(name, base + layer * step, self.pools[name], blocks)
+                      for layer, name in enumerate(plan.group.layer_names)]
+        if not loads or not self.restorer.begin(src, loads):
+            return set()
+        self._fanout_layers = {ld.layer for ld in loads}
+        return set(groups)
+
+    def _fanout_finish(self) -> None:
+        """Exchange whatever the forward left (layers without a wait hook), then wait for the
+        fanned-out copies so the generation check below follows the bytes it vouches for."""
+        if self.restorer is None or not self._fanout_layers:
+            return
+        self.restorer.finish()
+        self._fanout_layers = set()
+        dev = self.restorer.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     def _base_offsets(self, plan: GroupPlan, transfers: list[GroupTransfer]) -> torch.Tensor:
         """int64 [n]: card offset of each block of ``transfers`` for layer 0 (this rank's shard).
@@ -192,7 +245,10 @@ class WorkerSide:
         return plan.blocks_per_object * plan.group.block_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.handler.wait_layer(layer_name)
+        if layer_name in self._fanout_layers:
+            self.restorer.wait_layer(layer_name)  # all-gather + scatter on the compute stream
+        else:
+            self.handler.wait_layer(layer_name)
 
     # ------------------------------------------------------------------ saves
 
@@ -285,6 +341,7 @@ class WorkerSide:
 
     def get_finished(self) -> None:
         """Wait for the step's reads and verify every slot read still holds what was leased."""
+        self._fanout_finish()
         if not self._load_checks:
             return
         t0 = time.perf_counter()
@@ -342,6 +399,12 @@ class WorkerSide:
         log.warning("%s (tp rank %d: %s)", TURNED_OFF_LINE, self.tp_rank, reason)
 
     def shutdown(self) -> None:
+        if self.restorer is not None:
+            try:
+                self.restorer.close()
+            except Exception:
+                log.debug("xkv: fan-out close failed", exc_info=True)
+            self.restorer = None
         if self.gw is not None:
             try:
                 self.gw.close()
