@@ -129,6 +129,10 @@ class SyncTransferHandler:
         if self.verifier is not None:
             self.verifier.check("save")
 
+    def fence_saves(self) -> None:
+        """The copies ran inline: nothing to wait for (None), the caller commits at once."""
+        self.flush_saves()
+
 
 def _engine(var: str) -> str:
     e = os.environ.get(var, "auto")
@@ -217,3 +221,20 @@ class CudaTransferHandler:
         if self.verifier is not None:
             self.verifier.check("save")
             torch.cuda.current_stream(self.device).synchronize()
+
+    def fence_saves(self) -> torch.cuda.Event | None:
+        """A fence after every save issued so far, without blocking the host: an event on the
+        save stream (blocking-sync, so a thread waiting on it sleeps rather than spins).
+
+        The compute stream waits on it too (on the GPU, not the host): whatever vLLM queues next
+        (zeroing a reallocated block, the next forward) must not overwrite pages the save stream
+        is still reading, or a committed chunk could hold torn bytes. That wait costs the GPU only
+        the save stream's tail past the last layer. With ``verify_restores`` the copies are
+        waited for here and checked (debug path), and None is returned."""
+        if self.verifier is not None:
+            self.flush_saves()
+            return None
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self.save_stream)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        return ev

@@ -17,6 +17,7 @@ error, never wrong bytes) and collects the step's load errors.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -26,10 +27,12 @@ import torch
 
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
 from xkv.connector.registry import GroupPlan, Registry
+from xkv.connector.saves import Committer, SaveBatch
 from xkv.connector.scheduler import MAX_FAILURES
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler
 from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.gateway.protocol import MAX_KEYS
 from xkv.layout import PagePool, describe_cache
 
 log = logging.getLogger("xkv.connector")
@@ -76,7 +79,18 @@ class WorkerSide:
         self._load_checks: list[tuple[GroupTransfer, int]] = []  # (transfer, chunk index)
         self._loads_done: Counter = Counter()
         self._load_errors: set[int] = set()
-        self._saved: dict[tuple[int, int], set[int]] = {}  # (job, group) -> layers written
+        # Saves: the layers written this step per group (every job of a group is saved by the
+        # same call); the step whose saves were issued and not yet fenced; whether this step's
+        # wait_for_save ran (vLLM 0.33 calls it every step, and it must act once per step).
+        self._saved: dict[int, set[int]] = {}
+        self._unflushed: StepMetadata | None = None
+        self._save_flushed = False
+        # COMMIT/ABORT run on the committer's thread once the save fence completed (CUDA), or
+        # inline (CPU); its counters reach self.stats on the engine thread (_merge_commit_stats).
+        self._committer = Committer(self._send_saves, name=f"xkv-commit-{tp_rank}")
+        self._commit_stats: Counter = Counter()
+        self._commit_lock = threading.Lock()
+        self._batch = SaveBatch()  # the decisions of the step being flushed
         self._t_load = 0.0
         self._save_plan: dict[int, tuple] = {}
 
@@ -136,6 +150,10 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def bind(self, meta: StepMetadata) -> None:
+        if self._unflushed is not None:
+            # saves issued in a step whose wait_for_save never came: fence and commit them now
+            self._flush_saves(self._unflushed)
+        self._save_flushed = False
         self._meta = meta
         self._save_plan = {}  # group -> (jobs, block ids, layer-0 offsets), built on first use
         if meta.turned_off and not self.turned_off:
@@ -275,15 +293,21 @@ class WorkerSide:
             return
         offs = base + layer * self._layer_stride(plan)
         self.handler.save_layer(layer_name, self.pools[layer_name], blocks, self.card, offs)
-        for job in jobs:
-            self._saved.setdefault((job.job_id, g), set()).add(layer)
+        self._saved.setdefault(g, set()).add(layer)
+        self._unflushed = meta
         self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)
         self.stats.add("seconds_saved", time.perf_counter() - t0)
 
     def wait_for_save(self) -> None:
+        """Fence the step's saves and hand its commits over; never blocks on the save copies.
+
+        Commits are sent once every layer's bytes are on the card: inline on the CPU handler,
+        from the committer thread after the save stream's event on CUDA (vLLM 0.26 calls this
+        before it launches logits and sampling, so a host wait here would idle the GPU)."""
         meta = self._meta
-        if meta is None or not meta.saves:
+        if meta is None or not meta.saves or self._save_flushed:
             return
+        self._save_flushed = True
         t0 = time.perf_counter()
         # State layers have no save_kv_layer hook: their end-of-step state is saved here, after
         # the forward that wrote it.
@@ -291,56 +315,94 @@ class WorkerSide:
             if plan.is_state:
                 for name in plan.group.layer_names:
                     self.save_kv_layer(name)
-        self.handler.flush_saves()
+        self._flush_saves(meta)
+        self.stats.add("seconds_saved", time.perf_counter() - t0)
+
+    def _flush_saves(self, meta: StepMetadata) -> None:
+        """Decide commit/abort for every save job of ``meta`` (from the layers written), fence
+        the copies and submit the batch. A chunk with a layer not written is aborted."""
+        self._unflushed = None
+        saved, self._saved = self._saved, {}
+        fence = self.handler.fence_saves()  # None: the bytes are on the card already
+        self._batch = SaveBatch()
         for job in meta.saves:
             for gt in job.groups:
                 plan = self.registry.groups[gt.group]
                 if not plan.writes(self.tp_rank):
                     continue
-                layers = self._saved.pop((job.job_id, gt.group), set())
                 keys = [c.key for c in gt.chunks]
-                complete = len(layers) == len(plan.group.layer_names)
+                complete = len(saved.get(gt.group, ())) == len(plan.group.layer_names)
                 self._finish_save(plan, gt.group, keys, complete, job)
-        self._saved.clear()
-        self.stats.add("seconds_saved", time.perf_counter() - t0)
+        batch, self._batch = self._batch, SaveBatch()
+        self._committer.submit(fence, batch)
 
     def _finish_save(self, plan: GroupPlan, g: int, keys: list[bytes], ok: bool, job) -> None:
+        """Record one job's decision for group ``g`` in this step's batch (sent by _send_saves)."""
+        if not ok and keys:
+            # A layer without a save hook call (CUDA graph replay, a layer vLLM skipped):
+            # committing would publish bytes that were never written.
+            log.warning(
+                "xkv: request %s group %d: not every layer was saved this step; "
+                "aborting %d chunk(s)", job.req_id, g, len(keys))
+        self._batch.add(g, plan.shard_of(self.tp_rank), ok, keys, job.req_id)
+
+    def _send_saves(self, batch: SaveBatch) -> None:
+        """COMMIT (or ABORT) every key of ``batch``: one message per group, shard and kind (split
+        at the protocol's key limit). Runs on the committer thread on CUDA: counters go to
+        ``_commit_stats``; failures count towards turning this rank off, as before."""
+        for (g, shard, ok), jobs in batch.items.items():
+            keys = [k for ks, _ in jobs for k in ks]
+            reqs = ",".join(sorted({r for _, r in jobs}))
+            for i in range(0, len(keys), MAX_KEYS):
+                self._send_one(g, shard, ok, keys[i:i + MAX_KEYS], reqs)
+
+    def _send_one(self, g: int, shard: int, ok: bool, keys: list[bytes], reqs: str) -> None:
         if self.turned_off or self.gw is None:
-            self.stats.add("save_errors", len(keys))
+            self._count("save_errors", len(keys))
             return
-        shard = plan.shard_of(self.tp_rank)
+        what = "COMMIT" if ok else "ABORT"
         try:
             if ok:
                 self.gw.commit(self.layout_ids[g], shard, keys)
-                self.stats.add("chunks_saved", len(keys))
+                self._count("chunks_saved", len(keys))
             else:
-                # A layer without a save hook call (CUDA graph replay, a layer vLLM skipped):
-                # committing would publish bytes that were never written.
-                log.warning(
-                    "xkv: request %s group %d: not every layer was saved this step; "
-                    "aborting %d chunk(s)", job.req_id, g, len(keys))
                 self.gw.abort(self.layout_ids[g], shard, keys)
-                self.stats.add("save_errors", len(keys))
+                self._count("save_errors", len(keys))
             self._failures = 0
         except GatewayUnavailable as e:
-            self.stats.add("save_errors", len(keys))
-            self.stats.add("gateway_errors")
+            self._count("save_errors", len(keys))
+            self._count("gateway_errors")
             self._failures += 1
             if self._failures >= MAX_FAILURES:
-                self.turn_off(f"{'COMMIT' if ok else 'ABORT'} failed {self._failures} times in a "
-                              f"row: {e}")
+                self.turn_off(f"{what} failed {self._failures} times in a row: {e}")
             else:
-                log.warning("xkv: COMMIT for request %s failed: %s", job.req_id, e)
-            return
+                log.warning("xkv: %s for request(s) %s failed: %s", what, reqs, e)
         except GatewayError as e:
-            self.stats.add("save_errors", len(keys))
-            self.stats.add("gateway_errors")
-            log.warning("xkv: COMMIT refused for request %s: %s", job.req_id, e)
+            self._count("save_errors", len(keys))
+            self._count("gateway_errors")
+            log.warning("xkv: %s refused for request(s) %s: %s", what, reqs, e)
+
+    def _count(self, name: str, value: float = 1) -> None:
+        with self._commit_lock:
+            self._commit_stats[name] += value
+
+    def _merge_commit_stats(self) -> None:
+        with self._commit_lock:
+            counts, self._commit_stats = self._commit_stats, Counter()
+        for name, value in counts.items():
+            self.stats.add(name, value)
+
+    def drain_saves(self, timeout_s: float | None = None) -> bool:
+        """Wait until every fenced save batch was committed (tests, shutdown); False on timeout."""
+        ok = self._committer.drain(timeout_s)
+        self._merge_commit_stats()
+        return ok
 
     # ------------------------------------------------------------------ end of step
 
     def get_finished(self) -> None:
         """Wait for the step's reads and verify every slot read still holds what was leased."""
+        self._merge_commit_stats()
         self._fanout_finish()
         if not self._load_checks:
             return
@@ -405,6 +467,11 @@ class WorkerSide:
             except Exception:
                 log.debug("xkv: fan-out close failed", exc_info=True)
             self.restorer = None
+        if self._unflushed is not None:
+            self._flush_saves(self._unflushed)
+        # commits still waiting on their fence go out before the connection closes
+        self._committer.close(timeout_s=10.0)
+        self._merge_commit_stats()
         if self.gw is not None:
             try:
                 self.gw.close()

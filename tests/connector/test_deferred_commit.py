@@ -1,0 +1,244 @@
+"""Deferred COMMIT (issue 9): ``wait_for_save`` does not wait for the save copies; chunks are
+committed once the step's save fence completed, every layer's bytes on the card.
+
+A CUDA-like fake handler queues each save copy and applies it only when the test completes the
+step's fence (as a save stream finishing later would). The fake gateway's COMMIT checks, at the
+moment it arrives, that every committed chunk's card bytes equal the pages they were saved from.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from xkv import kernels
+from xkv.connector.saves import Committer, SaveBatch
+from xkv.connector.transfer import SyncTransferHandler
+
+pytestmark = pytest.mark.vllm
+
+H = pytest.importorskip("connector_harness")
+
+CHUNK, BS = 64, 32
+
+
+class FakeFence:
+    """Completes when the test says so; then (and only then) the queued copies are applied."""
+
+    def __init__(self, copies):
+        self.copies = copies
+        self._done = threading.Event()
+
+    def complete(self):
+        for pool, ids, card, offs in self.copies:
+            kernels.save(pool, ids, card, offs)
+        self._done.set()
+
+    def query(self):
+        return self._done.is_set()
+
+    def synchronize(self):
+        assert self._done.wait(10), "fence never completed"
+
+
+class DeferredHandler(SyncTransferHandler):
+    """Loads inline; saves are queued until their step's fence completes."""
+
+    def __init__(self):
+        super().__init__()
+        self.queued = []
+        self.fences = []
+
+    def save_layer(self, name, pool, block_ids, card, offsets):
+        self.queued.append((pool, block_ids.clone(), card, offsets.clone()))
+
+    def flush_saves(self):
+        raise AssertionError("wait_for_save must not block on the save copies")
+
+    def fence_saves(self):
+        f = FakeFence(self.queued)
+        self.queued = []
+        self.fences.append(f)
+        return f
+
+
+def _prompt(n, base=10):
+    return [(base + i) % 1000 + 4 for i in range(n)]
+
+
+def _engine(llama_dir):
+    vc = H.make_vllm_config(llama_dir, block_size=BS, extra={"chunk_size": CHUNK})
+    kcfg = H.make_kv_cache_config(block_size=BS)
+    kcfg.kv_cache_layout = "LBHNC"
+    sched = H.make_scheduler(vc, kcfg)
+    conn, caches = H.make_worker(vc, H.make_kv_cache_config(block_size=BS), layout="LBHNC")
+    w = conn._worker
+    w.handler = DeferredHandler()
+    return sched, conn, w, caches
+
+
+def _watch(w, caches, commits):
+    """Record every bound step's save blocks; make COMMIT check the card bytes of its keys."""
+    blocks_of = {}  # key -> [(block id, block in chunk)]
+    bind, commit = w.bind, w.gw.commit
+
+    def bind_rec(meta):
+        for job in meta.saves:
+            for gt in job.groups:
+                for b, c, j in zip(gt.block_ids, gt.chunk_of, gt.block_in_chunk, strict=True):
+                    blocks_of.setdefault(gt.chunks[c].key, []).append((b, j, gt.chunks[c]))
+        bind(meta)
+
+    def commit_check(layout_id, shard, keys):
+        names = list(caches)
+        for key in keys:
+            for b, j, ref in blocks_of[key]:
+                for li, name in enumerate(names):
+                    page = H.page(caches[name], b)
+                    bb = page.numel()
+                    off = ref.offsets[shard] + (li * (CHUNK // BS) + j) * bb
+                    card = torch.frombuffer(w.gw.gw.card, dtype=torch.uint8)[off:off + bb]
+                    assert torch.equal(card, page), f"torn chunk {key.hex()[:12]} committed"
+        commits.append(list(keys))
+        return commit(layout_id, shard, keys)
+
+    w.bind = bind_rec
+    w.gw.commit = commit_check
+    return blocks_of
+
+
+def test_commit_waits_for_the_fence_then_commits_every_chunk(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    commits = []
+    _watch(w, caches, commits)
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=1))
+    sched.add_request(H.make_request("b", _prompt(200, base=500), block_size=BS, max_tokens=1))
+    H.step_with_worker(sched, conn, caches, BS)
+    (fence,) = w.handler.fences
+    # wait_for_save returned with the copies still queued: nothing is published yet, and the
+    # reserved slots hold no page bytes, so an early COMMIT would have published torn chunks
+    assert not fence.query() and w._committer.pending == 1
+    assert not commits and not fake_gateway.committed(1)
+    assert not any(fake_gateway.card)
+    fence.complete()
+    assert w.drain_saves(10)
+    # 300 -> 4 chunks, 200 -> 3 chunks; both jobs of the step in one COMMIT
+    assert len(commits) == 1 and len(commits[0]) == 7
+    assert len(fake_gateway.committed(1)) == 7
+    assert conn.get_kv_connector_stats().data["chunks_saved"] == 7
+    assert not any(m[0] == "abort" for m in fake_gateway.messages)
+
+
+def test_wait_for_save_twice_in_a_step_acts_once(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    commits = []
+    _watch(w, caches, commits)
+    orig = conn.wait_for_save
+
+    def twice():  # vLLM 0.33 calls wait_for_save every step; a second call must not abort
+        orig()
+        orig()
+
+    conn.wait_for_save = twice
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=2))
+    while sched.has_unfinished_requests():
+        H.step_with_worker(sched, conn, caches, BS)
+    assert len(w.handler.fences) == 1
+    for f in w.handler.fences:
+        f.complete()
+    assert w.drain_saves(10)
+    assert len(fake_gateway.committed(1)) == 4 and commits == [commits[0]]
+    assert not any(m[0] == "abort" for m in fake_gateway.messages)
+
+
+def test_saves_without_wait_for_save_are_committed_at_the_next_step(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    commits = []
+    _watch(w, caches, commits)
+    orig = conn.wait_for_save
+    conn.wait_for_save = lambda: None  # a step whose finalize never came
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=3))
+    H.step_with_worker(sched, conn, caches, BS)
+    assert not w.handler.fences and w._unflushed is not None
+    conn.wait_for_save = orig
+    H.step_with_worker(sched, conn, caches, BS)  # its bind fences the previous step's saves
+    (fence,) = w.handler.fences
+    assert not commits
+    fence.complete()
+    assert w.drain_saves(10)
+    assert len(fake_gateway.committed(1)) == 4
+
+
+def test_shutdown_commits_what_is_still_fenced(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    commits = []
+    _watch(w, caches, commits)
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=1))
+    H.step_with_worker(sched, conn, caches, BS)
+    (fence,) = w.handler.fences
+    t = threading.Timer(0.2, fence.complete)
+    t.start()
+    conn.shutdown()  # waits for the fence, commits, then closes the connection
+    t.join()
+    assert len(fake_gateway.committed(1)) == 4 and len(commits) == 1
+
+
+def test_incomplete_step_is_aborted_after_its_fence(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=1))
+    H.step_with_worker(sched, conn, caches, BS, layers_saved=1)
+    assert not any(m[0] in ("commit", "abort") for m in fake_gateway.messages)
+    w.handler.fences[0].complete()
+    assert w.drain_saves(10)
+    assert not fake_gateway.committed(1)
+    assert [m[0] for m in fake_gateway.messages].count("abort") == 1
+
+
+def test_gateway_gone_at_commit_time_counts_errors_and_turns_off(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    for i in range(3):
+        sched.add_request(H.make_request(f"r{i}", _prompt(300, base=100 * i), block_size=BS,
+                                         max_tokens=1))
+        H.step_with_worker(sched, conn, caches, BS)
+    fake_gateway.dead = True  # killed after the RESERVEs, before any fence completed
+    for f in w.handler.fences:
+        f.complete()
+    assert w.drain_saves(10)
+    assert w.turned_off  # three failed COMMITs in a row, as when they were sent inline
+    stats = conn.get_kv_connector_stats().data
+    assert stats["save_errors"] == 12 and stats["gateway_errors"] == 3
+    assert not fake_gateway.committed(1)
+
+
+class _Fence:
+    def __init__(self, exc=None):
+        self.exc = exc
+        self.gate = threading.Event()
+
+    def synchronize(self):
+        self.gate.wait(10)
+        if self.exc:
+            raise self.exc
+
+
+def test_committer_order_inline_path_and_failed_fence():
+    sent = []
+    c = Committer(lambda b: sent.append(sorted(b.items)))
+    b1, b2, b3 = SaveBatch(), SaveBatch(), SaveBatch()
+    b1.add(0, 0, True, [b"a"], "r1")
+    b2.add(0, 0, True, [b"b"], "r2")
+    b3.add(1, 0, True, [b"c"], "r3")
+    f1, f2 = _Fence(), _Fence(RuntimeError("CUDA error"))
+    c.submit(f1, b1)
+    c.submit(f2, b2)
+    assert c.pending == 2 and not sent
+    f2.gate.set()  # completes first, but batches go out in step order
+    assert not c.drain(0.2) and not sent
+    f1.gate.set()
+    assert c.drain(10)
+    # a fence that failed: its keys are aborted, never committed
+    assert sent == [[(0, 0, True)], [(0, 0, False)]]
+    c.submit(None, b3)  # no fence (CPU handler): sent at once, on this thread
+    assert sent[-1] == [(1, 0, True)]
+    c.submit(_Fence(), SaveBatch())  # nothing to send: no thread work
+    assert c.pending == 0 and c.close(5)
