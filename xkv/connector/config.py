@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# One source for the fan-out defaults: xkv.fanout validates the same keys at run time.
+from xkv.fanout.config import DEFAULT_MIN_LAYER_BYTES, DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
+
 MiB = 1 << 20
 
 #: The gateway's control port also is vLLM's KV-events publisher default (tcp://*:5557).
@@ -47,8 +50,8 @@ OPTIONS: dict[str, Option] = {
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "nvlink_fanout": Option(False, (bool,), "MLA restores fanned out over NVLink"),
     "nvlink_fanout_groups": Option("auto", (str, list), '"auto" or lists of TP ranks'),
-    "nvlink_fanout_staging_bytes": Option(64 * MiB, (int,), "per-GPU fan-out staging buffer"),
-    "nvlink_fanout_min_layer_bytes": Option(4 * MiB, (int,), "smallest layer restore fanned out"),
+    "nvlink_fanout_staging_bytes": Option(DEFAULT_STAGING_BYTES, (int,), "per-GPU fan-out staging buffer"),
+    "nvlink_fanout_min_layer_bytes": Option(DEFAULT_MIN_LAYER_BYTES, (int,), "smallest layer restore fanned out"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
 }
 
@@ -66,8 +69,8 @@ class ConnectorConfig:
     gateway_timeout_ms: float = 1000.0
     nvlink_fanout: bool = False
     nvlink_fanout_groups: str | tuple[tuple[int, ...], ...] = "auto"
-    nvlink_fanout_staging_bytes: int = 64 * MiB
-    nvlink_fanout_min_layer_bytes: int = 4 * MiB
+    nvlink_fanout_staging_bytes: int = DEFAULT_STAGING_BYTES
+    nvlink_fanout_min_layer_bytes: int = DEFAULT_MIN_LAYER_BYTES
     verify_restores: bool = False
     gateway_host: str = "localhost"
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -118,10 +121,10 @@ class ConnectorConfig:
             v = getattr(self, name)
             if not 0 < v <= 60_000:
                 raise ConfigError(f"{name}={v}: expected a deadline in (0, 60000] milliseconds")
-        if self.nvlink_fanout_staging_bytes < MiB:
+        if self.nvlink_fanout_staging_bytes < MIN_STAGING_BYTES:
             raise ConfigError(
                 f"nvlink_fanout_staging_bytes={self.nvlink_fanout_staging_bytes}: "
-                "expected at least 1 MiB (1048576)"
+                f"expected at least {MIN_STAGING_BYTES} bytes (two 1 MiB staging slots)"
             )
         if self.nvlink_fanout_min_layer_bytes < 0:
             raise ConfigError(
