@@ -242,3 +242,20 @@ def test_committer_order_inline_path_and_failed_fence():
     assert sent[-1] == [(1, 0, True)]
     c.submit(_Fence(), SaveBatch())  # nothing to send: no thread work
     assert c.pending == 0 and c.close(5)
+
+
+def test_thread_commit_counts_reach_the_next_steps_stats(fake_gateway, llama_dir):
+    sched, conn, w, caches = _engine(llama_dir)
+    sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=1))
+    _, _, out = H.step_with_worker(sched, conn, caches, BS)
+    assert out.kv_connector_stats.data["chunks_saved"] == 0  # not committed yet
+    w.handler.fences[0].complete()
+    deadline = threading.Event()
+    for _ in range(100):  # the committer thread sends once the fence completed
+        if w._committer.pending == 0:
+            break
+        deadline.wait(0.05)
+    assert w._committer.pending == 0
+    sched.add_request(H.make_request("b", _prompt(100, base=700), block_size=BS, max_tokens=1))
+    _, _, out = H.step_with_worker(sched, conn, caches, BS)
+    assert out.kv_connector_stats.data["chunks_saved"] == 4  # merged by get_finished

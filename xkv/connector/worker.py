@@ -9,7 +9,8 @@ the step together) through the transfer handler; ``wait_for_layer_load(layer)`` 
 layer only; ``save_kv_layer`` copies the layer's pages of reserved chunks to their slots;
 MLA groups can be fanned out over NVLink instead (``xkv.fanout``, docs/fanout.md): each rank
 copies 1/N of a layer and the group all-gathers the rest at ``wait_for_layer_load``.
-``wait_for_save`` commits shards whose every layer was written (otherwise aborts them);
+``wait_for_save`` fences the step's saves and hands the COMMITs of shards whose every layer was
+written (ABORTs otherwise) to ``saves.Committer``, sent once the copies finished;
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
 error, never wrong bytes) and collects the step's load errors.
 """
