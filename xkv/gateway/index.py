@@ -252,8 +252,11 @@ class Index:
         nbytes = pages * self.alignment
         ns = layout.namespace
         quota = self._quota(ns)
+        # Answers reflect the index as the request found it: making room for one key may evict
+        # another key of the same request, which then still answers EXISTS (never a torn write).
+        present = {key for key in keys if key in layout.objects}
         for key in keys:
-            if key in layout.objects:
+            if key in present or key in layout.objects:
                 self.counters["exists"] += 1
                 out.append((ReserveStatus.EXISTS, None))
                 continue
