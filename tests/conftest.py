@@ -49,3 +49,13 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernels run on: cuda when present, else cpu (reference / interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def gateway():
+    """(process, port) of a fresh xkv-gateway with a 256 MiB card."""
+    from xkv.gateway.testing import spawn_gateway, stop_gateway
+
+    proc, port = spawn_gateway("256M")
+    yield proc, port
+    stop_gateway(proc)

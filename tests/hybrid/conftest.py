@@ -12,16 +12,6 @@ sys.path.insert(0, str(HERE.parents[0] / "models"))
 sys.path.insert(0, str(HERE.parents[0] / "e2e"))
 
 
-@pytest.fixture
-def gateway():
-    """(process, port) of a fresh xkv-gateway with a 256 MiB card."""
-    from xkv.gateway.testing import spawn_gateway, stop_gateway
-
-    proc, port = spawn_gateway("256M")
-    yield proc, port
-    stop_gateway(proc)
-
-
 @pytest.fixture(scope="session")
 def hybrid_models():
     from tiny_models import ensure_model
