@@ -1,6 +1,8 @@
 """Load plans for any prompt length, local hit, block and chunk size (hypothesis, no vLLM).
 
-Invariants: never more than num_tokens - 1 - local tokens; a hit ends on a chunk boundary; the
+Invariants: never more than num_tokens - 1 - local tokens; a hit ends on a chunk boundary, or,
+when the stored prefix reaches the last token, on the last whole block before it (vLLM computes
+at least that token; issue 13: restore every block it lets us, not a chunk less); the
 job names exactly the blocks [local, local + ext) in order, each with its chunk's key and its
 position inside the chunk; vLLM asking twice costs one message.
 """
@@ -57,12 +59,14 @@ def test_plan_geometry(bs, k, n, stored_frac, local_frac, seed):
     ext = s.get_num_new_matched_tokens(req, local)
     assert s.get_num_new_matched_tokens(req, local) == ext
     assert len([x for x in gw.messages[n0:] if x[0] == "lookup"]) <= 1
-    start, stop = local // chunk, min(full, (n - 1) // chunk)
+    start, stop = local // chunk, full
     hits = max(0, min(m, stop) - start)
-    assert ext == max(0, (start + hits) * chunk - local)
+    last_block = (n - 1) // bs * bs
+    assert ext == max(0, min((start + hits) * chunk, last_block) - local)
     assert 0 <= ext <= max(0, n - 1 - local)
     if ext:
-        assert (local + ext) % chunk == 0
+        assert (local + ext) % bs == 0
+        assert (local + ext) % chunk == 0 or local + ext == last_block
     ids = list(range(1, -(-n // bs) + 1))
     random.Random(seed).shuffle(ids)
     s.update_state_after_alloc(req, [ids], ext)

@@ -50,7 +50,7 @@ def _loads(metas):
     return [j for m in metas for j in m.loads]
 
 
-@pytest.mark.parametrize("n,expect", [(300, 256), (200, 192), (256, 192), (65, 64), (64, 0)])
+@pytest.mark.parametrize("n,expect", [(300, 256), (200, 192), (256, 224), (65, 64), (64, 32), (40, 0)])
 def test_store_then_restore(make, fake_gateway, n, expect):
     """Full chunks are saved; a fresh prefix cache restores the longest stored prefix, never
     the whole prompt (at most n - 1 tokens), and vLLM schedules only the rest."""

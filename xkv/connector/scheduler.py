@@ -108,6 +108,7 @@ class SchedulerSide:
         self.registry = registry
         self.chunk_size = registry.groups[0].chunk_size
         self._attn = [g for g, p in enumerate(registry.groups) if not p.is_state]
+        self._block_size = registry.groups[0].group.block_size  # one size for all groups (façade)
         self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
         if self.chunk_size % hash_block_size:
             raise ValueError(
@@ -162,7 +163,10 @@ class SchedulerSide:
             return cached.ext
         if cached:
             self._drop_lookup(req_id)
-        stop = min(num_hashes // self.hashes_per_chunk, (request.num_tokens - 1) // self.chunk_size)
+        stop = num_hashes // self.hashes_per_chunk
+        if self._state:
+            # a state is stored at chunk ends only: a hit must end on a chunk vLLM will not compute
+            stop = min(stop, (request.num_tokens - 1) // self.chunk_size)
         start = num_computed_tokens // self.chunk_size
         if stop <= start:
             return 0
@@ -193,7 +197,10 @@ class SchedulerSide:
         self._failures = 0
         self.stats.add("lookups")
         ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
-        ext = min(ext, request.num_tokens - 1 - num_computed_tokens)
+        # vLLM computes at least the last token: when the stored prefix reaches it, restore every
+        # whole block before it (block granularity inside the last stored chunk), not a chunk less
+        last_block = (request.num_tokens - 1) // self._block_size * self._block_size
+        ext = min(ext, max(0, last_block - num_computed_tokens))
         if self.registry.multi_group and ext and (
             lease is None or (self._state and state_lease is None)
             or (self._state and num_computed_tokens + ext != (start + hits) * self.chunk_size)

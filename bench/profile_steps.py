@@ -1,0 +1,329 @@
+"""Where the milliseconds of a restore step and of a store step go, on a real GPU vLLM engine
+(issue 13, point 1).
+
+One child process per (mode, connector): the engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the connector's hooks can be timed where vLLM calls them.
+Every connector hook (``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``, ``get_finished``, the scheduler's ``get_num_new_matched_tokens`` — which holds
+the gateway LOOKUP — ``build_connector_meta`` …) is wrapped: host time per call, summed per
+request, and a ``torch.profiler.record_function`` range named ``xkv::<hook>`` so the trace shows it.
+Then one restore and one cold prefill per length run under ``torch.profiler``; from the trace:
+the GPU span of the request, the busy time of the compute stream and of the other streams, and
+the compute stream's idle gaps (the time the forward waited, e.g. for copies or for the host).
+
+Usage (GPU machine, vLLM 0.26 importable, repo on PYTHONPATH):
+  python bench/profile_steps.py --model bench/models/llama8b --out $OUT --lens 4096,16384 \
+      --modes eager,graphs --kinds xkv,offload
+Writes ``$OUT/profile.json`` (every figure) and ``$OUT/profile.md`` (the tables); ``--traces``
+also keeps gzipped chrome traces in ``$OUT/traces.tar.gz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+         "bind_connector_metadata", "clear_connector_metadata", "get_num_new_matched_tokens",
+         "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "get_block_ids_with_load_errors", "build_connector_worker_meta")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bench/models/llama8b")
+    ap.add_argument("--out", default="out/profile")
+    ap.add_argument("--lens", default="4096,16384")
+    ap.add_argument("--modes", default="eager,graphs")
+    ap.add_argument("--kinds", default="none,xkv,offload")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backend", default="FLASH_ATTN")
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--max-batched", type=int, default=16384)
+    ap.add_argument("--gpu-util", type=float, default=0.6)
+    ap.add_argument("--card-gib", type=float, default=16.0)
+    ap.add_argument("--offload-gib", type=float, default=16.0)
+    ap.add_argument("--port", type=int, default=5611)
+    ap.add_argument("--traces", action="store_true", help="keep gzipped chrome traces")
+    ap.add_argument("--child-timeout", type=float, default=300.0)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------- child
+class HookClock:
+    """Host time per hook, accumulated until :meth:`take`."""
+
+    def __init__(self):
+        self.t = collections.defaultdict(float)
+        self.n = collections.Counter()
+
+    def wrap(self, cls):
+        import torch
+
+        for name in HOOKS:
+            fn = cls.__dict__.get(name)
+            if fn is None:
+                for base in cls.__mro__[1:]:
+                    if name in base.__dict__:
+                        fn = base.__dict__[name]
+                        break
+            if fn is None or isinstance(fn, (classmethod, staticmethod)):
+                continue
+
+            def make(fn=fn, name=name):
+                @functools.wraps(fn)
+                def timed(*a, **k):
+                    t0 = time.perf_counter()
+                    with torch.profiler.record_function(f"xkv::{name}"):
+                        r = fn(*a, **k)
+                    self.t[name] += time.perf_counter() - t0
+                    self.n[name] += 1
+                    return r
+                return timed
+
+            setattr(cls, name, make())
+
+    def take(self):
+        out = {k: {"ms": round(v * 1e3, 3), "calls": self.n[k]} for k, v in self.t.items()}
+        self.t.clear(), self.n.clear()
+        return out
+
+
+def _engine(a, kind, mode, max_len):
+    from vllm import LLM
+
+    kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              enforce_eager=(mode == "eager"), gpu_memory_utilization=a.gpu_util,
+              max_model_len=max_len + 64, max_num_batched_tokens=a.max_batched,
+              enable_prefix_caching=True, seed=0)
+    if a.backend:
+        kw["attention_backend"] = a.backend
+    if kind == "xkv":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "FusIOnXConnector",
+            "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size}}
+    elif kind == "offload":
+        kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": int(a.offload_gib * 2**30)}}
+    return LLM(**kw)
+
+
+def _gpu_view(trace_path: str, t0_us: float | None = None) -> dict:
+    """GPU span, per-stream busy time and the compute stream's idle gaps from a chrome trace."""
+    ev = json.loads(Path(trace_path).read_text())
+    ev = ev.get("traceEvents", ev)
+    gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = [e for e in ev if e.get("ph") == "X" and str(e.get("name", "")).startswith("xkv::")]
+    if not gpu:
+        return {"gpu_events": 0}
+    by_stream = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e.get("args", {}).get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
+
+    def union(iv):
+        iv = sorted(iv)
+        busy, gaps, cur = 0.0, [], list(iv[0])
+        for s, t in iv[1:]:
+            if s > cur[1]:
+                busy += cur[1] - cur[0]
+                gaps.append(s - cur[1])
+                cur = [s, t]
+            else:
+                cur[1] = max(cur[1], t)
+        busy += cur[1] - cur[0]
+        return busy, gaps
+
+    # the compute stream: the one with the most kernels
+    main = max(by_stream, key=lambda s: len(by_stream[s]))
+    start = min(s for s, _ in sum(by_stream.values(), []))
+    end = max(t for _, t in sum(by_stream.values(), []))
+    streams = {}
+    for s, iv in by_stream.items():
+        busy, gaps = union(iv)
+        streams[str(s)] = {"events": len(iv), "busy_ms": round(busy / 1e3, 3),
+                           "first_ms": round((min(a for a, _ in iv) - start) / 1e3, 3),
+                           "last_ms": round((max(b for _, b in iv) - start) / 1e3, 3)}
+        if s == main:
+            gaps = sorted(gaps, reverse=True)
+            streams[str(s)].update(compute=True, idle_ms=round(sum(gaps) / 1e3, 3),
+                                   gaps_over_100us=sum(1 for g in gaps if g > 100),
+                                   largest_gaps_ms=[round(g / 1e3, 3) for g in gaps[:8]])
+    hooks = collections.defaultdict(float)
+    for e in host:
+        hooks[e["name"][5:]] += e["dur"] / 1e3
+    return {"gpu_span_ms": round((end - start) / 1e3, 3), "streams": streams,
+            "hook_host_ms_in_trace": {k: round(v, 3) for k, v in hooks.items()}}
+
+
+def _child(a):
+    kind, mode = a.child.split(":")
+    import torch
+    from vllm import SamplingParams
+
+    clock = HookClock()
+    if kind == "xkv":
+        from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
+
+        clock.wrap(FusIOnXConnector)
+    elif kind == "offload":
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+        clock.wrap(OffloadingConnector)
+    lens = [int(x) for x in a.lens.split(",")]
+    rng = random.Random(7)
+    prompt = lambda n: [rng.randrange(1000, 100000) for _ in range(n)]  # noqa: E731
+    t0 = time.perf_counter()
+    llm = _engine(a, kind, mode, max(lens))
+    start_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+
+    def gen(p):
+        t = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        return (time.perf_counter() - t) * 1e3, o.num_cached_tokens
+
+    def reset():
+        llm.reset_prefix_cache()
+        time.sleep(0.2)
+
+    rows = []
+    out = Path(a.out)
+    first = {}
+    for n in [min(lens)] + lens:  # the first length twice: the first restore after start, then warm
+        p = prompt(n)
+        ms, _ = gen(p)
+        if kind != "none":
+            reset()
+            ms_r, cached = gen(p)
+            first.setdefault(n, {"first_cold_ms": round(ms, 2), "first_restore_ms": round(ms_r, 2)})
+        clock.take()
+    for n in lens:
+        for rep in range(a.reps):
+            p = prompt(n)
+            clock.take()
+            ms, cached = gen(p)
+            rows.append(dict(phase="cold", tokens=n, rep=rep, ms=round(ms, 2), cached=cached, hooks=clock.take()))
+            if kind == "none":
+                ms, cached = gen(p)
+                rows.append(dict(phase="gpu_hit", tokens=n, rep=rep, ms=round(ms, 2), cached=cached, hooks=clock.take()))
+            else:
+                reset()
+                clock.take()
+                ms, cached = gen(p)
+                rows.append(dict(phase="restore", tokens=n, rep=rep, ms=round(ms, 2), cached=cached, hooks=clock.take()))
+        # one of each under the profiler
+        for phase in ("cold", "restore" if kind != "none" else "gpu_hit"):
+            p = prompt(n) if phase == "cold" else p
+            if phase == "restore":
+                reset()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                ms, cached = gen(p)
+            path = out / f"trace_{kind}_{mode}_{phase}_{n}.json"
+            prof.export_chrome_trace(str(path))
+            view = _gpu_view(str(path))
+            rows.append(dict(phase=f"{phase}_profiled", tokens=n, ms=round(ms, 2), cached=cached,
+                             gpu=view, hooks=clock.take()))
+            if a.traces:
+                with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
+                    g.write(f.read())
+            path.unlink()
+    print("PROFILE_RESULT " + json.dumps(dict(kind=kind, mode=mode, engine_start_s=round(start_s, 1),
+                                              first=first, rows=rows)), flush=True)
+
+
+# ---------------------------------------------------------------------------------------- parent
+def _parent(a):
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, logs = [], []
+    for mode in a.modes.split(","):
+        for kind in a.kinds.split(","):
+            gw = None
+            if kind == "xkv":
+                from xkv.gateway.testing import spawn_gateway
+
+                gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=200.0)
+            env = dict(os.environ, PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0",
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0", XKV_GATEWAY_HOSTNAME="127.0.0.1")
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{kind}:{mode}"]
+            t = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.child_timeout)
+                text = p.stdout + p.stderr
+            except subprocess.TimeoutExpired as e:
+                text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                text += "\nTIMEOUT"
+            logs.append(f"===== {kind}:{mode} ({time.perf_counter() - t:.0f} s)\n" + text[-20000:])
+            for line in text.splitlines():
+                if line.startswith("PROFILE_RESULT "):
+                    results.append(json.loads(line.split(" ", 1)[1]))
+            print(f"[{kind}:{mode}] {time.perf_counter() - t:.0f} s, results {len(results)}", flush=True)
+            if gw is not None:
+                from xkv.gateway.testing import stop_gateway
+
+                stop_gateway(gw)
+            (out / "profile.json").write_text(json.dumps(results, indent=1))
+    (out / "children.log").write_text("\n".join(logs))
+    if a.traces:
+        with tarfile.open(out / "traces.tar.gz", "w") as tf:
+            for f in sorted(out.glob("trace_*.json.gz")):
+                tf.add(f, arcname=f.name)
+                f.unlink()
+    _report(results, out)
+
+
+def _report(results, out):
+    import statistics
+
+    lines = []
+    for r in results:
+        lines.append(f"### {r['kind']} / {r['mode']} (engine start {r['engine_start_s']} s; first run after start: {r['first']})")
+        lines.append("| phase | tokens | ms (median) | cached | host ms per request in hooks (median) |")
+        lines.append("|---|---|---|---|---|")
+        groups = collections.defaultdict(list)
+        for row in r["rows"]:
+            if "profiled" not in row["phase"]:
+                groups[(row["phase"], row["tokens"])].append(row)
+        for (phase, n), rs in groups.items():
+            hooks = collections.defaultdict(list)
+            for row in rs:
+                for k, v in row["hooks"].items():
+                    hooks[k].append(v["ms"])
+            hk = ", ".join(f"{k} {statistics.median(v):.2f} ({rs[0]['hooks'].get(k, {}).get('calls', 0)} calls)"
+                           for k, v in sorted(hooks.items(), key=lambda kv: -statistics.median(kv[1])) if statistics.median(v) >= 0.05)
+            lines.append(f"| {phase} | {n} | {statistics.median(x['ms'] for x in rs):.1f} | {rs[0]['cached']} | {hk} |")
+        for row in r["rows"]:
+            if "profiled" in row["phase"]:
+                g = row.get("gpu", {})
+                comp = next((s for s in g.get("streams", {}).values() if s.get("compute")), {})
+                other = [(k, s["busy_ms"], s["events"]) for k, s in g.get("streams", {}).items() if not s.get("compute")]
+                lines.append(f"- profiled {row['phase']} {row['tokens']}: wall {row['ms']} ms, GPU span {g.get('gpu_span_ms')} ms, "
+                             f"compute stream busy {comp.get('busy_ms')} idle {comp.get('idle_ms')} ms "
+                             f"(gaps>100us {comp.get('gaps_over_100us')}, largest {comp.get('largest_gaps_ms')}), "
+                             f"other streams (id, busy ms, events) {other}, hook host ms {g.get('hook_host_ms_in_trace')}")
+        lines.append("")
+    text = "\n".join(lines)
+    (out / "profile.md").write_text(text + "\n")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    args = _args()
+    if args.child:
+        _child(args)
+    else:
+        _parent(args)
