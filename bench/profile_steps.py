@@ -179,7 +179,9 @@ def _child(a):
 
         clock.wrap(FusIOnXConnector)
     elif kind == "offload":
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
 
         clock.wrap(OffloadingConnector)
     lens = [int(x) for x in a.lens.split(",")]
