@@ -58,3 +58,14 @@ def chunk_keys(
         h = block_hashes[(c + 1) * hashes_per_chunk - 1]
         out.append(bytes(h))
     return out
+
+
+def chunk_blocks(block_hashes: Sequence[bytes], hashes_per_chunk: int,
+                 chunk: int) -> tuple[list[bytes], bytes | None]:
+    """For the gateway's KV events: chunk ``chunk``'s block hashes (the last is its key) and the
+    hash of the block before it (None for chunk 0), as bytes."""
+    lo, hi = chunk * hashes_per_chunk, (chunk + 1) * hashes_per_chunk
+    if chunk < 0 or hi > len(block_hashes):
+        raise ValueError(f"chunk {chunk} of {hashes_per_chunk} hashes needs {hi} block hashes, "
+                         f"{len(block_hashes)} exist")
+    return [bytes(h) for h in block_hashes[lo:hi]], bytes(block_hashes[lo - 1]) if lo else None
