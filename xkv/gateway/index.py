@@ -121,9 +121,10 @@ class Index:
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
              "committed", "aborted", "evicted", "write_expired", "lease_expired", "released"), 0)
-        # Payload bytes (num_shards * shard_bytes) found by lookups / made visible by commits, and
-        # the evictions a namespace quota forced (``evicted`` counts them too).
-        self.counters.update(hit_bytes=0, stored_bytes=0, evicted_quota=0)
+        # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
+        # (num_shards * shard_bytes) found by lookups / made visible by commits; the evictions a
+        # namespace quota forced (``evicted`` counts them too).
+        self.counters.update(lookup_chunks=0, hit_bytes=0, stored_bytes=0, evicted_quota=0)
         #: Told about object life (``xkv.gateway.events.EventPublisher``): ``stored(obj)`` when
         #: an object becomes visible, ``freed(obj)`` before any object is freed. None = nobody.
         self.listener = None
@@ -189,6 +190,7 @@ class Index:
                                f"{[len(keys) for _, keys in groups]}")
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += n * len(groups)
+        self.counters["lookup_chunks"] += n
         if len(groups) == 1:  # the common case, without the per-chunk inner loop
             objects, row = layouts[0].objects, []
             for key in groups[0][1]:
