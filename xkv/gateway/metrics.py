@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from xkv.gateway.protocol import ErrorCode, RequestType
+
 #: Upper bounds (seconds) of the request-duration histogram buckets; +Inf is implicit.
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 1e-1)
 
@@ -98,6 +100,10 @@ def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], his
            info: dict[str, str]) -> str:
     out: list[str] = []
     snapshot = derived(snapshot)
+    # every type and code from the start: a series that appears only at its first error would
+    # show "no data" instead of 0 on a dashboard
+    requests = {t.name.lower(): 0 for t in RequestType} | requests
+    errors = {c.name.lower(): 0 for c in ErrorCode} | errors
     labels = ",".join(f'{k}="{v}"' for k, v in info.items())
     out += ["# HELP xkv_gateway_info Gateway identity (value is always 1).",
             "# TYPE xkv_gateway_info gauge", f"xkv_gateway_info{{{labels}}} 1"]
