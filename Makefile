@@ -9,7 +9,8 @@ $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh "$(VENV)"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP)  # then make the venv import THIS checkout (cheap when it already does)
+	bash scripts/relink.sh "$(VENV)" "$(CURDIR)"
 
 demo: install
 	PYTHONHASHSEED=0 $(PY) examples/store_and_restore.py
