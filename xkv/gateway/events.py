@@ -33,6 +33,7 @@ them (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, default on: the low 64 bits of th
 from __future__ import annotations
 
 import contextlib
+import struct
 import time
 from typing import Any
 
@@ -85,12 +86,18 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class _Meta(msgspec.Struct, array_like=True, gc=False):
-    """What one object's events say (kept from RESERVE until the object is freed)."""
+    """What one object's events say (kept from RESERVE until the object is freed). ``hashes``:
+    with int hashes, the 64-bit values packed big-endian (8 bytes per hash block instead of a
+    list of Python ints); else the tuple of the hashes' bytes."""
 
-    hashes: list[bytes | int]
+    hashes: bytes | tuple[bytes, ...]
     parent: bytes | int | None
     block_size: int
     group_idx: int | None
+
+    def block_hashes(self) -> list[bytes | int]:
+        h = self.hashes
+        return list(struct.unpack(f">{len(h) // 8}Q", h)) if isinstance(h, bytes) else list(h)
 
 
 def external_hash(block_hash: bytes, as_int: bool) -> bytes | int:
@@ -135,15 +142,20 @@ class EventPublisher:
                group_idx: int | None) -> None:
         """Remember what ``obj``'s events will say (the RESERVE's block information)."""
         conv = self.int_hashes
-        self._meta[obj] = _Meta([external_hash(h, conv) for h in hashes],
-                                None if parent is None else external_hash(parent, conv),
+        packed = (struct.pack(f">{len(hashes)}Q", *[external_hash(h, True) for h in hashes])
+                  if conv else tuple(hashes))
+        self._meta[obj] = _Meta(packed, None if parent is None else external_hash(parent, conv),
                                 block_size, group_idx)
 
     def stored(self, obj: Any) -> None:
         """``obj`` became visible (all shards committed)."""
-        m = self._meta.get(obj) or _Meta([external_hash(obj.key, self.int_hashes)], None, 0, None)
-        self._add(BlockStored(m.hashes, m.parent, [], m.block_size, None, self.medium, None,
-                              group_idx=m.group_idx))
+        m = self._meta.get(obj)
+        if m is None:
+            self._add(BlockStored([external_hash(obj.key, self.int_hashes)], None, [], 0, None,
+                                  self.medium, None))
+        else:
+            self._add(BlockStored(m.block_hashes(), m.parent, [], m.block_size, None,
+                                  self.medium, None, group_idx=m.group_idx))
         self.counters["kv_events_stored"] += 1
 
     def freed(self, obj: Any) -> None:
@@ -152,8 +164,9 @@ class EventPublisher:
         if not obj.ready:
             return
         if m is None:
-            m = _Meta([external_hash(obj.key, self.int_hashes)], None, 0, None)
-        self._add(BlockRemoved(m.hashes, self.medium, group_idx=m.group_idx))
+            self._add(BlockRemoved([external_hash(obj.key, self.int_hashes)], self.medium))
+        else:
+            self._add(BlockRemoved(m.block_hashes(), self.medium, group_idx=m.group_idx))
         self.counters["kv_events_removed"] += 1
 
     def cleared(self) -> None:

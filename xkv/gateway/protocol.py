@@ -12,6 +12,8 @@ stale one with ``ErrorCode.BAD_EPOCH`` because that state died with the previous
 
 Version history (``PROTOCOL_VERSION``, checked at HELLO):
   1 — first version: HELLO/CARD/LOOKUP/RESERVE/COMMIT/ABORT/RELEASE/PING/STATS.
+      Additive, still 1: LayoutInfo.events and RESERVE's optional blocks/block_size/group_idx
+      (KV events); a client sends them only to a gateway whose LayoutInfo says events.
 """
 
 from __future__ import annotations
