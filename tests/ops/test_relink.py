@@ -55,8 +55,8 @@ def _make_install(clone: Path, venv: Path) -> str:
     return r.stdout + r.stderr
 
 
-@pytest.mark.skipif(shutil.which("git") is None or shutil.which("make") is None,
-                    reason="needs git and make")
+@pytest.mark.skipif(shutil.which("git") is None or shutil.which("make") is None
+                    or not (ROOT / ".git").exists(), reason="needs git, make and a git checkout")
 def test_two_clones_one_environment(tmp_path):
     shared_finders = sorted(Path(sysconfig.get_paths()["purelib"]).glob("__editable__*xkv*"))
     before = [p.read_bytes() for p in shared_finders]
