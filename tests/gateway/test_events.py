@@ -194,7 +194,53 @@ def test_events_off_by_default_and_port_rules(gateway):
     r = subprocess.run([sys.executable, "-m", "xkv.gateway", "--port", "6001",
                         "--kv-events-port", "6001"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "control port" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "xkv.gateway", "--kv-events-replay-port", "6002"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "needs --kv-events" in r.stderr
     out = subprocess.run([sys.executable, "-m", "xkv.gateway", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "--kv-events" in out and str(DEFAULT_EVENTS_PORT) in out
     assert DEFAULT_EVENTS_PORT not in (5557, *range(5557, 5557 + 64))
+
+
+def test_replay_socket_answers_like_vllms():
+    """--kv-events-replay-port: vLLM's replay protocol (ROUTER; request = 8-byte big-endian start
+    sequence; answer = every kept batch from there as [topic, seq, payload], then END_SEQ)."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    proc, port = spawn_gateway("1M", extra_args=["--kv-events-port", "0",
+                                                 "--kv-events-replay-port", "0"])
+    ctx = zmq.Context()
+    try:
+        with GatewayClient("127.0.0.1", port) as c:
+            info = c.register_layout("ns", "fp", 1, PAGE)
+            keys = _chain(3, b"r")
+            for k in keys:  # three commits: three loop passes, usually three batches
+                c.reserve(info.layout_id, [k])
+                c.commit(info.layout_id, 0, [k])
+            replay_port = c.stats()["kv_events_replay_port"]
+        req = ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.1:{replay_port}")
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+        def replay(start: int) -> list[tuple[int, list]]:
+            req.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while req.poll(5000):
+                empty, topic, seq, payload = req.recv_multipart()
+                assert empty == b""
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    return out
+                out.append((int.from_bytes(seq, "big"), decoder.decode(payload).events))
+            raise AssertionError("no END_SEQ")
+
+        everything = replay(0)
+        assert [s for s, _ in everything] == list(range(len(everything)))
+        stored = [e for _, evs in everything for e in evs]
+        assert all(isinstance(e, BlockStored) for e in stored)
+        assert [e.block_hashes for e in stored] == [[_low64(k)] for k in keys]
+        assert replay(len(everything)) == []
+        assert replay(everything[-1][0]) == everything[-1:]
+    finally:
+        ctx.destroy(linger=0)
+        stop_gateway(proc)

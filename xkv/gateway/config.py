@@ -52,6 +52,7 @@ class GatewayConfig:
     kv_events_topic: str = ""
     kv_events_medium: str = "CPU"
     kv_events_int_hashes: bool = True
+    kv_events_replay_port: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZMQ topic of every message (default empty, as vLLM's)")
     ev.add_argument("--kv-events-medium", default="CPU", metavar="MEDIUM",
                     help="medium named in the events: the card's tier (default CPU)")
+    ev.add_argument("--kv-events-replay-port", type=int, default=None, metavar="PORT",
+                    help="also answer vLLM-style replay requests (ZMQ ROUTER) on PORT: the "
+                         "batches of the last 64 MiB from a sequence number on (default off)")
     return p
 
 
@@ -173,8 +177,20 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         curve_secret_key=secret, curve_allowed_clients=args.curve_allowed_clients,
         card_kind=args.card_kind, prefault=args.prefault, stats_interval_s=args.stats_interval,
         port_file=args.port_file, kv_events_port=events_port, kv_events_topic=args.kv_events_topic,
-        kv_events_medium=args.kv_events_medium,
+        kv_events_medium=args.kv_events_medium, kv_events_replay_port=_replay_port(args),
         kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0")
+
+
+def _replay_port(args: argparse.Namespace) -> int | None:
+    port = args.kv_events_replay_port
+    if port is None:
+        return None
+    if args.kv_events_port is None and not args.kv_events:
+        raise SystemExit("xkv-gateway: --kv-events-replay-port needs --kv-events")
+    if not 0 <= port < 65536 or (port and port in (args.port, args.kv_events_port)):
+        raise SystemExit(f"xkv-gateway: --kv-events-replay-port {port}: expected 0..65535, "
+                         f"not the control or events port")
+    return port
 
 
 def _events_port(args: argparse.Namespace) -> int | None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -45,6 +46,10 @@ import zmq
 DEFAULT_EVENTS_PORT = 5657
 #: Most events in one batch; a longer burst is sent as several batches.
 MAX_BATCH_EVENTS = 1024
+#: Bytes of past batches kept for the replay socket (oldest dropped first).
+REPLAY_BUFFER_BYTES = 64 << 20
+#: vLLM's end-of-replay marker (``ZmqEventPublisher.END_SEQ``).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -115,21 +120,23 @@ class EventPublisher:
 
     def __init__(self, ctx: zmq.Context, address: str, port: int, *, topic: str = "",
                  medium: str = "CPU", int_hashes: bool = True, hwm: int = 100_000,
-                 curve_secret_key: bytes | None = None):
+                 curve_secret_key: bytes | None = None, replay_port: int | None = None):
         self.topic = topic.encode()
         self.medium = medium
         self.int_hashes = int_hashes
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.set_hwm(hwm)
-        if curve_secret_key is not None:
-            self.sock.curve_server = True
-            self.sock.curve_secretkey = curve_secret_key
-        if ":" in address:
-            self.sock.setsockopt(zmq.IPV6, 1)
-            address = f"[{address}]"
-        self.sock.bind(f"tcp://{address}:{port or '*'}")  # ZMQError (EADDRINUSE) to the caller
-        self.port = int(self.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.sock, self.port = _bound(ctx, zmq.PUB, address, port, curve_secret_key, hwm)
+        # vLLM's replay protocol: a REQ sends an 8-byte big-endian start sequence number, the
+        # ROUTER answers every kept batch from there, then END_SEQ
+        self.replay, self.replay_port = None, None
+        if replay_port is not None:
+            try:
+                self.replay, self.replay_port = _bound(ctx, zmq.ROUTER, address, replay_port,
+                                                       curve_secret_key, 1000)
+            except zmq.ZMQError:
+                self.sock.close(linger=0)
+                raise
+        self._kept: deque[tuple[int, bytes]] = deque()
+        self._kept_bytes = 0
         self._meta: dict[Any, _Meta] = {}  # Obj (hashed by identity) -> its event payload
         self._pending: list[Any] = []
         self._seq = 0
@@ -187,11 +194,61 @@ class EventPublisher:
         if not self._pending:
             return
         batch, self._pending = KVEventBatch(time.time(), self._pending), []
-        frames = (self.topic, self._seq.to_bytes(8, "big"), self._encode(batch))
+        payload = self._encode(batch)
+        frames = (self.topic, self._seq.to_bytes(8, "big"), payload)
+        if self.replay is not None:
+            self._kept.append((self._seq, payload))
+            self._kept_bytes += len(payload)
+            while self._kept_bytes > REPLAY_BUFFER_BYTES:
+                self._kept_bytes -= len(self._kept.popleft()[1])
         self._seq += 1
         self.counters["kv_event_batches"] += 1
         with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, never blocks
             self.sock.send_multipart(frames, zmq.NOBLOCK)
 
+    def serve_replay(self) -> None:
+        """Answer the replay requests waiting (non-blocking; called once per loop pass)."""
+        sock = self.replay
+        if sock is None:
+            return
+        for _ in range(16):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request (vLLM's publisher ignores these too)
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            with contextlib.suppress(zmq.Again):
+                for seq, payload in self._kept:
+                    if seq >= start:
+                        sock.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"),
+                                             payload), zmq.NOBLOCK)
+                sock.send_multipart((ident, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+
     def close(self) -> None:
         self.sock.close(linger=200)  # ms: lets the last batch (AllBlocksCleared) leave
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
+
+def _bound(ctx: zmq.Context, kind: int, address: str, port: int, curve_secret_key: bytes | None,
+           hwm: int) -> tuple[zmq.Socket, int]:
+    """A socket of ``kind`` bound to ``address:port`` (0 = a free port) and its port; ZMQError
+    (EADDRINUSE, ...) goes to the caller."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.set_hwm(hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 10)  # subscriptions and replay requests are tiny
+    if curve_secret_key is not None:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret_key
+    if ":" in address:
+        sock.setsockopt(zmq.IPV6, 1)
+        address = f"[{address}]"
+    try:
+        sock.bind(f"tcp://{address}:{port or '*'}")
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock, int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])

@@ -104,7 +104,8 @@ class Gateway:
             return EventPublisher(self.ctx, cfg.bind_address, cfg.kv_events_port,
                                   topic=cfg.kv_events_topic, medium=cfg.kv_events_medium,
                                   int_hashes=cfg.kv_events_int_hashes,
-                                  curve_secret_key=cfg.curve_secret_key)
+                                  curve_secret_key=cfg.curve_secret_key,
+                                  replay_port=cfg.kv_events_replay_port)
         except zmq.ZMQError as e:
             self.close()
             raise SystemExit(
@@ -147,6 +148,7 @@ class Gateway:
             expire(now)
             if self.events is not None:
                 self.events.flush()
+                self.events.serve_replay()
             if now >= next_stats:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
@@ -283,6 +285,8 @@ class Gateway:
         snap["uptime_s"] = time.monotonic() - self.started
         if self.events is not None:
             snap.update(self.events.counters, kv_events_port=self.events.port)
+            if self.events.replay_port is not None:
+                snap["kv_events_replay_port"] = self.events.replay_port
         return snap
 
     def metrics_text(self) -> str:
