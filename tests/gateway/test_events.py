@@ -244,3 +244,17 @@ def test_replay_socket_answers_like_vllms():
     finally:
         ctx.destroy(linger=0)
         stop_gateway(proc)
+
+
+def test_events_port_in_use_is_named():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "xkv.gateway", "--capacity", "1M", "--port",
+                            "0", "--kv-events-port", str(taken)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"port {taken}" in r.stderr and "--kv-events-port" in r.stderr and "5557" in r.stderr

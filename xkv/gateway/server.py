@@ -109,8 +109,9 @@ class Gateway:
         except zmq.ZMQError as e:
             self.close()
             raise SystemExit(
-                f"xkv-gateway: cannot bind the KV-events socket on {cfg.bind_address}:"
-                f"{cfg.kv_events_port}: {e}. Pass --kv-events-port N (0 picks a free port); "
+                f"xkv-gateway: cannot bind the KV-events sockets on {cfg.bind_address} (port "
+                f"{cfg.kv_events_port}, replay port {cfg.kv_events_replay_port}): {e}. Pass "
+                f"--kv-events-port N / --kv-events-replay-port N (0 picks a free port); "
                 f"vLLM's own KV-events publisher uses 5557 (+1 per data-parallel rank).") from None
 
     # ------------------------------------------------------------------ loop
