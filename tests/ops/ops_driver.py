@@ -1,5 +1,6 @@
 """Child process of test_operator_engine.py: one CPU engine with FusIOnXConnector, vLLM's own KV
-events and its Prometheus metrics; stores a prompt, drops vLLM's prefix cache, restores it.
+events and its Prometheus metrics; stores a prompt, drops vLLM's prefix cache, restores it,
+then runs a second prompt (which makes a small card evict the first).
 
     python ops_driver.py SCENARIO.json RESULT.json
 """
@@ -41,6 +42,10 @@ def main(scenario_path: str, result_path: str) -> None:
                             "tokens": list(out.outputs[0].token_ids)})
         if i == 0:
             llm.reset_prefix_cache()
+    if sc.get("second_tokens"):  # another prompt, to make the card evict the first one
+        out = llm.generate([{"prompt_token_ids": sc["second_tokens"]}], sp, use_tqdm=False)[0]
+        res["runs"].append({"cached": out.num_cached_tokens,
+                            "tokens": list(out.outputs[0].token_ids)})
     res["prometheus"] = prometheus_client.generate_latest().decode()
     with open(result_path, "w") as f:
         json.dump(res, f)

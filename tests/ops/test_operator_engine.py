@@ -1,6 +1,7 @@
 """A real CPU engine with the connector, as an operator watches it: the gateway's KV events
-carry exactly the block hashes vLLM's own events carry for the same prompt, and every series the
-Grafana dashboard queries is in a scrape of the gateway and of vLLM's /metrics."""
+carry exactly the block hashes vLLM's own events carry for the same prompt, then their eviction
+when a second prompt fills the card; every series the Grafana dashboard queries is in a scrape
+of the gateway and of vLLM's /metrics."""
 
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ def _collect(sock, decoder, out: list, seconds: float) -> None:
 
 def test_events_hashes_match_vllm_and_dashboard_series_are_scraped():
     from tiny_models import ensure_model
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
     model = str(ensure_model("llama"))
     metrics_port = _free_port()
-    proc, port = spawn_gateway("256M", extra_args=["--kv-events-port", "0",
+    # 1 MiB = 8 objects of this model's 128 KiB chunks: the second prompt evicts the first
+    proc, port = spawn_gateway("1M", extra_args=["--kv-events-port", "0",
                                                    "--metrics-port", str(metrics_port)])
     ctx = zmq.Context()
     try:
@@ -56,7 +58,8 @@ def test_events_hashes_match_vllm_and_dashboard_series_are_scraped():
         vllm_port = theirs.bind_to_random_port("tcp://127.0.0.1")
         tokens = [(11 + 17 * i) % 900 + 5 for i in range(TOKENS)]
         sc = {"model": model, "block_size": BLOCK, "chunk_size": CHUNK, "port": port,
-              "vllm_events_port": vllm_port, "tokens": tokens}
+              "vllm_events_port": vllm_port, "tokens": tokens,
+              "second_tokens": [(7 + 29 * i) % 900 + 3 for i in range(TOKENS)]}
         with tempfile.TemporaryDirectory() as d:
             scp, rp = Path(d, "sc.json"), Path(d, "res.json")
             scp.write_text(json.dumps(sc))
@@ -91,17 +94,24 @@ def test_events_hashes_match_vllm_and_dashboard_series_are_scraped():
         k = CHUNK // BLOCK
         assert len(gpu) >= n_chunks * k, (len(gpu), got_theirs[:3])
         stored = [e for e in got_ours if isinstance(e, BlockStored)]
-        assert len(stored) == n_chunks
-        assert [h for e in stored for h in e.block_hashes] == gpu[:n_chunks * k]
-        for i, e in enumerate(stored):
+        assert len(stored) == 2 * n_chunks  # both prompts
+        first = stored[:n_chunks]
+        assert [h for e in first for h in e.block_hashes] == gpu[:n_chunks * k]
+        for i, e in enumerate(first):
             assert e.parent_block_hash == (gpu[i * k - 1] if i else None)
             assert (e.medium, e.block_size, e.group_idx) == ("CPU", BLOCK, 0)
+        # the second prompt needed 7 of the 8 slots: the first prompt's chunks went, oldest first
+        removed = [e for e in got_ours if isinstance(e, BlockRemoved)]
+        assert len(removed) >= n_chunks - 1
+        assert [e.block_hashes for e in removed[:n_chunks - 1]] == [
+            e.block_hashes for e in first[:n_chunks - 1]]
+        assert all(e.medium == "CPU" and e.group_idx == 0 for e in removed)
         # metrics: every dashboard series, with values that match what happened
         prom = res["prometheus"]
         sel = dashboard_selectors()
         assert missing(prom, sel, "vllm:") == []
         assert value(prom, "vllm:xkv_hit_tokens_total") == restore["cached"]
-        assert value(prom, "vllm:xkv_stored_chunks_total") == n_chunks
+        assert value(prom, "vllm:xkv_stored_chunks_total") == 2 * n_chunks
         assert value(prom, "vllm:xkv_restored_bytes_total") > 0
         assert value(prom, "vllm:xkv_load_errors_total") == 0
         with GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
@@ -109,7 +119,8 @@ def test_events_hashes_match_vllm_and_dashboard_series_are_scraped():
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
             gw_text = r.read().decode()
         assert missing(gw_text, sel, "xkv_gateway_") == []
-        assert value(gw_text, 'xkv_gateway_kv_events_total{type="stored"}') == n_chunks
+        assert value(gw_text, 'xkv_gateway_kv_events_total{type="stored"}') == 2 * n_chunks
+        assert value(gw_text, 'xkv_gateway_freed_objects_total{reason="lru"}') == len(removed)
         assert s["hit_chunks"] >= n_chunks
     finally:
         ctx.destroy(linger=0)
