@@ -9,13 +9,18 @@ $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh "$(VENV)"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP)  # then make the venv import THIS checkout (cheap when it already does)
+	bash scripts/relink.sh "$(VENV)" "$(CURDIR)"
+
+# THIS checkout first on the path too, so a run is not redirected by another clone re-pointing
+# the shared venv meanwhile
+HERE := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 
 demo: install
-	PYTHONHASHSEED=0 $(PY) examples/store_and_restore.py
+	$(HERE) PYTHONHASHSEED=0 $(PY) examples/store_and_restore.py
 
 test: install
-	bash scripts/test.sh "$(PY)"
+	$(HERE) bash scripts/test.sh "$(PY)"
 
 lint: install
 	$(VENV)/bin/ruff check xkv xkv_vllm_connector tests bench

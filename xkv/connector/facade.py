@@ -30,7 +30,7 @@ from xkv.connector.keys import fingerprint
 from xkv.connector.metadata import StepMetadata, WorkerReport
 from xkv.connector.registry import build_registry, state_group
 from xkv.connector.scheduler import SchedulerSide
-from xkv.connector.stats import StatsMixin
+from xkv.connector.stats import PromMetricsMixin, StatsMixin
 from xkv.connector.worker import WorkerSide
 from xkv.fanout import FanoutConfig
 from xkv.layout import LayoutError
@@ -59,6 +59,20 @@ class FusIOnXConnectorStats(StatsMixin, KVConnectorStats):
 
     def __init__(self, data: dict[str, Any] | None = None):
         StatsMixin.__init__(self, data)
+
+
+try:  # per-connector Prometheus metrics (vLLM's KVConnectorProm calls build_prom_metrics)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    class FusIOnXPromMetrics(PromMetricsMixin, KVConnectorPromMetrics):
+        """``vllm:xkv_*`` counters on vLLM's /metrics (``xkv.connector.stats.PROM_COUNTERS``)."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            KVConnectorPromMetrics.__init__(self, vllm_config, metric_types, labelnames,
+                                            per_engine_labelvalues)
+            self._register_counters()
+except ImportError:  # a vLLM without per-connector Prometheus metrics
+    FusIOnXPromMetrics = None
 
 
 def _route_logs() -> None:
@@ -248,6 +262,12 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return FusIOnXConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        if FusIOnXPromMetrics is None:
+            return None
+        return FusIOnXPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -58,3 +58,19 @@ def chunk_keys(
         h = block_hashes[(c + 1) * hashes_per_chunk - 1]
         out.append(bytes(h))
     return out
+
+
+def event_fields(block_hashes: Sequence[bytes], hashes_per_chunk: int, chunks: Sequence[int],
+                 hash_block_size: int, group_idx: int) -> dict[str, Any]:
+    """RESERVE's fields for the gateway's KV events (``GatewayClient.reserve`` keywords): per
+    chunk, its block hashes (the last is its key) and the hash of the block before it (None for
+    chunk 0); the tokens per hash block; vLLM's KV-cache group."""
+    blocks = []
+    for c in chunks:
+        lo, hi = c * hashes_per_chunk, (c + 1) * hashes_per_chunk
+        if c < 0 or hi > len(block_hashes):
+            raise ValueError(f"chunk {c} of {hashes_per_chunk} hashes needs {hi} block hashes, "
+                             f"{len(block_hashes)} exist")
+        blocks.append(([bytes(h) for h in block_hashes[lo:hi]],
+                       bytes(block_hashes[lo - 1]) if lo else None))
+    return {"blocks": blocks, "block_size": hash_block_size, "group_idx": group_idx}

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xkv.connector.config import ConnectorConfig
-from xkv.connector.keys import chunk_keys
+from xkv.connector.keys import chunk_keys, event_fields
 from xkv.connector.metadata import (
     ChunkRef,
     GroupTransfer,
@@ -380,7 +380,11 @@ class SchedulerSide:
         gateway is unavailable (the caller stops planning this request's saves)."""
         keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in chunks]
         try:
-            res = self.gw.reserve(self.layout_ids[g], keys)
+            kw = (event_fields(req.block_hashes, self.hashes_per_chunk, chunks,  # KV events
+                               self.chunk_size // self.hashes_per_chunk,
+                               self.registry.groups[g].group.index)
+                  if getattr(self.gw, "events_enabled", False) is True else {})
+            res = self.gw.reserve(self.layout_ids[g], keys, **kw)
         except GatewayUnavailable as e:
             self._unavailable(f"RESERVE failed: {e}")
             return False

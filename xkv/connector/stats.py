@@ -75,3 +75,53 @@ class StatsMixin:
 
 class ConnectorStats(StatsMixin):
     """Plain counters for roles and tests that run without vLLM."""
+
+
+#: Prometheus counters of the connector, one per field (vLLM adds ``_total`` and the labels
+#: ``model_name``, ``engine``). Worker fields are summed over ranks (bytes moved by all ranks;
+#: seconds are rank-seconds); scheduler fields are counted once.
+PROM_COUNTERS = {
+    "lookups": ("vllm:xkv_lookups", "LOOKUP messages the connector sent to the gateway."),
+    "lookup_chunks_hit": ("vllm:xkv_lookup_hit_chunks",
+                          "Chunks the gateway reported present (all groups)."),
+    "tokens_promised": ("vllm:xkv_hit_tokens",
+                        "Prompt tokens the connector offered vLLM to load instead of computing."),
+    "bytes_restored": ("vllm:xkv_restored_bytes", "Bytes copied from the card into the KV cache."),
+    "seconds_restored": ("vllm:xkv_restore_seconds",
+                         "Seconds spent restoring (summed over ranks)."),
+    "blocks_restored": ("vllm:xkv_restored_blocks", "KV blocks restored (summed over ranks)."),
+    "bytes_saved": ("vllm:xkv_stored_bytes", "Bytes copied from the KV cache to the card."),
+    "seconds_saved": ("vllm:xkv_store_seconds", "Seconds spent storing (summed over ranks)."),
+    "chunks_saved": ("vllm:xkv_stored_chunks", "Chunk shards committed to the card."),
+    "chunks_reserved": ("vllm:xkv_reserved_chunks", "Chunks reserved on the card for storing."),
+    "load_errors": ("vllm:xkv_load_errors", "Blocks reported to vLLM as load errors."),
+    "save_errors": ("vllm:xkv_save_errors", "Chunk shards not committed (aborted or failed)."),
+    "gateway_errors": ("vllm:xkv_gateway_errors",
+                       "Gateway calls that failed (deadline, refusal, dead gateway)."),
+}
+assert set(PROM_COUNTERS) == set(FIELDS)
+
+
+class PromMetricsMixin:
+    """``observe`` for vLLM's ``KVConnectorPromMetrics`` (the façade mixes it in; vLLM gives the
+    counter class, the label names and each engine's label values)."""
+
+    _counter_cls: Any
+    _labelnames: list[str]
+    per_engine_labelvalues: dict[int, list[object]]
+
+    def _register_counters(self) -> None:
+        """Every counter of every engine exists from the start (a scrape shows zeros, so
+        dashboards and alerts see the series before the first restore)."""
+        self._children: dict[tuple[int, str], Any] = {}
+        for f, (name, doc) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=self._labelnames)
+            for idx, labels in self.per_engine_labelvalues.items():
+                self._children[(idx, f)] = counter.labels(*labels)
+
+    def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:
+        """Add one interval's ``data`` (as :class:`StatsMixin` keeps it) to the counters."""
+        for f, v in (transfer_stats_data or {}).items():
+            child = self._children.get((engine_idx, f))
+            if v and child is not None:
+                child.inc(v)

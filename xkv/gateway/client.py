@@ -149,6 +149,8 @@ class GatewayClient:
         self._lock = threading.Lock()
         self._ctx = zmq.Context(io_threads=1)
         self._sock = None
+        #: The gateway publishes KV events (learned at register_layout): reserve() sends blocks.
+        self.events_enabled = False
         self._pid = os.getpid()
 
     def _socket(self) -> zmq.Socket:
@@ -242,7 +244,9 @@ class GatewayClient:
         capacity_bytes, lease_ttl_s, write_ttl_s); the same arguments give the same layout_id."""
         req = P.Hello(P.PROTOCOL_VERSION, namespace, fingerprint, num_shards, shard_bytes,
                       os.getpid())
-        return self._call(req, LayoutInfo, timeout_s or self.setup_timeout_s)
+        info = self._call(req, LayoutInfo, timeout_s or self.setup_timeout_s)
+        self.events_enabled = info.events
+        return info
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], *, lease: bool = True,
                timeout_s: float | None = None) -> LookupResult:
@@ -259,11 +263,21 @@ class GatewayClient:
         return LookupResult(self._call(req, P.LookupReply, timeout_s))
 
     def reserve(self, layout_id: int, keys: Sequence[bytes], *,
+                blocks: Sequence[tuple[Sequence[bytes], bytes | None]] | None = None,
+                block_size: int = 0, group_idx: int | None = None,
                 timeout_s: float | None = None) -> ReserveResult:
-        """Slots to write each key, or None (see ``.status``: EXISTS or NO_SPACE)."""
+        """Slots to write each key, or None (see ``.status``: EXISTS or NO_SPACE).
+
+        ``blocks`` (for the gateway's KV events, sent only when ``events_enabled``): per key, the
+        chunk's vLLM block hashes in order (the last is the key) and the hash before the chunk
+        (None for the first chunk); ``block_size``: tokens per hash block; ``group_idx``: vLLM's
+        KV-cache group."""
         _check_keys(keys)
-        reply = self._call(P.Reserve(self._epoch(), layout_id, list(keys)), P.ReserveReply,
-                           timeout_s)
+        req = P.Reserve(self._epoch(), layout_id, list(keys))
+        if blocks is not None and self.events_enabled:
+            req.blocks = [P.BlockInfo(list(h), p) for h, p in blocks]
+            req.block_size, req.group_idx = block_size, group_idx
+        reply = self._call(req, P.ReserveReply, timeout_s)
         out = ReserveResult(None if c is None else Reservation(k, c.offsets, c.generations)
                             for k, c in zip(keys, reply.slots, strict=False))
         out.status = [ReserveStatus(s) for s in reply.status]

@@ -48,6 +48,11 @@ class GatewayConfig:
     prefault: bool = False
     stats_interval_s: float = 60.0
     port_file: str | None = None
+    kv_events_port: int | None = None  # None: no KV events (xkv.gateway.events)
+    kv_events_topic: str = ""
+    kv_events_medium: str = "CPU"
+    kv_events_int_hashes: bool = True
+    kv_events_replay_port: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log one stats line this often (default 60; 0 = never)")
     p.add_argument("--port-file", metavar="PATH",
                    help="write the bound port to PATH once listening (useful with --port 0)")
+    ev = p.add_argument_group("KV events (vLLM's wire format, for prefix-aware routers)")
+    ev.add_argument("--kv-events", action="store_true",
+                    help="publish stored/removed blocks on tcp://HOST:5657 (ZMQ PUB, the address "
+                         "of --host: loopback unless CURVE keys are given); default off")
+    ev.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
+                    help="port of the KV-events socket (implies --kv-events; default 5657, not "
+                         "vLLM's 5557; 0 picks a free port)")
+    ev.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                    help="ZMQ topic of every message (default empty, as vLLM's)")
+    ev.add_argument("--kv-events-medium", default="CPU", metavar="MEDIUM",
+                    help="medium named in the events: the card's tier (default CPU)")
+    ev.add_argument("--kv-events-replay-port", type=int, default=None, metavar="PORT",
+                    help="also answer vLLM-style replay requests (ZMQ ROUTER) on PORT: the "
+                         "batches of the last 64 MiB from a sequence number on (default off)")
     return p
 
 
@@ -126,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          f"alignment ({align} bytes)")
     if not 0 <= args.port < 65536:
         raise SystemExit(f"xkv-gateway: --port must be 0..65535, got {args.port}")
+    events_port = _events_port(args)
     if args.lease_ttl <= 0 or args.write_ttl <= 0:
         raise SystemExit("xkv-gateway: --lease-ttl and --write-ttl must be > 0 seconds")
     address = _resolve(args.host)
@@ -156,4 +176,33 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         namespace_quota_bytes=args.namespace_quota, quotas=dict(args.quota),
         curve_secret_key=secret, curve_allowed_clients=args.curve_allowed_clients,
         card_kind=args.card_kind, prefault=args.prefault, stats_interval_s=args.stats_interval,
-        port_file=args.port_file)
+        port_file=args.port_file, kv_events_port=events_port, kv_events_topic=args.kv_events_topic,
+        kv_events_medium=args.kv_events_medium, kv_events_replay_port=_replay_port(args),
+        kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0")
+
+
+def _replay_port(args: argparse.Namespace) -> int | None:
+    port = args.kv_events_replay_port
+    if port is None:
+        return None
+    if args.kv_events_port is None and not args.kv_events:
+        raise SystemExit("xkv-gateway: --kv-events-replay-port needs --kv-events")
+    if not 0 <= port < 65536 or (port and port in (args.port, args.kv_events_port)):
+        raise SystemExit(f"xkv-gateway: --kv-events-replay-port {port}: expected 0..65535, "
+                         f"not the control or events port")
+    return port
+
+
+def _events_port(args: argparse.Namespace) -> int | None:
+    """The KV-events port, None when events are off; refuses the control port."""
+    from xkv.gateway.events import DEFAULT_EVENTS_PORT
+
+    if args.kv_events_port is None and not args.kv_events:
+        return None
+    port = DEFAULT_EVENTS_PORT if args.kv_events_port is None else args.kv_events_port
+    if not 0 <= port < 65536:
+        raise SystemExit(f"xkv-gateway: --kv-events-port must be 0..65535, got {port}")
+    if port and port == args.port:
+        raise SystemExit(f"xkv-gateway: --kv-events-port {port} is the control port (--port); "
+                         f"pick another (default {DEFAULT_EVENTS_PORT})")
+    return port

@@ -121,6 +121,13 @@ class Index:
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
              "committed", "aborted", "evicted", "write_expired", "lease_expired", "released"), 0)
+        # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
+        # (num_shards * shard_bytes) found by lookups / made visible by commits; the evictions a
+        # namespace quota forced (``evicted`` counts them too).
+        self.counters.update(lookup_chunks=0, hit_bytes=0, stored_bytes=0, evicted_quota=0)
+        #: Told about object life (``xkv.gateway.events.EventPublisher``): ``stored(obj)`` when
+        #: an object becomes visible, ``freed(obj)`` before any object is freed. None = nobody.
+        self.listener = None
 
     # ------------------------------------------------------------- layouts
 
@@ -183,6 +190,7 @@ class Index:
                                f"{[len(keys) for _, keys in groups]}")
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += n * len(groups)
+        self.counters["lookup_chunks"] += n
         if len(groups) == 1:  # the common case, without the per-chunk inner loop
             objects, row = layouts[0].objects, []
             for key in groups[0][1]:
@@ -208,6 +216,9 @@ class Index:
                     continue
                 break
         self.counters["hit_chunks"] += num
+        if num:
+            self.counters["hit_bytes"] += num * sum(lay.num_shards * lay.shard_bytes
+                                                    for lay in layouts)
         lease_id = 0
         if num:
             clock = self._clock
@@ -295,6 +306,7 @@ class Index:
             if victim is None:
                 return False
             self._evict(victim)
+            self.counters["evicted_quota"] += 1
         return True
 
     def _check_shard(self, layout: Layout, shard: int) -> None:
@@ -327,6 +339,9 @@ class Index:
                 obj.stamp = self._clock
                 self._clock += 1
                 self.counters["committed"] += 1
+                self.counters["stored_bytes"] += layout.num_shards * layout.shard_bytes
+                if self.listener is not None:
+                    self.listener.stored(obj)
         return done
 
     def abort(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
@@ -366,6 +381,8 @@ class Index:
         self.counters["evicted"] += 1
 
     def _free(self, obj: Obj) -> None:
+        if self.listener is not None:
+            self.listener.freed(obj)
         layout = obj.layout
         for r in range(layout.num_shards):
             self.generations[obj.start + r * layout.slot_pages] += 1

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from xkv.gateway.protocol import ErrorCode, RequestType
+
 #: Upper bounds (seconds) of the request-duration histogram buckets; +Inf is implicit.
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 1e-1)
 
@@ -53,18 +55,55 @@ _GAUGES = (
     ("xkv_gateway_reserve_results_total", "no_space", "counter", "", 'result="no_space"'),
     ("xkv_gateway_committed_objects_total", "committed", "counter",
      "Objects that became visible (all shards committed).", ""),
-    ("xkv_gateway_freed_objects_total", "evicted", "counter", "Objects freed, by reason.",
+    ("xkv_gateway_freed_objects_total", "evicted_lru", "counter", "Objects freed, by reason.",
      'reason="lru"'),
+    ("xkv_gateway_freed_objects_total", "evicted_quota", "counter", "", 'reason="quota"'),
     ("xkv_gateway_freed_objects_total", "aborted", "counter", "", 'reason="abort"'),
     ("xkv_gateway_freed_objects_total", "write_expired", "counter", "", 'reason="write_ttl"'),
     ("xkv_gateway_lease_expired_total", "lease_expired", "counter",
      "Leases dropped by the lease TTL instead of a RELEASE.", ""),
+    # operator's view (issue 16): hits and misses per chunk, bytes, fill, evictions, events
+    ("xkv_gateway_lookup_chunks_total", "lookup_chunks", "counter",
+     "Chunks asked for by lookups (a chunk of every group counts once).", ""),
+    ("xkv_gateway_miss_chunks_total", "miss_chunks", "counter",
+     "Chunks asked for and not found (after the first miss of a lookup, all count).", ""),
+    ("xkv_gateway_hit_bytes_total", "hit_bytes", "counter",
+     "Payload bytes of the chunks lookups found (what the readers may copy).", ""),
+    ("xkv_gateway_stored_bytes_total", "stored_bytes", "counter",
+     "Payload bytes of the objects that became visible.", ""),
+    ("xkv_gateway_card_fill_ratio", "fill_ratio", "gauge",
+     "Fraction of the card held by objects (ready and staged).", ""),
+    ("xkv_gateway_leases_granted_total", "leases_granted", "counter",
+     "Leases taken by lookups that found something.", ""),
+    ("xkv_gateway_leases_released_total", "released", "counter",
+     "Leases ended by a RELEASE.", ""),
+    ("xkv_gateway_kv_events_total", "kv_events_stored", "counter",
+     "KV events published, by type (0 unless --kv-events).", 'type="stored"'),
+    ("xkv_gateway_kv_events_total", "kv_events_removed", "counter", "", 'type="removed"'),
+    ("xkv_gateway_kv_event_batches_total", "kv_event_batches", "counter",
+     "KV-event messages (batches) sent.", ""),
 )
+
+
+def derived(snapshot: dict) -> dict:
+    """The snapshot plus the numbers computed from it (O(1)): misses, LRU-only evictions, fill,
+    leases granted."""
+    s = dict(snapshot)
+    s["miss_chunks"] = s.get("lookup_chunks", 0) - s.get("hit_chunks", 0)
+    s["evicted_lru"] = s.get("evicted", 0) - s.get("evicted_quota", 0)
+    s["fill_ratio"] = round(s.get("used_bytes", 0) / max(s.get("capacity_bytes", 0), 1), 6)
+    s["leases_granted"] = s.get("released", 0) + s.get("lease_expired", 0) + s.get("leases", 0)
+    return s
 
 
 def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], hist: Histogram,
            info: dict[str, str]) -> str:
     out: list[str] = []
+    snapshot = derived(snapshot)
+    # every type and code from the start: a series that appears only at its first error would
+    # show "no data" instead of 0 on a dashboard
+    requests = {t.name.lower(): 0 for t in RequestType} | requests
+    errors = {c.name.lower(): 0 for c in ErrorCode} | errors
     labels = ",".join(f'{k}="{v}"' for k, v in info.items())
     out += ["# HELP xkv_gateway_info Gateway identity (value is always 1).",
             "# TYPE xkv_gateway_info gauge", f"xkv_gateway_info{{{labels}}} 1"]

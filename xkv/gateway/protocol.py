@@ -12,6 +12,8 @@ stale one with ``ErrorCode.BAD_EPOCH`` because that state died with the previous
 
 Version history (``PROTOCOL_VERSION``, checked at HELLO):
   1 — first version: HELLO/CARD/LOOKUP/RESERVE/COMMIT/ABORT/RELEASE/PING/STATS.
+      Additive, still 1: LayoutInfo.events and RESERVE's optional blocks/block_size/group_idx
+      (KV events); a client sends them only to a gateway whose LayoutInfo says events.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ MAX_GROUPS = 64
 MAX_SHARDS = 1024
 #: Most layouts one gateway registers (a bound on what HELLOs can make it allocate).
 MAX_LAYOUTS = 4096
+#: Most block hashes one chunk's BlockInfo may carry (chunk_size / hash block size).
+MAX_HASHES_PER_CHUNK = 1024
 
 Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
@@ -107,10 +111,24 @@ class Lookup(msgspec.Struct, **_S):
     lease: bool = True
 
 
+class BlockInfo(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """For KV events (``xkv.gateway.events``): one chunk's vLLM block hashes in order (the last
+    one is the chunk's key) and the hash of the block before the chunk (None for the first)."""
+
+    hashes: Annotated[list[Key], msgspec.Meta(min_length=1, max_length=MAX_HASHES_PER_CHUNK)]
+    parent: Key | None = None
+
+
 class Reserve(msgspec.Struct, **_S):
+    """``blocks`` (one per key), ``block_size`` (tokens per hash block) and ``group_idx`` (vLLM's
+    KV-cache group) are sent only to a gateway that publishes KV events (``LayoutInfo.events``)."""
+
     epoch: U64
     layout_id: U64
     keys: Keys
+    blocks: Annotated[list[BlockInfo], msgspec.Meta(max_length=MAX_KEYS)] = []
+    block_size: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0
+    group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] | None = None
 
 
 class Commit(msgspec.Struct, **_S):
@@ -163,6 +181,7 @@ class LayoutInfo(msgspec.Struct, tag=True, gc=False):
     capacity_bytes: int
     lease_ttl_s: float
     write_ttl_s: float
+    events: bool = False  # this gateway publishes KV events: send RESERVE's block information
 
 
 class CardInfo(msgspec.Struct, tag=True, gc=False):

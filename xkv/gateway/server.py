@@ -22,6 +22,7 @@ import zmq
 from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
+from xkv.gateway.events import EventPublisher
 from xkv.gateway.index import Index, RequestError
 from xkv.gateway.metrics import Histogram, render, serve_metrics
 
@@ -52,6 +53,8 @@ class Gateway:
         self._auth = None
         self.metrics_server = None
         self.port = self._bind()
+        self.events = self._bind_events()
+        self.index.listener = self.events
         if config.metrics_port is not None:
             self.metrics_server = serve_metrics(config.metrics_port, self.metrics_text)
         self._handlers = {
@@ -93,6 +96,24 @@ class Gateway:
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         return int(last.rsplit(":", 1)[1])
 
+    def _bind_events(self) -> EventPublisher | None:
+        cfg = self.config
+        if cfg.kv_events_port is None:
+            return None
+        try:
+            return EventPublisher(self.ctx, cfg.bind_address, cfg.kv_events_port,
+                                  topic=cfg.kv_events_topic, medium=cfg.kv_events_medium,
+                                  int_hashes=cfg.kv_events_int_hashes,
+                                  curve_secret_key=cfg.curve_secret_key,
+                                  replay_port=cfg.kv_events_replay_port)
+        except zmq.ZMQError as e:
+            self.close()
+            raise SystemExit(
+                f"xkv-gateway: cannot bind the KV-events sockets on {cfg.bind_address} (port "
+                f"{cfg.kv_events_port}, replay port {cfg.kv_events_replay_port}): {e}. Pass "
+                f"--kv-events-port N / --kv-events-replay-port N (0 picks a free port); "
+                f"vLLM's own KV-events publisher uses 5557 (+1 per data-parallel rank).") from None
+
     # ------------------------------------------------------------------ loop
 
     def stop(self, *_args) -> None:
@@ -126,6 +147,9 @@ class Gateway:
                 pass
             now = time.monotonic()
             expire(now)
+            if self.events is not None:
+                self.events.flush()
+                self.events.serve_replay()
             if now >= next_stats:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
@@ -181,7 +205,8 @@ class Gateway:
                                          req.shard_bytes)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
-                            self.config.lease_ttl_s, self.config.write_ttl_s)
+                            self.config.lease_ttl_s, self.config.write_ttl_s,
+                            self.events is not None)
 
     def _card(self, req: P.Card) -> P.CardInfo:
         c = self.card
@@ -202,7 +227,33 @@ class Gateway:
 
     def _reserve(self, req: P.Reserve) -> P.ReserveReply:
         self._check_epoch(req.epoch)
+        if req.blocks and self.events is not None:
+            return self._reserve_announced(req)
         out = self.index.reserve(req.layout_id, req.keys, time.monotonic())
+        return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
+
+    def _reserve_announced(self, req: P.Reserve) -> P.ReserveReply:
+        """RESERVE with block information for KV events: checked before anything is reserved."""
+        if len(req.blocks) != len(req.keys):
+            raise RequestError(P.ErrorCode.BAD_REQUEST,
+                               f"{len(req.blocks)} blocks for {len(req.keys)} keys: expected one "
+                               f"BlockInfo per key")
+        for key, info in zip(req.keys, req.blocks, strict=True):
+            if info.hashes[-1] != key:
+                raise RequestError(P.ErrorCode.BAD_REQUEST,
+                                   f"the last block hash of key {key.hex()[:16]}... is "
+                                   f"{info.hashes[-1].hex()[:16]}...: a chunk's key must be "
+                                   f"its last block hash")
+        if req.block_size < 1:
+            raise RequestError(P.ErrorCode.BAD_REQUEST,
+                               f"block_size {req.block_size}: expected the tokens per hash block "
+                               f"(>= 1) with blocks")
+        out = self.index.reserve(req.layout_id, req.keys, time.monotonic())
+        objects = self.index.layouts[req.layout_id].objects
+        for key, info, (status, _) in zip(req.keys, req.blocks, out, strict=True):
+            if status == P.ReserveStatus.OK:
+                self.events.staged(objects[key], info.hashes, info.parent, req.block_size,
+                                   req.group_idx)
         return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
 
     def _commit(self, req: P.Commit) -> P.Ack:
@@ -233,6 +284,10 @@ class Gateway:
     def snapshot(self) -> dict:
         snap = self.index.snapshot()
         snap["uptime_s"] = time.monotonic() - self.started
+        if self.events is not None:
+            snap.update(self.events.counters, kv_events_port=self.events.port)
+            if self.events.replay_port is not None:
+                snap["kv_events_replay_port"] = self.events.replay_port
         return snap
 
     def metrics_text(self) -> str:
@@ -254,6 +309,10 @@ class Gateway:
         return s
 
     def close(self) -> None:
+        events, self.events = getattr(self, "events", None), None
+        if events is not None:
+            events.cleared()
+            events.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
@@ -265,6 +324,11 @@ class Gateway:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stats"]:  # ``xkv-gateway stats``: a client, not a gateway
+        from xkv.gateway.stats_cli import main as stats_main
+
+        return stats_main(argv[1:])
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s xkv-gateway: %(message)s")
@@ -280,12 +344,13 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"{gw.port}\n")
         os.replace(tmp, config.port_file)
     log.info("listening on tcp://%s:%d (epoch %016x, protocol %d); card %s %d B at %s, slot "
-             "alignment %d B, lease TTL %gs, write TTL %gs%s%s", config.bind_address, gw.port,
+             "alignment %d B, lease TTL %gs, write TTL %gs%s%s%s", config.bind_address, gw.port,
              gw.epoch, P.PROTOCOL_VERSION, gw.card.kind, gw.card.capacity_bytes, gw.card.path,
              config.slot_alignment, config.lease_ttl_s, config.write_ttl_s,
              ", CURVE on" if config.curve_secret_key else "",
              f", metrics http://127.0.0.1:{gw.metrics_server.server_address[1]}/metrics"
-             if gw.metrics_server else "")
+             if gw.metrics_server else "",
+             f", KV events tcp://{config.bind_address}:{gw.events.port}" if gw.events else "")
     gc.freeze()  # start-up objects never need scanning again: keeps collections short
     try:
         gw.serve()

@@ -1,0 +1,127 @@
+"""``xkv-gateway stats``: the gateway's numbers as a table, from its STATS message.
+
+Every row names the Prometheus series it equals (``xkv.gateway.metrics``), so the table, a
+``curl .../metrics`` and the Grafana dashboard (docs/grafana-dashboard.json) read the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from xkv.gateway.client import GatewayClient, GatewayUnavailable
+from xkv.gateway.metrics import derived
+
+# (section, what, snapshot key, unit, Prometheus series)
+ROWS = (
+    ("card", "capacity", "capacity_bytes", "bytes", "xkv_gateway_capacity_bytes"),
+    ("card", "used", "used_bytes", "bytes", "xkv_gateway_used_bytes"),
+    ("card", "fill", "fill_ratio", "ratio", "xkv_gateway_card_fill_ratio"),
+    ("card", "objects ready", "ready_objects", "count", 'xkv_gateway_objects{state="ready"}'),
+    ("card", "bytes ready", "ready_bytes", "bytes", 'xkv_gateway_object_bytes{state="ready"}'),
+    ("card", "objects being written", "staged_objects", "count",
+     'xkv_gateway_objects{state="staged"}'),
+    ("card", "layouts", "layouts", "count", "xkv_gateway_layouts"),
+    ("lookups", "lookups", "lookups", "count", "xkv_gateway_lookups_total"),
+    ("lookups", "chunks asked", "lookup_chunks", "count", "xkv_gateway_lookup_chunks_total"),
+    ("lookups", "chunks hit", "hit_chunks", "count", "xkv_gateway_hit_chunks_total"),
+    ("lookups", "chunks missed", "miss_chunks", "count", "xkv_gateway_miss_chunks_total"),
+    ("lookups", "bytes found", "hit_bytes", "bytes", "xkv_gateway_hit_bytes_total"),
+    ("stores", "reserved", "reserved", "count", 'xkv_gateway_reserve_results_total{result="ok"}'),
+    ("stores", "already stored", "exists", "count",
+     'xkv_gateway_reserve_results_total{result="exists"}'),
+    ("stores", "no space", "no_space", "count",
+     'xkv_gateway_reserve_results_total{result="no_space"}'),
+    ("stores", "committed", "committed", "count", "xkv_gateway_committed_objects_total"),
+    ("stores", "bytes stored", "stored_bytes", "bytes", "xkv_gateway_stored_bytes_total"),
+    ("freed", "evicted (LRU)", "evicted_lru", "count",
+     'xkv_gateway_freed_objects_total{reason="lru"}'),
+    ("freed", "evicted (quota)", "evicted_quota", "count",
+     'xkv_gateway_freed_objects_total{reason="quota"}'),
+    ("freed", "aborted", "aborted", "count", 'xkv_gateway_freed_objects_total{reason="abort"}'),
+    ("freed", "write TTL passed", "write_expired", "count",
+     'xkv_gateway_freed_objects_total{reason="write_ttl"}'),
+    ("leases", "live", "leases", "count", "xkv_gateway_leases"),
+    ("leases", "granted", "leases_granted", "count", "xkv_gateway_leases_granted_total"),
+    ("leases", "released", "released", "count", "xkv_gateway_leases_released_total"),
+    ("leases", "expired (TTL)", "lease_expired", "count", "xkv_gateway_lease_expired_total"),
+    ("events", "blocks stored", "kv_events_stored", "count",
+     'xkv_gateway_kv_events_total{type="stored"}'),
+    ("events", "blocks removed", "kv_events_removed", "count",
+     'xkv_gateway_kv_events_total{type="removed"}'),
+    ("events", "batches sent", "kv_event_batches", "count", "xkv_gateway_kv_event_batches_total"),
+)
+
+
+def _human(value: float, unit: str) -> str:
+    if unit == "ratio":
+        return f"{100.0 * value:.1f} %"
+    if unit == "bytes":
+        for div, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if value >= div:
+                return f"{value / div:.2f} {name}"
+        return f"{int(value)} B"
+    return f"{int(value)}"
+
+
+def rows(stats: dict) -> list[tuple[str, str, str, float, str]]:
+    """(section, what, shown value, raw value, series) for a STATS reply's ``stats``."""
+    s = derived(stats)
+    out = [(sec, what, _human(s.get(key, 0), unit), s.get(key, 0), series)
+           for sec, what, key, unit, series in ROWS]
+    for prefix, sec, series in (("requests_", "requests", "xkv_gateway_requests_total"),
+                                ("errors_", "errors", "xkv_gateway_errors_total")):
+        for k in sorted(k for k in s if k.startswith(prefix)):
+            label = "type" if sec == "requests" else "code"
+            name = k[len(prefix):]
+            out.append((sec, name, _human(s[k], "count"), s[k], f'{series}{{{label}="{name}"}}'))
+    return out
+
+
+def render_table(stats: dict, epoch: int, endpoint: str) -> str:
+    table = rows(stats)
+    w = [max(len(r[i]) for r in table) for i in range(3)]
+    head = (f"xkv-gateway {endpoint}  epoch {epoch:016x}  up {stats.get('uptime_s', 0):.0f} s"
+            + (f"  KV events on port {stats['kv_events_port']}" if "kv_events_port" in stats
+               else ""))
+    lines = [head, f"{'':{w[0]}}  {'what':{w[1]}}  {'value':>{w[2]}}  series",]
+    prev = None
+    for sec, what, shown, _raw, series in table:
+        lines.append(f"{sec if sec != prev else '':{w[0]}}  {what:{w[1]}}  {shown:>{w[2]}}  {series}")
+        prev = sec
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="xkv-gateway stats",
+                                description="Print a running gateway's counters as a table "
+                                            "(the same numbers as its /metrics).")
+    p.add_argument("--host", default=os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost",
+                   help="gateway address (default $XKV_GATEWAY_HOSTNAME, else localhost)")
+    p.add_argument("--port", type=int, default=5557, help="gateway control port (default 5557)")
+    p.add_argument("--curve-server-key", metavar="FILE",
+                   help="the gateway's public certificate, when it runs with CURVE")
+    p.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument("--json", action="store_true",
+                   help="print {series: value} as JSON instead of the table")
+    args = p.parse_args(argv)
+    server_key = None
+    if args.curve_server_key:
+        import zmq.auth
+
+        server_key = zmq.auth.load_certificate(args.curve_server_key)[0]
+    try:
+        with GatewayClient(args.host, args.port, timeout_s=args.timeout,
+                           curve_server_key=server_key) as c:
+            stats = c.stats(timeout_s=args.timeout)
+            epoch = c.epoch or 0
+    except GatewayUnavailable as e:
+        print(f"xkv-gateway stats: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({series: raw for _s, _w, _v, raw, series in rows(stats)}, indent=1))
+    else:
+        print(render_table(stats, epoch, f"tcp://{args.host}:{args.port}"))
+    return 0
