@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import xkv.kernels as K  # noqa: E402
-from xkv.kernels import copy_engine  # noqa: E402
-from xkv.kernels import page_copy as pc  # noqa: E402
+from xkv.kernels import _launch, copy_engine, staged  # noqa: E402
+from xkv.kernels.jobs import build_job, offsets_arg  # noqa: E402
 from xkv.layout import describe_cache  # noqa: E402
 
 KIB = 1024
@@ -102,14 +102,14 @@ class Case:
         self.offs = np.arange(self.n, dtype=np.int64) * frag
         self.host = host[: self.bytes]
         self.host_out = host_out[: self.bytes]
-        self.restore_job = pc._job(
-            [self.pool], self.ids, self.host, pc._offsets(self.offs, 1, "src_offsets"), save=False
+        self.restore_job = build_job(
+            [self.pool], self.ids, self.host, offsets_arg(self.offs, 1, "src_offsets"), save=False
         )
-        self.save_job = pc._job(
+        self.save_job = build_job(
             [self.pool],
             self.ids,
             self.host_out,
-            pc._offsets(self.offs, 1, "dst_offsets"),
+            offsets_arg(self.offs, 1, "dst_offsets"),
             save=True,
         )
 
@@ -133,7 +133,7 @@ def _prepared(job, budget: int, engine: str, tile: int | None):
     """The copy with its descriptors built and uploaded once: what is timed is the GPU work (and,
     for the copy engine, the driver call, which is part of its cost)."""
     if engine == "triton":
-        launches = pc._triton_launches(job, budget, tile_bytes=tile)
+        launches = _launch.launches(job, budget, tile_bytes=tile)
 
         def run():
             for launch in launches:
@@ -141,11 +141,8 @@ def _prepared(job, budget: int, engine: str, tile: int | None):
 
         return run
     if engine == "staged":
-        return lambda: pc._run_staged(job, budget)
-    dsts, srcs, sizes = pc._copy_engine_plan(job)
-    src_is_host = (not job.save) and job.flat.device.type == "cpu"
-    dev = job.pools[0].device
-    return lambda: copy_engine.batch_copy(dsts, srcs, sizes, device=dev, src_is_host=src_is_host)
+        return lambda: staged.run(job, budget)
+    return copy_engine.runner(job)
 
 
 def host_overhead(case: Case, budget: int) -> dict:

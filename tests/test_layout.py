@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xkv.kernels import restore, save
-from xkv.layout import KV_CACHE_LAYOUTS, LayoutError, PagePool, describe_cache, merge_layers
+from xkv.layout import KV_CACHE_LAYOUTS, LayoutError, PagePool, describe_cache
 
 # logical [L, B, H, N, C] -> physical order (vllm/v1/kv_cache_layout.py, 0.29)
 LAYOUT_ORDER = {
@@ -124,7 +124,7 @@ def test_v26_attention(layout):
         8192,
         8192,
         ((0, 8192),),
-        "attention",
+        None,  # the kind is the caller's label, never guessed
     )
     check_pool(pool, t)
 
@@ -141,11 +141,11 @@ def test_v26_mla_3d_and_fp8_ds_mla():
     raw = torch.zeros(9 * 64 * 576 * 2, dtype=torch.int8)
     t = raw.view(torch.bfloat16).view(9, 64, 576)
     pool = describe_cache(t)
-    assert (pool.kind, pool.block_bytes, pool.block_stride) == ("mla", 64 * 576 * 2, 64 * 576 * 2)
+    assert (pool.block_bytes, pool.block_stride) == (64 * 576 * 2, 64 * 576 * 2)
     check_pool(pool, t)
     ds = torch.zeros(12, 64, 656, dtype=torch.uint8)
     pool = describe_cache(ds)
-    assert (pool.kind, pool.block_bytes) == ("mla", 64 * 656)
+    assert pool.block_bytes == 64 * 656
     check_pool(pool, ds)
 
 
@@ -157,8 +157,7 @@ def test_v26_mamba_state_list():
         raw.view(torch.float32), (6, 4, 16, 8), (8192, 128, 8, 1), 3 * 256 * 2 // 4
     )
     pool = describe_cache([conv, ssm], page_bytes=3584)
-    assert (pool.kind, pool.block_bytes, pool.block_stride, pool.runs) == (
-        "mamba",
+    assert (pool.block_bytes, pool.block_stride, pool.runs) == (
         3584,
         32768,
         ((0, 3584),),
@@ -170,7 +169,7 @@ def test_v28_mamba_int8_padded_page():
     raw = torch.zeros(5 * 32768, dtype=torch.int8)
     t = raw.view(5, 1, 1, 32768)
     pool = describe_cache(t, page_bytes=32768)
-    assert (pool.kind, pool.block_bytes, pool.block_stride) == ("mamba", 32768, 32768)
+    assert (pool.block_bytes, pool.block_stride) == (32768, 32768)
     check_pool(pool, t)
 
 
@@ -201,7 +200,7 @@ def test_v26_cross_layer_tensor(layout):
     t = torch.zeros(phys, dtype=torch.bfloat16).permute(*[order.index(d) for d in range(5)])
     assert t.shape == shape
     pool = describe_cache(t, block_dim=1)
-    assert pool.kind == "block_outermost" and pool.runs == ((0, L * H * N * D2 * 2),)
+    assert pool.runs == ((0, L * H * N * D2 * 2),)
     check_pool(pool, t, block_dim=1)
 
 
@@ -234,10 +233,8 @@ def test_v29_attention_every_layout(layout):
 def test_v29_block_outermost_layers_join(layout):
     raw, views = v29_views(layout, L=3, B=5, H=2, N=16, C=64)
     pool = describe_cache(views, layout=layout)
-    assert pool.kind == "block_outermost" and pool.runs == ((0, 3 * 2 * 16 * 64 * 2),)
+    assert pool.runs == ((0, 3 * 2 * 16 * 64 * 2),)
     check_pool(pool, views)
-    merged = merge_layers([describe_cache(v) for v in views])
-    assert merged.runs == pool.runs and merged.data_ptr == pool.data_ptr
 
 
 def test_v29_bhlnc_layers_join_as_runs():
@@ -252,8 +249,6 @@ def test_v29_layer_outermost_layers_do_not_join(layout):
     raw, views = v29_views(layout, L=2, B=4, H=2, N=16, C=64)
     with pytest.raises(LayoutError, match="block stride"):
         describe_cache(views)
-    with pytest.raises(LayoutError):
-        merge_layers([describe_cache(v) for v in views])
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
@@ -261,7 +256,7 @@ def test_v29_mla(layout):
     raw, views = v29_views(layout, L=2, B=7, H=1, N=16, C=576)
     for v in views:
         pool = describe_cache(v, layout=layout)
-        assert pool.kind == "mla" and pool.block_bytes == 16 * 576 * 2
+        assert pool.block_bytes == 16 * 576 * 2
         check_pool(pool, v)
 
 
@@ -270,7 +265,7 @@ def test_v29_mamba_padded(layout):
     raw, views = v29_views(layout, L=2, B=5, H=1, N=1, C=3584, dtype=torch.int8, pad_page=32768)
     for v in views:
         pool = describe_cache(v, layout=layout, page_bytes=3584)
-        assert pool.kind == "mamba" and pool.block_bytes == 3584
+        assert pool.block_bytes == 3584
         check_pool(pool, v)
 
 
@@ -421,8 +416,15 @@ def test_vllm_allocate_kv_cache_every_layout():
         m = caches["s0"]
         assert m.dtype == torch.int8 and m.shape[1:3] == (1, 1)
         pool = describe_cache(m, num_blocks=cfg.num_blocks, layout=layout)
-        assert pool.kind == "mamba" and pool.block_bytes == 3584
+        assert pool.block_bytes == 3584
         check_pool(pool, m)
         check_pool(
             describe_cache(caches["a0"], num_blocks=cfg.num_blocks, layout=layout), caches["a0"]
         )
+
+
+def test_kind_is_the_callers_label():
+    _, t = v26_attention(4, 2, 16, 128, layout="NHD")
+    assert describe_cache(t, kind="mla").kind == "mla"
+    with pytest.raises(LayoutError, match="kind"):
+        describe_cache(t, kind="sliding")

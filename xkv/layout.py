@@ -36,7 +36,6 @@ __all__ = [
     "LayoutError",
     "PagePool",
     "describe_cache",
-    "merge_layers",
 ]
 
 # vLLM 0.29+ KVCacheLayout names and the legacy 0.26/0.28 aliases (config/cache.py).
@@ -66,7 +65,7 @@ class PagePool:
     block_stride: int
     runs: tuple[tuple[int, int], ...]
     kernel_block_ratio: int = 1
-    kind: str = "attention"
+    kind: str | None = None  # a label for messages, given by the caller (never guessed)
 
     def __post_init__(self) -> None:
         b = self.base
@@ -96,7 +95,7 @@ class PagePool:
             raise LayoutError(
                 f"PagePool: base holds {b.numel()} bytes, the blocks need {self.extent}"
             )
-        if self.kind not in _KINDS:
+        if self.kind is not None and self.kind not in _KINDS:
             raise LayoutError(f"PagePool: kind must be one of {_KINDS}, got {self.kind!r}")
 
     @property
@@ -197,7 +196,8 @@ def describe_cache(
             strides are checked against it.
         block_dim: the block dim; default 0, or 1 for 5-D K/V-first ``(2, B, ...)`` tensors. Pass 1 for
             the 0.26/0.28 cross-layer tensor ``(L, B, ...)``.
-        kind: label stored in the pool; inferred when omitted.
+        kind: a label stored in the pool for messages (``"attention"``, ``"mla"``, ``"mamba"``,
+            ``"block_outermost"``); None when omitted. Nothing reads it to decide anything.
     """
     layout_name = _layout_name(layout)
     tensors = list(t) if isinstance(t, (list, tuple)) else [t]
@@ -266,9 +266,7 @@ def describe_cache(
         raise LayoutError(
             f"blocks reach byte {byte0 + extent} of a {storage.nbytes()}-byte buffer: {ctx}"
         )
-    if kind is None:
-        kind = _infer_kind(tensors, block_dim)
-    elif kind not in _KINDS:
+    if kind is not None and kind not in _KINDS:
         raise LayoutError(f"kind must be one of {_KINDS}, got {kind!r}")
     base = torch.empty(0, dtype=torch.uint8, device=first.device)
     base.set_(storage, byte0, (extent,), (1,))
@@ -280,47 +278,6 @@ def describe_cache(
         runs=tuple(runs),
         kernel_block_ratio=ratio,
         kind=kind,
-    )
-
-
-def merge_layers(pools: Sequence[PagePool]) -> PagePool:
-    """Join per-layer pools of a block-outermost cache into one pool whose block holds every layer.
-
-    Raises :class:`LayoutError` unless the layers' pages of each block are laid side by side inside
-    one block stride (BLNHC/BLHNC caches, hybrid groups sharing a block).
-    """
-    pools = list(pools)
-    if not pools:
-        raise LayoutError("merge_layers: no pools")
-    p0 = pools[0]
-    for p in pools[1:]:
-        if (p.device, p.num_blocks, p.block_stride) != (p0.device, p0.num_blocks, p0.block_stride):
-            raise LayoutError(f"merge_layers: pools differ: {p0.describe()} vs {p.describe()}")
-        if p.base.untyped_storage().data_ptr() != p0.base.untyped_storage().data_ptr():
-            raise LayoutError("merge_layers: pools are not views of one buffer")
-    start = min(p.data_ptr for p in pools)
-    runs = sorted((p.data_ptr - start + o, n) for p in pools for o, n in p.runs)
-    if p0.num_blocks > 1 and max(o + n for o, n in runs) > p0.block_stride:
-        raise LayoutError(
-            "merge_layers: the layers' pages of a block do not fit inside one block stride"
-        )
-    for (o1, n1), (o2, _) in itertools.pairwise(runs):
-        if o1 + n1 > o2:
-            raise LayoutError("merge_layers: two layers share bytes of a block")
-    runs = _merge(runs)
-    span = max(o + n for o, n in runs)
-    extent = (p0.num_blocks - 1) * p0.block_stride + span if p0.num_blocks else 0
-    base = torch.empty(0, dtype=torch.uint8, device=p0.device)
-    first = min(pools, key=lambda p: p.data_ptr)
-    base.set_(p0.base.untyped_storage(), first.base.storage_offset(), (extent,), (1,))
-    return PagePool(
-        base=base,
-        num_blocks=p0.num_blocks,
-        block_bytes=sum(n for _, n in runs),
-        block_stride=p0.block_stride,
-        runs=tuple(runs),
-        kernel_block_ratio=p0.kernel_block_ratio,
-        kind="block_outermost",
     )
 
 
@@ -450,29 +407,6 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([o, n])
     return [(o, n) for o, n in out]
-
-
-def _infer_kind(tensors: list[torch.Tensor], block_dim: int | None) -> str:
-    t = tensors[0]
-    if len(tensors) > 1:
-        same = all(
-            x.shape == t.shape and x.dtype == t.dtype and x.stride() == t.stride() for x in tensors
-        )
-        return "block_outermost" if same else "mamba"
-    if (_default_block_dim(t) if block_dim is None else block_dim) == 1:
-        return "attention" if _is_kv_first(t) else "block_outermost"
-    if t.dim() == 3:
-        return "mla"
-    if t.dim() == 4 and t.shape[1] == 1:
-        if t.shape[2] == 1 and t.dtype in (torch.int8, torch.uint8):
-            return "mamba"
-        if t.shape[3] * t.element_size() in (
-            1152,
-            576,
-            656,
-        ):  # 576 bf16 / 576 fp8 / fp8_ds_mla rows
-            return "mla"
-    return "attention"
 
 
 def _is_kv_first(t: torch.Tensor) -> bool:

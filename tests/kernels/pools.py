@@ -1,4 +1,4 @@
-"""Hypothesis strategies for page pools and copy jobs, and a byte-by-byte oracle.
+"""Hypothesis strategies for page pools and copy jobs, and the independent byte-loop oracle.
 
 Pools are built directly over one uint8 buffer (not through describe_cache) so that every geometry a
 layout can produce shows up: odd run lengths from 1 byte to 256 KiB, gaps between runs, padded
@@ -130,7 +130,10 @@ def oracle(
     lo: int = 0,
     hi: int | None = None,
 ) -> None:
-    """The obvious loop: byte ranges, one run at a time (mutates ``raw`` or ``flat``)."""
+    """The obvious loop: byte ranges, one run at a time (mutates ``raw`` or ``flat``).
+
+    The oracle every engine is checked against (on CPU, and on GPU via CPU copies): plain slicing
+    written here, sharing no code with ``xkv.kernels``. ``offs`` is ``[L, n]`` bytes."""
     n = ids.size
     bb = pools[0].block_bytes if pools else 0
     hi = len(pools) * n * bb if hi is None else hi
@@ -149,3 +152,63 @@ def oracle(
                     else:
                         raw[p : p + c - a] = flat[f : f + c - a]
                 cum += ln
+
+
+# ---- whole jobs ---------------------------------------------------------------------------------
+
+
+def setup_single(g: Geometry, base_off: int, flat_size: int, seed: int):
+    """(cache buffer, flat buffer, pool over the cache buffer at ``base_off``), random bytes."""
+    raw = random_bytes(base_off + g.extent + 13, seed)
+    flat = random_bytes(flat_size, seed + 1)
+    return raw, flat, pool_over(raw, base_off, g)
+
+
+@st.composite
+def single_jobs(draw, *, save: bool):
+    """One layer: (geometry, ids, offsets, flat size, pool offset in its buffer)."""
+    g = draw(geometries())
+    ids = block_ids(draw, g.num_blocks)
+    aligned = draw(st.booleans())
+    offs, flat_size = draw(
+        fragment_offsets(ids.size, g.block_bytes, disjoint=save, aligned=aligned)
+    )
+    base_off = draw(st.sampled_from([0, 16, 3, 8]))
+    return g, ids, offs, flat_size, base_off
+
+
+@st.composite
+def layer_jobs(draw, *, save: bool):
+    """L pools over one buffer: separate regions, interleaved (block-outermost), or two geometries.
+    Returns (geometries, pool offsets in the buffer, ids, offsets [L, n], flat size)."""
+    L = draw(st.integers(1, 4))
+    arrangement = draw(st.sampled_from(["separate", "interleaved", "mixed"]))
+    g0 = draw(geometries(big=False, max_blocks=5))
+    lens = tuple(n for _, n in g0.runs)
+    if arrangement == "interleaved":  # layer l's page at l * span inside a block of L * span
+        span = max(o + n for o, n in g0.runs)
+        stride = L * span + draw(st.integers(0, 9))
+        geoms = [Geometry(g0.num_blocks, stride, g0.runs)] * L
+        offsets = [k * span for k in range(L)]
+    else:
+        geoms = [g0] + [
+            draw(geometries(run_lens=lens)) if arrangement == "mixed" else g0 for _ in range(L - 1)
+        ]
+        geoms = [Geometry(g0.num_blocks, g.block_stride, g.runs) for g in geoms]
+        offsets, pos = [0] * L, draw(st.integers(0, 7))
+        for k in draw(st.permutations(range(L))):  # layer order need not follow addresses
+            offsets[k] = pos
+            pos += geoms[k].extent + draw(st.integers(0, 9))
+    ids = block_ids(draw, g0.num_blocks)
+    offs, flat_size = draw(
+        fragment_offsets(L * ids.size, g0.block_bytes, disjoint=save, aligned=draw(st.booleans()))
+    )
+    return geoms, offsets, ids, offs.reshape(L, ids.size), flat_size
+
+
+def layers_buffer_size(geoms, offsets) -> int:
+    return max(o + g.extent for o, g in zip(offsets, geoms, strict=True)) + 11
+
+
+def pools_over(raw: torch.Tensor, geoms, offsets) -> list[PagePool]:
+    return [pool_over(raw, o, g) for o, g in zip(offsets, geoms, strict=True)]

@@ -1,54 +1,57 @@
-"""Page movers: Triton kernels (and their torch references) between a paged KV cache and flat bytes.
+"""Page movers: Triton kernels (and a torch engine) between a paged KV cache and flat bytes.
 
-See ``docs/internal-api.md`` for the contract. Importing this package does not import Triton; the
-first GPU (or interpreted) launch does.
+Public API (see each module's docstring for shapes and units):
+
+* :mod:`~xkv.kernels.page_copy`: ``restore``, ``restore_layers``, ``save``, ``save_layers``,
+  ``restore_slice`` and the engines (``ENGINES``); :mod:`~xkv.kernels.staging`: ``pack``, ``unpack``;
+* :mod:`~xkv.kernels.prepared`: ``prepare_restore`` / ``prepare_save`` -> ``PreparedCopy`` (a step's
+  copies validated and uploaded once, then launched per layer with no host work);
+* :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
+* :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
+* :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
+* ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``).
+
+Inside: ``jobs`` validates, ``_launch`` + ``_triton`` are the Triton engine, ``_torch`` the torch
+engine, ``copy_engine`` and ``staged`` the DMA engines. Importing this package does not import
+Triton; the first GPU (or interpreted) launch does.
 """
 
 from xkv.kernels._launch import LaunchConfig, default_programs, launch_config
+from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
 from xkv.kernels.host import is_host_accessible, register_host, unregister_host
 from xkv.kernels.page_copy import (
     ENGINES,
-    Calibration,
-    calibrate,
-    calibration,
     restore,
     restore_layers,
-    restore_layers_ref,
-    restore_ref,
     restore_slice,
-    restore_slice_ref,
     save,
     save_layers,
-    save_layers_ref,
-    save_ref,
-    set_calibration,
 )
-from xkv.kernels.staging import pack, pack_ref, unpack, unpack_ref
+from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
+from xkv.kernels.staging import pack, unpack
+from xkv.kernels.warmup import warmup
 
 __all__ = [
     "Calibration",
     "ENGINES",
     "LaunchConfig",
+    "PreparedCopy",
     "calibrate",
     "calibration",
     "default_programs",
     "is_host_accessible",
     "launch_config",
     "pack",
-    "pack_ref",
+    "prepare_restore",
+    "prepare_save",
     "register_host",
     "restore",
     "restore_layers",
-    "restore_layers_ref",
-    "restore_ref",
     "restore_slice",
-    "restore_slice_ref",
     "save",
     "save_layers",
-    "save_layers_ref",
-    "save_ref",
     "set_calibration",
     "unpack",
-    "unpack_ref",
     "unregister_host",
+    "warmup",
 ]

@@ -1,4 +1,4 @@
-"""Launch sizes for the page-copy kernel: small pure functions, no autotuning.
+"""Host side of the Triton kernel: launch sizes, descriptor tables, prepared launches.
 
 A copy is bound by bytes in flight, not by arithmetic. Each program loads a 2-D tile of
 ``rows`` fragments x ``cols`` words at once (16 fragments x 512 int64 words = 64 KiB), so a
@@ -9,19 +9,46 @@ Measured on an H200 (bench/RESULTS.md): host reads at 4 KiB fragments reach, wit
 32.6 GB/s with 32 KiB tiles and 51.2 GB/s (the SM-read plateau) with 64 KiB tiles; with 2 programs,
 34.8 GB/s with 64 KiB tiles and 46.8 GB/s with 128 KiB tiles. Writes to host saturate at 52 GB/s
 with 64 KiB tiles and 2 programs.
+
+Descriptor tables (int64: block ids, byte offsets in the flat buffer, per-launch layer/run tables
+in words) of one copy go to the GPU in ONE pinned, non-blocking upload on the current stream
+(:class:`Tables`); every section starts 16-byte aligned, so the kernel's pointer specialisation
+never depends on a count. A :class:`Launch` holds everything a launch needs; calling it again
+repeats the copy without rebuilding anything. Triton itself is imported on the first plan.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PROGRAMS", "LaunchConfig", "default_programs", "launch_config", "word_bytes"]
+import numpy as np
+import torch
+
+from xkv.kernels.jobs import Job
+from xkv.layout import PagePool
+
+__all__ = [
+    "DEFAULT_PROGRAMS",
+    "Launch",
+    "LaunchConfig",
+    "LaunchPlan",
+    "Tables",
+    "default_programs",
+    "geometry_groups",
+    "launch_config",
+    "launches",
+    "plan",
+    "run",
+    "variant_key",
+    "word_bytes",
+]
 
 DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs when tiles are 2-D
 READ_TILE_BYTES = 128 * 1024  # bytes a program loads per step when the flat side is read (restore)
 WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side written (save, pack)
-TILE_BYTES = WRITE_TILE_BYTES
 MAX_COL_BYTES = 4096  # widest tile row
 MAX_ROWS = 64
 MAX_TILE_ELEMS = 16384  # registers: at most 32 words per thread at 16 warps
@@ -72,9 +99,8 @@ def launch_config(
 
     Restores (``save=False``) read the flat side, often host memory over PCIe: latency-bound, they
     get the larger tile. ``cols`` covers a fragment (up to ``MAX_COL_BYTES``); ``rows`` fills
-    ``tile_bytes`` but never
-    exceeds the rows each of ``max_programs`` programs would get, so small jobs still spread over
-    the whole budget; ``programs`` never exceeds the number of row groups.
+    ``tile_bytes`` but never exceeds the rows each of ``max_programs`` programs would get, so small
+    jobs still spread over the whole budget; ``programs`` never exceeds the number of row groups.
     """
     if max_programs < 1:
         raise ValueError(f"max_programs must be >= 1, got {max_programs}")
@@ -92,3 +118,187 @@ def launch_config(
     programs = max(1, min(max_programs, groups))
     num_warps = max(1, min(16, (rows * cols) // 512))
     return LaunchConfig(programs=programs, rows=rows, cols=cols, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------------------------------
+# planning (host only) and binding (device tables) of one launch
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch over layers of one geometry, before its tables are on the device."""
+
+    pools: tuple[PagePool, ...]
+    base: torch.Tensor  # base of the lowest-addressed pool: every layer offset is >= 0 from it
+    table: np.ndarray  # int64 words: layer offsets (padded to even), run offsets, lengths, starts
+    scalars: tuple  # n, R, n_rows, n_groups, block_stride, block_words, flat_base, lo, hi, max_run
+    meta: dict  # the kernel's constexprs and num_warps
+    programs: int
+
+    @property
+    def key(self) -> tuple:
+        return variant_key(self.meta)
+
+
+def variant_key(meta: dict) -> tuple:
+    """Identifies a compiled kernel variant: its constexprs and warps (the table pointers are
+    always 16-byte aligned, the pool and flat pointers fixed per buffer)."""
+    return tuple(sorted((k, str(v)) for k, v in meta.items()))
+
+
+def plan(
+    pools: list[PagePool],
+    flat: torch.Tensor,
+    *,
+    n: int,
+    has_flat_off: bool,
+    flat_off_gcd: int,
+    flat_base: int,
+    save: bool,
+    sliced: bool,
+    lo: int,
+    hi: int,
+    max_programs: int,
+    tile_bytes: int | None = None,
+) -> LaunchPlan:
+    """The word size from the alignment of everything touched (``flat_off_gcd``: gcd of the byte
+    offsets table), the tile from :func:`launch_config`, the layer/run table in words."""
+    from xkv.kernels import _triton as K
+
+    low = min(pools, key=lambda p: p.data_ptr)
+    layer_off = [p.data_ptr - low.data_ptr for p in pools]
+    runs = pools[0].runs
+    run_off = [o for o, _ in runs]
+    run_len = [ln for _, ln in runs]
+    run_cum = list(itertools.accumulate([0, *run_len[:-1]]))
+    bb = sum(run_len)
+    vals = [pools[0].block_stride, low.data_ptr, flat.data_ptr(), bb, flat_base]
+    vals += run_off + run_len + layer_off
+    if has_flat_off:
+        vals.append(flat_off_gcd)
+    if sliced:
+        vals += [lo, hi]
+    align = math.gcd(*vals)
+    word = word_bytes(align)
+    vec = 2 if word == 8 and align % 16 == 0 else 1
+    R, Lg = len(runs), len(pools)
+    n_rows = Lg * n * R
+    max_run = max(run_len)
+    kw = {"tile_bytes": tile_bytes} if tile_bytes else {}
+    cfg = launch_config(max_run, n_rows, max_programs, word=word, save=save, **kw)
+    max_run_w = max_run // word
+    even = (not sliced) and min(run_len) == max_run and max_run_w % cfg.cols == 0
+    lpad = Lg + (Lg & 1)  # the run table starts 16-byte aligned
+    table = np.array(layer_off + [0] * (lpad - Lg) + run_off + run_len + run_cum, np.int64) // word
+    scalars = (n, R, n_rows, -(-n_rows // cfg.rows), pools[0].block_stride // word, bb // word,
+               flat_base // word, lo // word, hi // word, max_run_w)
+    meta = dict(WORD_T=K.WORD_TYPES[word], WORD=word, SAVE=save, HAS_FLAT_OFF=has_flat_off,
+                HAS_LAYERS=Lg > 1, SLICED=sliced, EVEN=even, VEC=vec, ROWS=cfg.rows,
+                COLS=cfg.cols, num_warps=cfg.num_warps)
+    return LaunchPlan(tuple(pools), low.base, table, scalars, meta, cfg.programs)
+
+
+class Tables:
+    """int64 sections packed into one host buffer, each 16-byte aligned, uploaded at once."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, values: np.ndarray) -> int:
+        """Queue ``values``; returns their offset (in int64 elements) in the packed buffer."""
+        at = self._size
+        v = np.ascontiguousarray(values, dtype=np.int64).ravel()
+        self._parts.append(v)
+        self._size += v.size + (v.size & 1)
+        if v.size & 1:
+            self._parts.append(np.zeros(1, np.int64))
+        return at
+
+    def upload(self, dev: torch.device) -> torch.Tensor:
+        """One tensor on ``dev``; on CUDA a pinned staging copy and one non-blocking H2D copy on
+        the current stream (the caching host allocator keeps the staging alive until it ran)."""
+        host = torch.empty(max(self._size, 2), dtype=torch.int64,
+                           pin_memory=dev.type == "cuda")
+        if self._parts:
+            host[: self._size].numpy()[:] = np.concatenate(self._parts)
+        return host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+
+
+class Launch:
+    """One launch with its device tables bound: ``launch()`` only calls the kernel."""
+
+    __slots__ = ("args", "dev", "grid", "kernel", "meta")
+
+    def __init__(self, p: LaunchPlan, flat: torch.Tensor, ids_t, flat_off_t, tab_t) -> None:
+        from xkv.kernels import _triton as K
+
+        Lg = len(p.pools)
+        lpad = Lg + (Lg & 1)
+        self.kernel, self.grid, self.meta = K.page_copy_kernel, (p.programs,), p.meta
+        self.dev = p.base.device
+        self.args = (p.base, flat, ids_t, ids_t if flat_off_t is None else flat_off_t,
+                     tab_t[:Lg], tab_t[lpad:], *p.scalars)
+
+    @property
+    def key(self) -> tuple:
+        return variant_key(self.meta)
+
+    def __call__(self) -> None:
+        if self.dev.type == "cuda":
+            with torch.cuda.device(self.dev):
+                self.kernel[self.grid](*self.args, **self.meta)
+        else:
+            self.kernel[self.grid](*self.args, **self.meta)
+
+
+def geometry_groups(pools: list[PagePool]) -> list[list[int]]:
+    """Layer indices grouped by geometry (block stride and runs): one launch each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(pools):
+        groups.setdefault((p.block_stride, p.runs), []).append(i)
+    return list(groups.values())
+
+
+def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = None,
+             tile_bytes: int | None = None) -> list[Launch]:
+    """Launches of ``job``, one per group of layers (default: per geometry; a group must share
+    one geometry), with every table in one upload. ``groups=[[0], [1], ...]`` gives one launch
+    per layer (prepared steps)."""
+    n, bb = job.n, job.block_bytes
+    groups = geometry_groups(job.pools) if groups is None else groups
+    use_table = job.flat_off is not None or len(groups) > 1
+    offs_all = job.flat_offsets() if use_table else None
+    ids, lo, hi = job.ids, job.lo, job.hi
+    if job.sliced:  # only the fragments that meet [lo, hi)
+        f0, f1 = lo // bb, -(-hi // bb)
+        ids, offs_all = ids[f0:f1], job.flat_offsets()[:, f0:f1]
+        lo, hi, n = lo - f0 * bb, hi - f0 * bb, f1 - f0
+    tables = Tables()
+    at_ids = tables.add(ids)
+    plans, at = [], []
+    for layers in groups:
+        flat_off = None if offs_all is None else offs_all[layers]
+        gcd = int(np.gcd.reduce(flat_off.ravel())) if flat_off is not None and flat_off.size else 0
+        p = plan([job.pools[i] for i in layers], job.flat, n=n, has_flat_off=flat_off is not None,
+                 flat_off_gcd=gcd,
+                 flat_base=job.flat_base + layers[0] * job.n * bb if flat_off is None else 0,
+                 save=job.save, sliced=job.sliced, lo=lo, hi=hi, max_programs=max_programs,
+                 tile_bytes=tile_bytes)
+        at_off = None if flat_off is None else tables.add(flat_off)
+        plans.append(p)
+        at.append((at_off, tables.add(p.table)))
+    dev = job.pools[0].device
+    t = tables.upload(dev)
+    ids_t = t[at_ids : at_ids + n]
+    out = []
+    for p, (at_off, at_tab), layers in zip(plans, at, groups, strict=True):
+        off_t = None if at_off is None else t[at_off : at_off + len(layers) * n]
+        out.append(Launch(p, job.flat, ids_t, off_t, t[at_tab : at_tab + p.table.size]))
+    return out
+
+
+def run(job: Job, max_programs: int, *, tile_bytes: int | None = None) -> None:
+    """Execute ``job`` with the Triton kernel on the current stream."""
+    for launch in launches(job, max_programs, tile_bytes=tile_bytes):
+        launch()

@@ -6,6 +6,9 @@ measures where the crossover is on this GPU, once, and ``engine="auto"`` follows
 
 The entry point is resolved with ``cuGetProcAddress(..., 12080)``: the CUDA 12.8 signature (with
 ``failIdx``) that every driver since 12.8 keeps serving, whatever the driver's own version.
+
+:func:`plan` turns a validated job into its fragment plan (one address triple per run of every
+fragment, numpy, host only); :func:`run` executes a job as one batch on the current stream.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["available", "batch_copy", "side_stream"]
+from xkv.kernels.jobs import Job
+
+__all__ = ["available", "batch_copy", "plan", "run", "runner", "side_stream"]
 
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
@@ -164,3 +169,43 @@ def side_stream(device: torch.device, purpose: str = "batch") -> torch.cuda.Stre
         if st is None:
             st = _side_streams[(idx, purpose)] = torch.cuda.Stream(device=idx)
         return st
+
+
+def plan(job: Job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(destination addresses, source addresses, sizes), uint64, of every run of every fragment
+    of ``job`` (slices clipped to ``[lo, hi)``, empty pieces dropped)."""
+    n, bb = job.n, job.block_bytes
+    offs = job.flat_offsets()  # [L, n]
+    fptr = np.uint64(job.flat.data_ptr())
+    srcs, dsts, sizes = [], [], []
+    for layer, pool in enumerate(job.pools):
+        runs = np.array(pool.runs, dtype=np.int64).reshape(-1, 2)
+        cum = np.concatenate([[0], np.cumsum(runs[:, 1])[:-1]])
+        pool_addr = pool.data_ptr + job.ids[:, None] * pool.block_stride + runs[None, :, 0]  # [n, R]
+        flat_addr = offs[layer][:, None] + cum[None, :]
+        size = np.broadcast_to(runs[None, :, 1], pool_addr.shape).copy()
+        if job.sliced:
+            pos = (layer * n + np.arange(n))[:, None] * bb + cum[None, :]
+            a = np.clip(job.lo - pos, 0, size)
+            b = np.clip(job.hi - pos, 0, size)
+            pool_addr, flat_addr, size = pool_addr + a, flat_addr + a, b - a
+        keep = size.ravel() > 0
+        p = pool_addr.ravel()[keep].astype(np.uint64)
+        f = flat_addr.ravel()[keep].astype(np.uint64) + fptr
+        z = size.ravel()[keep].astype(np.uint64)
+        (srcs, dsts) = (srcs + [p], dsts + [f]) if job.save else (srcs + [f], dsts + [p])
+        sizes.append(z)
+    return np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes)
+
+
+def runner(job: Job):
+    """A closure that issues ``job`` as one batch (the plan built once, here)."""
+    dsts, srcs, sizes = plan(job)
+    dev = job.pools[0].device
+    src_is_host = (not job.save) and job.flat.device.type == "cpu"
+    return lambda: batch_copy(dsts, srcs, sizes, device=dev, src_is_host=src_is_host)
+
+
+def run(job: Job) -> None:
+    """Execute ``job`` with the copy engine on the current stream (no SMs)."""
+    runner(job)()

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-__all__ = ["is_host_accessible", "register_host", "registered_ranges", "unregister_host"]
+__all__ = ["is_host_accessible", "register_host", "unregister_host"]
 
 _CUDA_HOST_REGISTER_DEFAULT = 0  # with UVA: mapped and portable, device pointer == host pointer
 _lock = threading.Lock()
@@ -66,12 +66,6 @@ def is_host_accessible(t: torch.Tensor) -> bool:
         return bool(t.is_pinned())
     except RuntimeError:
         return False
-
-
-def registered_ranges() -> dict[int, int]:
-    """Copy of the ranges registered through this module: ``{host address: bytes}``."""
-    with _lock:
-        return dict(_registered)
 
 
 def _covered(ptr: int, nbytes: int) -> bool:

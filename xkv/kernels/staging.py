@@ -9,49 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from xkv.kernels.page_copy import IndexLike, _job, _run
+from xkv.kernels.jobs import IndexLike, build_job
+from xkv.kernels.page_copy import run
 from xkv.layout import PagePool
 
-__all__ = ["pack", "pack_ref", "unpack", "unpack_ref"]
+__all__ = ["pack", "unpack"]
 
 
-def pack(
-    src: PagePool,
-    block_ids: IndexLike,
-    staging: torch.Tensor,
-    *,
-    max_programs: int | None = None,
-    engine: str = "auto",
-) -> None:
+def pack(src: PagePool, block_ids: IndexLike, staging: torch.Tensor, *,
+         max_programs: int | None = None, engine: str = "auto") -> None:
     """``staging[i*block_bytes : (i+1)*block_bytes]`` <- block ``block_ids[i]`` of ``src``."""
-    _run(
-        _job([src], block_ids, staging, None, save=True, flat_name="staging"), engine, max_programs
-    )
+    run(build_job([src], block_ids, staging, None, save=True, flat_name="staging"), engine,
+        max_programs)
 
 
-def unpack(
-    staging: torch.Tensor,
-    dst: PagePool,
-    block_ids: IndexLike,
-    *,
-    max_programs: int | None = None,
-    engine: str = "auto",
-) -> None:
+def unpack(staging: torch.Tensor, dst: PagePool, block_ids: IndexLike, *,
+           max_programs: int | None = None, engine: str = "auto") -> None:
     """Block ``block_ids[i]`` of ``dst`` <- ``staging[i*block_bytes : (i+1)*block_bytes]``."""
-    _run(
-        _job([dst], block_ids, staging, None, save=False, flat_name="staging"), engine, max_programs
-    )
-
-
-def pack_ref(
-    src: PagePool, block_ids: IndexLike, staging: torch.Tensor, *, max_programs: int | None = None
-) -> None:
-    """Torch reference of :func:`pack`."""
-    pack(src, block_ids, staging, max_programs=max_programs, engine="reference")
-
-
-def unpack_ref(
-    staging: torch.Tensor, dst: PagePool, block_ids: IndexLike, *, max_programs: int | None = None
-) -> None:
-    """Torch reference of :func:`unpack`."""
-    unpack(staging, dst, block_ids, max_programs=max_programs, engine="reference")
+    run(build_job([dst], block_ids, staging, None, save=False, flat_name="staging"), engine,
+        max_programs)

@@ -1,4 +1,6 @@
-"""Triton kernel behind restore / save / slice / pack / unpack (private; see page_copy.py).
+"""The Triton kernel behind every launcher (private; host side in ``_launch.py``).
+
+Imported on the first launch, never by ``import xkv.kernels``.
 
 One row = one contiguous run of one fragment of one layer: ``(layer l, fragment i, run r)``.
 Pool side:  ``layer_off[l] + block_ids[i] * block_stride + run_off[r]``.
@@ -7,13 +9,25 @@ All offsets are int64 and in words of ``WORD_T`` (``WORD`` bytes), except the ``
 holds bytes so that callers can upload it before the word size is known. A program copies a ``[ROWS, COLS]`` tile per step
 (several fragments at once, so few programs keep many bytes in flight) and walks row groups
 grid-stride. ``SLICED`` copies only bytes ``[lo, hi)`` of the concatenation of all fragments.
+
+Integer arguments are not specialised (``do_not_specialize``): without it Triton compiles a new
+variant whenever a count happens to be 1 or a multiple of 16, so the first step of a new size
+would compile mid-serving. Alignment is passed explicitly (``WORD``, ``VEC``), so nothing is lost;
+a compiled variant depends on the constexprs and on which pointers are 16-byte aligned (the pool
+and flat buffers are fixed per cache; the tables are laid out so that theirs always are), which
+:mod:`xkv.kernels.warmup` enumerates.
 """
 
 import triton
 import triton.language as tl
 
+INT_ARGS = (
+    "n_frag", "n_runs", "n_rows", "n_groups", "block_stride", "block_words", "flat_base", "lo",
+    "hi", "max_run_words",
+)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=INT_ARGS)
 def page_copy_kernel(
     p_pool,  # uint8*: pool base of the lowest layer (every layer_off is >= 0 from here)
     p_flat,  # uint8*: the contiguous side (GPU memory or pinned/registered host memory)
@@ -96,4 +110,4 @@ def page_copy_kernel(
 
 WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
-__all__ = ["WORD_TYPES", "page_copy_kernel", "triton"]
+__all__ = ["INT_ARGS", "WORD_TYPES", "page_copy_kernel", "triton"]

@@ -1,0 +1,115 @@
+"""Launch sizes (pure functions) and the Triton launch's word size, hints and tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pools import Geometry, pool_over
+
+import xkv.kernels as K
+from xkv.kernels import _launch
+from xkv.kernels.jobs import build_job, offsets_arg
+
+
+def test_launch_config_examples():
+    c = _launch.launch_config(4096, 10_000, 4)
+    assert (c.programs, c.rows, c.cols, c.num_warps) == (4, 16, 512, 16)
+    c = _launch.launch_config(16384, 10_000, 2, tile_bytes=32768)
+    assert (c.programs, c.rows, c.cols, c.num_warps) == (2, 8, 512, 8)
+    c = _launch.launch_config(256, 10_000, 4)
+    assert (c.rows, c.cols) == (64, 32)
+    c = _launch.launch_config(4096, 4, 8)  # a tiny job spreads over the budget
+    assert (c.programs, c.rows) == (4, 1)
+    c = _launch.launch_config(4097, 100, 4, word=1)
+    assert c.cols == 4096 and c.rows * c.cols <= _launch.MAX_TILE_ELEMS
+    with pytest.raises(ValueError):
+        _launch.launch_config(4096, 10, 0)
+
+
+@given(
+    run=st.integers(1, 1 << 20),
+    rows=st.integers(0, 1 << 16),
+    budget=st.integers(1, 264),
+    word=st.sampled_from([1, 2, 4, 8]),
+    tile=st.sampled_from([8192, 32768, 65536, 131072]),
+)
+def test_launch_config_properties(run, rows, budget, word, tile):
+    c = _launch.launch_config(run, rows, budget, word=word, tile_bytes=tile)
+    assert 1 <= c.programs <= budget
+    assert c.programs <= max(1, -(-rows // c.rows))
+    for v in (c.rows, c.cols, c.num_warps):
+        assert v >= 1 and v & (v - 1) == 0
+    assert c.cols * word <= _launch.MAX_COL_BYTES and c.rows * c.cols <= _launch.MAX_TILE_ELEMS
+    assert c.num_warps <= 16
+
+
+def test_word_and_default_programs(monkeypatch):
+    assert [_launch.word_bytes(a) for a in (0, 16, 12, 6, 3)] == [8, 8, 4, 2, 1]
+    monkeypatch.delenv("XKV_MAX_PROGRAMS", raising=False)
+    assert K.default_programs() == _launch.DEFAULT_PROGRAMS
+    monkeypatch.setenv("XKV_MAX_PROGRAMS", "7")
+    assert K.default_programs() == 7
+    monkeypatch.setenv("XKV_MAX_PROGRAMS", "0")
+    with pytest.raises(ValueError):
+        K.default_programs()
+
+
+def test_launch_choices():
+    """Word size, 16-byte hint and the unmasked path follow the alignment of everything copied."""
+    def meta(g, base_off, offs):
+        raw = torch.zeros(base_off + g.extent + 16, dtype=torch.uint8)
+        flat = torch.zeros(int(max(offs)) + g.block_bytes + 16, dtype=torch.uint8)
+        job = build_job(
+            [pool_over(raw, base_off, g)],
+            list(range(len(offs))),
+            flat,
+            offsets_arg(np.array(offs), 1, "o"),
+            save=False,
+        )
+        ((launch,),) = [_launch.launches(job, 4)]
+        return launch.meta, launch.grid
+
+    m, grid = meta(Geometry(8, 4096, ((0, 4096),)), 0, [0, 4096, 8192, 12288])
+    assert (m["WORD_T"].primitive_bitwidth, m["VEC"], m["EVEN"], m["ROWS"], m["COLS"]) == (
+        64,
+        2,
+        True,
+        1,
+        512,
+    )
+    assert grid == (4,)
+    m, _ = meta(Geometry(8, 4096, ((0, 4096),)), 8, [0, 4096])
+    assert (m["WORD_T"].primitive_bitwidth, m["VEC"], m["EVEN"]) == (64, 1, True)
+    m, _ = meta(Geometry(8, 1003, ((3, 997),)), 0, [0, 1000])
+    assert (m["WORD_T"].primitive_bitwidth, m["EVEN"]) == (8, False)
+    m, _ = meta(Geometry(8, 1004, ((0, 1002),)), 0, [0, 1002])
+    assert m["WORD_T"].primitive_bitwidth == 16
+
+
+@given(sizes=st.lists(st.integers(0, 9), max_size=6))
+def test_tables_sections_are_16_byte_aligned(sizes):
+    """Every table section starts 16 bytes apart from the buffer's start, whatever the counts
+    (the kernel's pointer specialisation must not depend on how many blocks a step has)."""
+    t = _launch.Tables()
+    parts = [np.arange(n, dtype=np.int64) + 100 * k for k, n in enumerate(sizes)]
+    at = [t.add(p) for p in parts]
+    buf = t.upload(torch.device("cpu"))
+    for a, p in zip(at, parts, strict=True):
+        assert a % 2 == 0
+        assert torch.equal(buf[a : a + p.size], torch.from_numpy(p))
+
+
+def test_one_upload_per_copy(monkeypatch):
+    """A copy over several layer geometries still sends its tables in one upload."""
+    calls = []
+    real = _launch.Tables.upload
+    monkeypatch.setattr(_launch.Tables, "upload", lambda self, dev: calls.append(1) or real(self, dev))
+    raw = torch.zeros(4096, dtype=torch.uint8)
+    pools = [pool_over(raw, 0, Geometry(4, 100, ((0, 40),))),
+             pool_over(raw, 1000, Geometry(4, 60, ((8, 40),)))]
+    job = build_job(pools, [0, 3], torch.zeros(400, dtype=torch.uint8),
+                    offsets_arg(np.array([[0, 40], [80, 120]]), 2, "o"), save=False)
+    assert len(_launch.launches(job, 4)) == 2 and calls == [1]

@@ -1,0 +1,132 @@
+"""Prepared steps: a group's copies validated once, then launched layer by layer with no host work.
+
+At ``start_load_kv`` (and at a step's first save) the worker knows everything a cache group's
+copies need for the whole step: the block ids (int64 ``[n]``, the same for every layer of the
+group) and the byte offset of every layer's fragment in the flat buffer (the card): int64
+``[L, n]``, row ``l`` for ``pools[l]``. :func:`prepare_restore` / :func:`prepare_save`
+
+* validate all of it once (``ValueError`` naming the value, before any byte moves);
+* resolve the engine once per layer (``"auto"`` as in :mod:`xkv.kernels.page_copy`);
+* build every device-side table (ids, ``[L, n]`` offsets, run tables) and send it in ONE pinned,
+  non-blocking host-to-device copy on the current stream;
+
+and return a :class:`PreparedCopy` whose ``launch(l)`` only issues layer ``l``'s copy on that same
+stream: no validation, no host synchronisation, no allocation with the ``"triton"`` and
+``"copy_engine"`` engines and on CPU (``"staged"``, chosen only by a calibration for large copies,
+still allocates its ring per launch, and ``"reference"`` on CUDA its index tensor).
+
+``prepare_restore(src, offs, pools, ids).launch(l)`` moves exactly the bytes of
+``restore(src, offs[l], pools[l], ids)``; ``prepare_save(pools, ids, dst, offs).launch(l)`` those of
+``save(pools[l], ids, dst, offs[l])``. Layers are checked as those one-layer calls check them
+(layers need the same ``block_bytes`` and device; no cross-layer aliasing check, since the launches
+are ordered on one stream).
+
+Lifetime: the object holds the device tables and references to ``src``/``dst`` and the pools;
+they must stay allocated and the step's block ids and card slots unchanged until the last launch
+has run on the GPU. Dropping the object after the last ``launch`` is safe without a
+synchronisation (the tables are freed stream-ordered on the stream they are used on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from xkv.kernels import _launch, _torch, copy_engine, staged
+from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
+from xkv.kernels.page_copy import check_engine
+from xkv.layout import PagePool
+
+__all__ = ["PreparedCopy", "prepare_restore", "prepare_save"]
+
+
+class PreparedCopy:
+    """``L`` per-layer copies ready to launch (see the module docstring)."""
+
+    def __init__(self, job: Job, engines: list[str], calls: list[Callable[[], None]],
+                 stream: torch.cuda.Stream | None) -> None:
+        self.save = job.save
+        self.n = job.n  # fragments per layer
+        self.block_bytes = job.block_bytes
+        self.engines = tuple(engines)  # per layer, resolved
+        self.stream = stream  # CUDA: where the tables were uploaded and every launch runs
+        self._calls = calls
+        self._job = job  # keeps the buffers and pools referenced while the copies may run
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one layer moves."""
+        return self.n * self.block_bytes
+
+    def launch(self, layer: int) -> None:
+        """Issue layer ``layer``'s copy (``0 <= layer < len(self)``) on :attr:`stream`."""
+        if not 0 <= layer < len(self._calls):
+            raise IndexError(f"layer {layer} out of range [0, {len(self._calls)})")
+        if self.stream is None:
+            self._calls[layer]()
+        else:
+            with torch.cuda.stream(self.stream):
+                self._calls[layer]()
+
+
+def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[PagePool],
+                    block_ids: IndexLike, *, max_programs: int | None = None,
+                    engine: str = "auto") -> PreparedCopy:
+    """Prepare ``L`` restores: ``launch(l)`` writes block ``block_ids[i]`` of ``dsts[l]`` from
+    ``src[src_offsets[l, i] : + block_bytes]`` for every i. ``src_offsets``: int64 ``[L, n]`` bytes."""
+    dsts = pools_arg(dsts, "dsts")
+    offs = offsets_arg(src_offsets, len(dsts), "src_offsets")
+    job = build_job(dsts, block_ids, src, offs, save=False, per_layer=True)
+    return _prepare(job, engine, max_programs)
+
+
+def prepare_save(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
+                 dst_offsets: IndexLike, *, max_programs: int | None = None,
+                 engine: str = "auto") -> PreparedCopy:
+    """Prepare ``L`` saves: ``launch(l)`` writes ``dst[dst_offsets[l, i] : + block_bytes]`` from
+    block ``block_ids[i]`` of ``srcs[l]`` for every i. ``dst_offsets``: int64 ``[L, n]`` bytes."""
+    srcs = pools_arg(srcs, "srcs")
+    offs = offsets_arg(dst_offsets, len(srcs), "dst_offsets")
+    job = build_job(srcs, block_ids, dst, offs, save=True, per_layer=True)
+    return _prepare(job, engine, max_programs)
+
+
+def _noop() -> None:
+    return None
+
+
+def _prepare(job: Job, engine: str, max_programs: int | None) -> PreparedCopy:
+    L = len(job.pools)
+    layers = [job.layer(k) for k in range(L)]
+    chosen = [check_engine(lj, engine, max_programs) for lj in layers]  # may raise: nothing ran
+    if not L:
+        check_engine(job, engine, max_programs)
+    stream = None
+    if L and job.pools[0].device.type == "cuda":
+        stream = torch.cuda.current_stream(job.pools[0].device)
+    engines = [e for e, _ in chosen]
+    calls: list[Callable[[], None]] = [_noop] * L
+    if job.n == 0 or job.block_bytes == 0:
+        return PreparedCopy(job, engines, calls, stream)
+    tri = [k for k in range(L) if engines[k] == "triton"]
+    if tri:  # one upload for every Triton layer's tables
+        budget = chosen[tri[0]][1]
+        for k, launch in zip(tri, _launch.launches(job, budget, groups=[[k] for k in tri]),
+                             strict=True):
+            calls[k] = launch
+    for k, (eng, budget) in enumerate(chosen):
+        if eng == "reference":
+            calls[k] = _bind(_torch.run, layers[k])
+        elif eng == "copy_engine":
+            calls[k] = copy_engine.runner(layers[k])
+        elif eng == "staged":
+            calls[k] = _bind(staged.run, layers[k], budget)
+    return PreparedCopy(job, engines, calls, stream)
+
+
+def _bind(fn, *args) -> Callable[[], None]:
+    return lambda: fn(*args)

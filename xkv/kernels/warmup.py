@@ -1,0 +1,104 @@
+"""Compile and load, before the first real copy, every Triton variant the caches will need.
+
+Triton compiles a kernel variant on its first launch (hundreds of ms, then the module load), and
+the variant of a restore or save depends on the cache's geometry (word size, 16-byte hint, tile
+shape) and on the step's size: the tile's ``ROWS`` follows the number of fragments up to a cap.
+:func:`warmup` enumerates, for each pool and direction, every variant a one-layer launch can take
+(:func:`~xkv.kernels.restore`, :func:`~xkv.kernels.save` and the prepared steps of
+:mod:`xkv.kernels.prepared`, whatever the number of blocks) and launches each once with zero rows:
+the kernel starts and returns without reading or writing a byte, so nothing of the caller's
+buffers is touched. Integer arguments are not specialised (see ``_triton.py``), so a zero-row
+launch compiles exactly the variant a real one uses.
+
+Not covered: slices, pack/unpack and the staged engine's ring (fan-out and calibrated large
+copies), and multi-layer launches (``restore_layers``/``save_layers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xkv.kernels import _launch
+from xkv.kernels.jobs import Job, pools_arg
+from xkv.kernels.page_copy import ENGINES, check_engine
+from xkv.layout import PagePool
+
+__all__ = ["warmup"]
+
+
+def _samples(pool: PagePool, flat: torch.Tensor, save: bool, gcd: int, budget: int) -> list:
+    """Plans of one-layer copies for block counts that reach every ``ROWS`` value.
+
+    ``ROWS = min(cap, pow2_at_least(ceil(n * R / budget)))`` (:func:`~._launch.launch_config`):
+    a power of two ``r`` is reachable iff the smallest ``n`` with ``ceil(n * R / budget) > r / 2``,
+    ``n = r * budget // (2 * R) + 1``, reaches it; ``n = 1`` gives the smallest value.
+    """
+    R, counts = len(pool.runs), {1}
+    r = 2
+    while r <= _launch.MAX_ROWS:
+        counts.add(r * budget // (2 * R) + 1)
+        r *= 2
+    return [
+        _launch.plan([pool], flat, n=n, has_flat_off=True, flat_off_gcd=gcd, flat_base=0,
+                     save=save, sliced=False, lo=0, hi=n * pool.block_bytes, max_programs=budget)
+        for n in sorted(counts)
+    ]
+
+
+def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
+           offset_alignment: int = 4096, max_programs: int | None = None,
+           engine: str = "auto") -> set[tuple]:
+    """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
+
+    Args:
+        pools: the registered caches (one pool per layer; identical geometries cost nothing more).
+        flat: the flat buffer the copies will use (the card): only its address matters. None: a
+            small 4096-aligned host buffer (pinned on CUDA) stands in, like a mapped card.
+        offset_alignment: a power of two every object (slot) start in ``flat`` is a multiple of
+            (the card's ``slot_alignment_bytes``); fragments lie at a slot start plus multiples of
+            ``block_bytes``. Every word size such offsets can give is warmed.
+        max_programs: the SM budget the copies will use (None: ``default_programs()``).
+        engine: ``"auto"`` warms Triton for CUDA pools (nothing to compile on CPU, where the torch
+            engine runs); ``"triton"`` also on CPU pools (under ``TRITON_INTERPRET=1``).
+
+    Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
+    the current stream; every launch copies nothing.
+    """
+    pools = pools_arg(pools, "pools")
+    if engine not in ("auto", "triton"):
+        raise ValueError(f"warmup engine must be 'auto' or 'triton' (of {ENGINES}), got {engine!r}")
+    if offset_alignment < 1 or offset_alignment & (offset_alignment - 1):
+        raise ValueError(f"offset_alignment must be a power of two, got {offset_alignment}")
+    if not pools:
+        return set()
+    dev = pools[0].device
+    if engine == "auto" and dev.type != "cuda":
+        return set()
+    if flat is None:
+        flat = torch.empty(8192, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        flat = flat[-flat.data_ptr() % 4096 :][:4096]
+    probe = Job(pools[:1], torch.zeros(0, dtype=torch.int64).numpy(), flat, None, 0, False, 0, 0,
+                False)
+    _, budget = check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
+    tables = _launch.Tables()
+    zeros = tables.add(torch.zeros(2, dtype=torch.int64).numpy())
+    warmed: dict[tuple, _launch.LaunchPlan] = {}
+    seen_geoms = set()
+    for pool in pools:
+        geom = (pool.block_stride, pool.runs, pool.data_ptr % 16, pool.device)
+        if geom in seen_geoms:
+            continue
+        seen_geoms.add(geom)
+        for save in (False, True):
+            for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
+                for p in _samples(pool, flat, save, g, budget):
+                    warmed.setdefault(p.key, p)
+    t = tables.upload(dev)
+    z = t[zeros : zeros + 2]
+    for p in warmed.values():
+        empty = _launch.LaunchPlan(p.pools, p.base, p.table, (0, 1, 0, 0, *p.scalars[4:]), p.meta,
+                                   p.programs)
+        _launch.Launch(empty, flat, z, z, t)()  # zero rows: every program returns at once
+    return set(warmed)
