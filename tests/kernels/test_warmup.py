@@ -1,0 +1,135 @@
+"""warmup: launches every Triton variant one-layer copies can use, and touches no caller byte.
+
+On CPU it runs under the interpreter (``engine="triton"``); completeness is checked against the
+variants real launches pick for any number of blocks and any card offsets of the slot model
+(slot starts multiples of the slot alignment, fragments ``block_bytes`` apart inside a slot).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pools import POISON, Geometry, geometries, pool_over, random_bytes
+
+import xkv.kernels as K
+from xkv.kernels import _launch
+from xkv.kernels.jobs import build_job, offsets_arg
+
+CACHES = [
+    Geometry(6, 4096, ((0, 4096),)),  # NHD page
+    Geometry(5, 1003, ((3, 997),)),  # odd: byte words
+    Geometry(4, 2048, ((0, 2048), (4 * 2048, 2048))),  # K/V-first: two runs per block
+    Geometry(3, 64 * 656 + 8, ((8, 64 * 656),)),  # fp8_ds_mla rows, 8-byte aligned
+]
+
+
+def _caches(seed: int):
+    raws = [random_bytes(g.extent + 19, seed + k) for k, g in enumerate(CACHES)]
+    return raws, [pool_over(r, 3 * (k % 2), g) for k, (r, g) in enumerate(zip(raws, CACHES,
+                                                                            strict=True))]
+
+
+def test_warmup_touches_nothing_and_covers_both_directions():
+    raws, pools = _caches(1)
+    card = random_bytes(1 << 16, 9)
+    before = [r.clone() for r in raws], card.clone()
+    keys = K.warmup(pools, card, engine="triton")
+    assert all(torch.equal(a, b) for a, b in zip(raws, before[0], strict=True))
+    assert torch.equal(card, before[1])
+    saves = {dict(k)["SAVE"] for k in keys}
+    assert saves == {"True", "False"} and len(keys) >= 2 * len(CACHES)
+    assert K.warmup(pools + pools, card, engine="triton") == keys  # same geometries: same set
+    assert K.warmup(pools, None, engine="triton")  # a stand-in card
+
+
+def test_warmup_auto_on_cpu_compiles_nothing_and_refusals():
+    raws, pools = _caches(2)
+    assert K.warmup(pools, random_bytes(64, 0)) == set()  # CPU copies use the torch engine
+    assert K.warmup([], None, engine="triton") == set()
+    with pytest.raises(ValueError, match="engine"):
+        K.warmup(pools, None, engine="copy_engine")
+    with pytest.raises(ValueError, match="power of two"):
+        K.warmup(pools, None, engine="triton", offset_alignment=48)
+    with pytest.raises(ValueError):
+        K.warmup(pools[0], None, engine="triton")  # not a sequence of pools
+    with pytest.raises(ValueError, match="max_programs"):
+        K.warmup(pools, None, engine="triton", max_programs=0)
+
+
+def test_warmup_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, pools = _caches(3)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        K.warmup(pools, None, engine="triton")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    g=geometries(),
+    base=st.sampled_from([0, 3, 8, 16]),
+    align=st.sampled_from([1, 2, 4, 8, 16, 4096]),
+    budget=st.sampled_from([1, 3, 4, 132]),
+    data=st.data(),
+)
+def test_warmup_covers_every_block_count(g, base, align, budget, data):
+    """The variant of a one-layer copy of any n blocks at card offsets of the slot model is one
+    warmup launched (the plan is what ``launches`` builds for that layer)."""
+    raw = torch.zeros(base + g.extent + 16, dtype=torch.uint8)
+    pool = pool_over(raw, base, g)
+    card = torch.zeros(4096 * 3, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :]
+    keys = K.warmup([pool], card, offset_alignment=align, max_programs=budget, engine="triton")
+    bb = g.block_bytes
+    for _ in range(6):
+        n = data.draw(st.integers(1, 5000))
+        slots = np.array(data.draw(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4)))
+        where = data.draw(st.lists(st.integers(0, slots.size - 1), min_size=n, max_size=n))
+        offs = slots[where] * align + np.arange(n) * bb  # fragment j at its slot + j blocks
+        gcd = int(np.gcd.reduce(offs))
+        for save in (False, True):
+            p = _launch.plan([pool], card, n=n, has_flat_off=True, flat_off_gcd=gcd, flat_base=0,
+                             save=save, sliced=False, lo=0, hi=n * bb, max_programs=budget)
+            assert p.key in keys, (n, gcd, save)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_real_launches_use_warmed_variants(save):
+    g = Geometry(40, 4096 + 64, ((0, 4096),))
+    raw = random_bytes(g.extent + 5, 4)
+    pool = pool_over(raw, 0, g)
+    card = torch.zeros(4096 * 64, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 60]
+    keys = K.warmup([pool], card, engine="triton")
+    for n in (1, 2, 5, 17, 40):
+        offs = np.arange(n, dtype=np.int64)[::-1] * 4096
+        job = build_job([pool], np.arange(n)[::-1], card, offsets_arg(offs, 1, "o"), save=save)
+        (launch,) = _launch.launches(job, K.default_programs())
+        assert launch.key in keys, n
+
+
+@pytest.mark.gpu
+def test_no_compile_after_warmup(monkeypatch):
+    """After warmup, restores and saves of any size on the registered caches compile nothing."""
+    from xkv.kernels import _triton
+
+    kernel = _triton.page_copy_kernel
+    if not hasattr(kernel, "compile"):
+        pytest.skip("this Triton has no per-kernel compile hook to count with")
+    g = Geometry(300, 4096, ((0, 4096),))
+    raw = torch.full((g.extent,), POISON, dtype=torch.uint8, device="cuda")
+    pool = pool_over(raw, 0, g)
+    card = torch.empty(300 * 4096 + 4096, dtype=torch.uint8).pin_memory()
+    K.warmup([pool], card)
+    compiled = []
+    real = kernel.compile
+    monkeypatch.setattr(kernel, "compile", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    for n in (1, 3, 8, 33, 100, 299):
+        offs = np.arange(n, dtype=np.int64) * 4096
+        K.prepare_restore(card, offs[None], [pool], np.arange(n)).launch(0)
+        K.prepare_save([pool], np.arange(n), card, offs[None]).launch(0)
+        K.restore(card, offs, pool, np.arange(n))
+    torch.cuda.synchronize()
+    assert compiled == []
