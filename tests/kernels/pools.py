@@ -212,3 +212,30 @@ def layers_buffer_size(geoms, offsets) -> int:
 
 def pools_over(raw: torch.Tensor, geoms, offsets) -> list[PagePool]:
     return [pool_over(raw, o, g) for o, g in zip(offsets, geoms, strict=True)]
+
+
+def slice_case(job, seed: int, data):
+    """A drawn ``[lo, hi)`` restore slice of a ``single_jobs(save=False)`` job: (poisoned cache
+    buffer, flat, pool, expected cache buffer, ids, offsets, lo, hi)."""
+    g, ids, offs, flat_size, base_off = job
+    total = ids.size * g.block_bytes
+    lo = data.draw(st.integers(0, total))
+    hi = data.draw(st.integers(lo, total))
+    raw, flat, pool = setup_single(g, base_off, flat_size, seed)
+    raw.fill_(POISON)
+    expect = raw.clone()
+    oracle(
+        expect, [pool_over(expect, base_off, g)], flat, offs[None], ids, save=False, lo=lo, hi=hi
+    )
+    return raw, flat, pool, expect, ids, offs, lo, hi
+
+
+def refused_and_untouched(call, setup, engine: str) -> bool:
+    """``call(raw, flat, pool, engine)`` raises ValueError and changes neither buffer."""
+    import pytest
+
+    raw, flat, pool = setup()
+    raw0, flat0 = raw.clone(), flat.clone()
+    with pytest.raises(ValueError):
+        call(raw, flat, pool, engine)
+    return torch.equal(raw, raw0) and torch.equal(flat, flat0)

@@ -17,11 +17,10 @@ from pools import (
     layer_jobs,
     layers_buffer_size,
     oracle,
-    pool_over,
     pools_over,
     random_bytes,
-    setup_single,
     single_jobs,
+    slice_case,
 )
 
 from xkv.kernels import copy_engine
@@ -36,16 +35,7 @@ def _execute_plan(job) -> None:
 
 @given(job=single_jobs(save=False), seed=st.integers(0, 2**16), data=st.data())
 def test_copy_engine_plan_restore_slice(job, seed, data):
-    g, ids, offs, flat_size, base_off = job
-    total = ids.size * g.block_bytes
-    lo = data.draw(st.integers(0, total))
-    hi = data.draw(st.integers(lo, total))
-    raw, flat, pool = setup_single(g, base_off, flat_size, seed)
-    raw.fill_(POISON)
-    expect = raw.clone()
-    oracle(
-        expect, [pool_over(expect, base_off, g)], flat, offs[None], ids, save=False, lo=lo, hi=hi
-    )
+    raw, flat, pool, expect, ids, offs, lo, hi = slice_case(job, seed, data)
     _execute_plan(
         build_job([pool], ids, flat, offsets_arg(offs, 1, "src_offsets"), save=False, lo=lo, hi=hi)
     )

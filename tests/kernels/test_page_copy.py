@@ -28,6 +28,7 @@ from pools import (
     random_bytes,
     setup_single,
     single_jobs,
+    slice_case,
 )
 
 import xkv.kernels as K
@@ -67,16 +68,7 @@ def test_save(engine, job, seed):
 @pytest.mark.parametrize("engine", ENGINES)
 @given(job=single_jobs(save=False), seed=st.integers(0, 2**16), data=st.data())
 def test_restore_slice(engine, job, seed, data):
-    g, ids, offs, flat_size, base_off = job
-    total = ids.size * g.block_bytes
-    lo = data.draw(st.integers(0, total))
-    hi = data.draw(st.integers(lo, total))
-    raw, flat, pool = setup_single(g, base_off, flat_size, seed)
-    raw.fill_(POISON)
-    expect = raw.clone()
-    oracle(
-        expect, [pool_over(expect, base_off, g)], flat, offs[None], ids, save=False, lo=lo, hi=hi
-    )
+    raw, flat, pool, expect, ids, offs, lo, hi = slice_case(job, seed, data)
     K.restore_slice(flat, offs, pool, ids, lo, hi, engine=engine, max_programs=4)
     assert torch.equal(raw, expect)
 

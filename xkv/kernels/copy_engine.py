@@ -71,28 +71,19 @@ def _resolve():
             return None
         pfn = ctypes.c_void_p()
         name = b"cuMemcpyBatchAsync"
+        # both take (name, &fn, version, flags); _v2 adds a symbol-status out-argument
+        args = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64]
+        call = [name, ctypes.byref(pfn), 12080, 0]
         if hasattr(lib, "cuGetProcAddress_v2"):
             get = lib.cuGetProcAddress_v2
-            get.argtypes = [
-                ctypes.c_char_p,
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_int,
-                ctypes.c_uint64,
-                ctypes.c_void_p,
-            ]
-            status = ctypes.c_int(0)
-            rc = get(name, ctypes.byref(pfn), 12080, 0, ctypes.byref(status))
+            args.append(ctypes.c_void_p)
+            call.append(ctypes.byref(ctypes.c_int(0)))
         elif hasattr(lib, "cuGetProcAddress"):
             get = lib.cuGetProcAddress
-            get.argtypes = [
-                ctypes.c_char_p,
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_int,
-                ctypes.c_uint64,
-            ]
-            rc = get(name, ctypes.byref(pfn), 12080, 0)
         else:
             return None
+        get.argtypes = args
+        rc = get(*call)
         if rc != 0 or not pfn.value:
             return None
         _fn = _BATCH_FN_TYPE(pfn.value)
