@@ -57,6 +57,10 @@ def test_warmup_auto_on_cpu_compiles_nothing_and_refusals():
         K.warmup(pools[0], None, engine="triton")  # not a sequence of pools
     with pytest.raises(ValueError, match="max_programs"):
         K.warmup(pools, None, engine="triton", max_programs=0)
+    with pytest.raises(ValueError, match="uint8"):
+        K.warmup(pools, torch.zeros(8), engine="triton")  # not a byte buffer
+    with pytest.raises(ValueError, match="CPU caches"):
+        K.warmup(pools, torch.zeros(8, dtype=torch.uint8, device="meta"), engine="triton")
 
 
 def test_warmup_on_cpu_needs_the_interpreter(monkeypatch):

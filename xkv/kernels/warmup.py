@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from xkv.kernels import _launch
-from xkv.kernels.jobs import Job, pools_arg
+from xkv.kernels.jobs import build_job, pools_arg
 from xkv.kernels.page_copy import ENGINES, check_engine
 from xkv.layout import PagePool
 
@@ -79,11 +80,13 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     if flat is None:
         flat = torch.empty(8192, dtype=torch.uint8, pin_memory=dev.type == "cuda")
         flat = flat[-flat.data_ptr() % 4096 :][:4096]
-    probe = Job(pools[:1], torch.zeros(0, dtype=torch.int64).numpy(), flat, None, 0, False, 0, 0,
-                False)
+    if any(p.device != dev for p in pools):
+        raise ValueError(f"warmup: pools on several devices: {sorted({str(p.device) for p in pools})}")
+    probe = build_job(pools[:1], [], flat, None, save=False, flat_name="flat")  # the buffer's checks
+    flat = probe.flat
     _, budget = check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
     tables = _launch.Tables()
-    zeros = tables.add(torch.zeros(2, dtype=torch.int64).numpy())
+    zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
     warmed: dict[tuple, _launch.LaunchPlan] = {}
     seen_geoms = set()
     for pool in pools:
@@ -96,9 +99,9 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
                 for p in _samples(pool, flat, save, g, budget):
                     warmed.setdefault(p.key, p)
     t = tables.upload(dev)
-    z = t[zeros : zeros + 2]
+    z = t[zeros : zeros + 4]
     for p in warmed.values():
         empty = _launch.LaunchPlan(p.pools, p.base, p.table, (0, 1, 0, 0, *p.scalars[4:]), p.meta,
                                    p.programs)
-        _launch.Launch(empty, flat, z, z, t)()  # zero rows: every program returns at once
+        _launch.Launch(empty, flat, z, z, z)()  # zero rows: every program returns at once
     return set(warmed)
