@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pools import Geometry, pool_over
+from pools import Geometry, layer_jobs, layers_buffer_size, pool_over, pools_over
 
 import xkv.kernels as K
 from xkv.kernels import _launch
@@ -113,3 +113,26 @@ def test_one_upload_per_copy(monkeypatch):
     job = build_job(pools, [0, 3], torch.zeros(400, dtype=torch.uint8),
                     offsets_arg(np.array([[0, 40], [80, 120]]), 2, "o"), save=False)
     assert len(_launch.launches(job, 4)) == 2 and calls == [1]
+
+
+@given(job=layer_jobs(save=False), budget=st.sampled_from([1, 4, 7]))
+def test_per_layer_launches_equal_one_layer_copies(job, budget):
+    """Layer k's launch in a per-layer set (prepared steps) is the launch of the one-layer copy:
+    same variant, scalars and base, the tables' contents too."""
+    geoms, offsets, ids, offs, flat_size = job
+    if not ids.size:
+        return
+    raw = torch.zeros(layers_buffer_size(geoms, offsets), dtype=torch.uint8)
+    pools = pools_over(raw, geoms, offsets)
+    flat = torch.zeros(flat_size, dtype=torch.uint8)
+    whole = build_job(pools, ids, flat, offsets_arg(offs, len(pools), "o"), save=False,
+                      per_layer=True)
+    each = _launch.launches(whole, budget, groups=[[k] for k in range(len(pools))])
+    for k, launch in enumerate(each):
+        (alone,) = _launch.launches(whole.layer(k), budget)
+        assert launch.key == alone.key and launch.grid == alone.grid
+        assert launch.args[0].data_ptr() == alone.args[0].data_ptr()
+        # scalars but lo, hi (read only by slices: the whole copy's bounds vs the layer's)
+        assert launch.args[6:13] + launch.args[15:] == alone.args[6:13] + alone.args[15:]
+        for a, b in zip(launch.args[2:6], alone.args[2:6], strict=True):
+            assert torch.equal(a, b)

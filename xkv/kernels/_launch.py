@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -276,18 +276,31 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
         lo, hi, n = lo - f0 * bb, hi - f0 * bb, f1 - f0
     tables = Tables()
     at_ids = tables.add(ids)
-    plans, at = [], []
+    plans, at, at_table = [], [], {}  # run tables shared by layers of one geometry: sent once
+    same: dict[tuple, LaunchPlan] = {}  # one-layer plans differ only in the base address
     for layers in groups:
         flat_off = None if offs_all is None else offs_all[layers]
         gcd = int(np.gcd.reduce(flat_off.ravel())) if flat_off is not None and flat_off.size else 0
-        p = plan([job.pools[i] for i in layers], job.flat, n=n, has_flat_off=flat_off is not None,
-                 flat_off_gcd=gcd,
-                 flat_base=job.flat_base + layers[0] * job.n * bb if flat_off is None else 0,
-                 save=job.save, sliced=job.sliced, lo=lo, hi=hi, max_programs=max_programs,
-                 tile_bytes=tile_bytes)
+        pools = [job.pools[i] for i in layers]
+        key = None
+        if len(layers) == 1 and flat_off is not None:
+            # word size and hints only see alignments up to 16 bytes: the low 4 bits decide
+            key = (pools[0].block_stride, pools[0].runs, pools[0].data_ptr & 15, gcd & 15)
+        if key in same:
+            p = replace(same[key], pools=tuple(pools), base=pools[0].base)
+        else:
+            p = plan(pools, job.flat, n=n, has_flat_off=flat_off is not None, flat_off_gcd=gcd,
+                     flat_base=job.flat_base + layers[0] * job.n * bb if flat_off is None else 0,
+                     save=job.save, sliced=job.sliced, lo=lo, hi=hi, max_programs=max_programs,
+                     tile_bytes=tile_bytes)
+            if key is not None:
+                same[key] = p
         at_off = None if flat_off is None else tables.add(flat_off)
         plans.append(p)
-        at.append((at_off, tables.add(p.table)))
+        key = p.table.tobytes()
+        if key not in at_table:
+            at_table[key] = tables.add(p.table)
+        at.append((at_off, at_table[key]))
     dev = job.pools[0].device
     t = tables.upload(dev)
     ids_t = t[at_ids : at_ids + n]
