@@ -1,29 +1,32 @@
 """Prepared steps: a group's copies validated once, then launched layer by layer with no host work.
 
 At ``start_load_kv`` (and at a step's first save) the worker knows everything a cache group's
-copies need for the whole step: the block ids (int64 ``[n]``, the same for every layer of the
-group) and the byte offset of every layer's fragment in the flat buffer (the card): int64
-``[L, n]``, row ``l`` for ``pools[l]``. :func:`prepare_restore` / :func:`prepare_save`
+copies need for the whole step: the block ids (int64 ``[n]``, host, the same for every layer of
+the group) and the byte offset of every layer's fragment in the flat buffer (the card): int64
+``[L, n]`` (host), row ``l`` for ``pools[l]``. :func:`prepare_restore` / :func:`prepare_save`
 
 * validate all of it once (``ValueError`` naming the value, before any byte moves);
 * resolve the engine once per layer (``"auto"`` as in :mod:`xkv.kernels.page_copy`);
-* build every device-side table (ids, ``[L, n]`` offsets, run tables) and send it in ONE pinned,
-  non-blocking host-to-device copy on the current stream;
+* Triton layers: plan every launch on the host and send all their device tables (block ids, the
+  ``[L, n]`` offsets, one run table per geometry) in ONE pinned, non-blocking host-to-device copy
+  on the current stream; copy-engine layers: build their address lists (host memory, read by the
+  driver at launch);
 
-and return a :class:`PreparedCopy` whose ``launch(l)`` only issues layer ``l``'s copy on that same
-stream: no validation, no host synchronisation, no allocation with the ``"triton"`` and
+and return a :class:`PreparedCopy` whose ``launch(l)`` only issues layer ``l``'s copy, always on
+the stream that was current at prepare time (:attr:`PreparedCopy.stream`; the tables were uploaded
+there): no validation, no host synchronisation, no allocation with the ``"triton"`` and
 ``"copy_engine"`` engines and on CPU (``"staged"``, chosen only by a calibration for large copies,
 still allocates its ring per launch, and ``"reference"`` on CUDA its index tensor).
 
 ``prepare_restore(src, offs, pools, ids).launch(l)`` moves exactly the bytes of
 ``restore(src, offs[l], pools[l], ids)``; ``prepare_save(pools, ids, dst, offs).launch(l)`` those of
-``save(pools[l], ids, dst, offs[l])``. Layers are checked as those one-layer calls check them
-(layers need the same ``block_bytes`` and device; no cross-layer aliasing check, since the launches
-are ordered on one stream).
+``save(pools[l], ids, dst, offs[l])``, with the same kernel variant. Layers are checked as those
+one-layer calls check them (layers need the same ``block_bytes`` and device; no cross-layer
+aliasing check, since the launches are ordered on one stream). A layer may be launched again.
 
 Lifetime: the object holds the device tables and references to ``src``/``dst`` and the pools;
 they must stay allocated and the step's block ids and card slots unchanged until the last launch
-has run on the GPU. Dropping the object after the last ``launch`` is safe without a
+has run on the GPU. Dropping the object once the last ``launch`` is issued is safe without a
 synchronisation (the tables are freed stream-ordered on the stream they are used on).
 """
 
