@@ -220,8 +220,10 @@ class Tables:
         the current stream (the caching host allocator keeps the staging alive until it ran)."""
         host = torch.empty(max(self._size, 2), dtype=torch.int64,
                            pin_memory=dev.type == "cuda")
-        if self._parts:
-            host[: self._size].numpy()[:] = np.concatenate(self._parts)
+        h, at = host.numpy(), 0
+        for part in self._parts:  # straight into the (pinned) buffer: one host copy
+            h[at : at + part.size] = part
+            at += part.size
         return host.to(dev, non_blocking=True) if dev.type == "cuda" else host
 
 
@@ -279,7 +281,12 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
     plans, at, at_table = [], [], {}  # run tables shared by layers of one geometry: sent once
     same: dict[tuple, LaunchPlan] = {}  # one-layer plans differ only in the base address
     for layers in groups:
-        flat_off = None if offs_all is None else offs_all[layers]
+        if offs_all is None:
+            flat_off = None
+        elif len(layers) == 1:  # a view, not a copy
+            flat_off = offs_all[layers[0] : layers[0] + 1]
+        else:
+            flat_off = offs_all[layers]
         gcd = int(np.gcd.reduce(flat_off.ravel())) if flat_off is not None and flat_off.size else 0
         pools = [job.pools[i] for i in layers]
         key = None
