@@ -1,25 +1,8 @@
-"""Byte-page views of the KV cache tensors vLLM hands a connector.
+"""``describe_cache``: a KV cache tensor vLLM registered -> :class:`~xkv.layout.pool.PagePool`.
 
-Every cache form vLLM 0.26-0.33 registers (see ``shared/notes/vllm-connector-api.md`` §4) is reduced to
-one :class:`PagePool`: ``num_blocks`` scheduler blocks, each ``block_bytes`` long, made of the same
-contiguous byte ``runs`` at a fixed ``block_stride``. Kernels copy those bytes without knowing heads,
-tokens or dtypes, so one kernel serves every backend and layout.
-
-Forms understood (the first dim of size ``num_blocks * kernel_block_ratio`` is the block dim):
-
-* 0.26/0.28 attention ``(B, H, N, 2D)`` with NHD or HND strides, one run per block;
-* MLA ``(B, N, 576)`` (3-D, 0.26/0.28), ``(B, 1, N, 576)`` (0.29+) and 656-byte ``fp8_ds_mla`` rows;
-* 0.29+ ``[B, H, N, C]`` views over one shared int8 buffer in every ``KVCacheLayout``: ``LBNHC``,
-  ``LBHNC``, ``BLNHC``, ``BLHNC`` give one run per block; ``LHBNC`` and ``BHLNC`` (H outside B) give
-  one run per head;
-* Mamba: a list of state tensors (0.26, pages rebuilt from the first tensor's block stride) or one int8
-  ``(B, 1, 1, C)`` page per block (0.28+, padded block stride: only the content is copied);
-* K/V-first ``(2, B, ...)``: two runs per block (K page, V page);
-* block-outermost caches (a block holds every layer): a list of per-layer views, or the 0.26/0.28
-  cross-layer tensor with ``block_dim=1``, become one run per block across the layers.
-
-A tensor whose pages are not what the description says raises :class:`LayoutError` naming its shape,
-strides, dtype and layout. No vLLM import here: layouts are recognised from strides.
+Layouts are recognised from strides (see the package docstring for the forms understood); a
+tensor whose pages are not what the description says raises ``LayoutError`` naming its shape,
+strides, dtype and layout.
 """
 
 from __future__ import annotations
@@ -31,144 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "KV_CACHE_LAYOUTS",
-    "LayoutError",
-    "PagePool",
-    "describe_cache",
-]
+from xkv.layout.pool import KINDS, LayoutError, PagePool, describe_tensor
+
+__all__ = ["KV_CACHE_LAYOUTS", "MAX_RUNS", "describe_cache"]
 
 # vLLM 0.29+ KVCacheLayout names and the legacy 0.26/0.28 aliases (config/cache.py).
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 _LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 MAX_RUNS = 4096  # more runs per block than this is not a page layout worth copying run by run
-_KINDS = ("attention", "mla", "mamba", "block_outermost")
-
-
-class LayoutError(ValueError):
-    """The tensor's memory is not the page layout it claims to be."""
-
-
-@dataclass(frozen=True, eq=False)
-class PagePool:
-    """A paged cache seen as bytes.
-
-    Block ``b``'s bytes are the concatenation over ``runs`` of
-    ``base[b * block_stride + off : b * block_stride + off + length]``.
-    ``base`` is a 1-D uint8 view whose element 0 is the first byte of block 0 and whose length is
-    exactly :attr:`extent`.
-    """
-
-    base: torch.Tensor
-    num_blocks: int
-    block_bytes: int
-    block_stride: int
-    runs: tuple[tuple[int, int], ...]
-    kernel_block_ratio: int = 1
-    kind: str | None = None  # a label for messages, given by the caller (never guessed)
-
-    def __post_init__(self) -> None:
-        b = self.base
-        if (
-            not isinstance(b, torch.Tensor)
-            or b.dtype != torch.uint8
-            or b.dim() != 1
-            or b.stride(0) != 1
-        ):
-            raise LayoutError(
-                f"PagePool.base must be a 1-D contiguous uint8 tensor, got {_describe(b)}"
-            )
-        if self.num_blocks < 0 or self.block_stride <= 0 or self.kernel_block_ratio < 1:
-            raise LayoutError(
-                f"PagePool: bad num_blocks={self.num_blocks} block_stride={self.block_stride} "
-                f"kernel_block_ratio={self.kernel_block_ratio}"
-            )
-        if any(o < 0 or n <= 0 for o, n in self.runs):
-            raise LayoutError(
-                f"PagePool: runs must have offset >= 0 and length > 0, got {self.runs}"
-            )
-        if sum(n for _, n in self.runs) != self.block_bytes:
-            raise LayoutError(
-                f"PagePool: block_bytes={self.block_bytes} != sum of run lengths {self.runs}"
-            )
-        if b.numel() < self.extent:
-            raise LayoutError(
-                f"PagePool: base holds {b.numel()} bytes, the blocks need {self.extent}"
-            )
-        if self.kind is not None and self.kind not in _KINDS:
-            raise LayoutError(f"PagePool: kind must be one of {_KINDS}, got {self.kind!r}")
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.device
-
-    @property
-    def span(self) -> int:
-        """Bytes from a block's start to the end of its last run."""
-        return max((o + n for o, n in self.runs), default=0)
-
-    @property
-    def extent(self) -> int:
-        """Bytes of ``base`` that blocks ``0 .. num_blocks-1`` touch."""
-        if self.num_blocks == 0 or not self.runs:
-            return 0
-        return (self.num_blocks - 1) * self.block_stride + self.span
-
-    @property
-    def data_ptr(self) -> int:
-        return self.base.data_ptr()
-
-    def run_view(self, r: int) -> torch.Tensor:
-        """``[num_blocks, len]`` strided uint8 view of run ``r`` of every block."""
-        off, length = self.runs[r]
-        return self.base.as_strided(
-            (self.num_blocks, length), (self.block_stride, 1), self.base.storage_offset() + off
-        )
-
-    def block(self, b: int) -> torch.Tensor:
-        """A copy of block ``b``'s bytes (all runs concatenated)."""
-        if not 0 <= b < self.num_blocks:
-            raise IndexError(f"block {b} out of range [0, {self.num_blocks})")
-        s = b * self.block_stride
-        return (
-            torch.cat([self.base[s + o : s + o + n] for o, n in self.runs])
-            if self.runs
-            else self.base[:0]
-        )
-
-    def overlaps(self, other: PagePool) -> bool:
-        """True if some byte of a block of ``self`` is also a byte of a block of ``other``.
-
-        Exact for pools with the same block stride whose runs lie inside one stride (every
-        block-compact layout, interleaved layers included); conservative (address ranges) otherwise.
-        """
-        if self.base.device != other.base.device or self.extent == 0 or other.extent == 0:
-            return False
-        a0, b0 = self.data_ptr, other.data_ptr
-        if a0 + self.extent <= b0 or b0 + other.extent <= a0:
-            return False
-        s = self.block_stride
-        if s != other.block_stride or self.span > s or other.span > s:
-            return True
-        delta = (b0 - a0) % s
-        mine = [(o, o + n) for o, n in self.runs]
-        theirs = [((o + delta) % s, (o + delta) % s + n) for o, n in other.runs]
-        for lo, hi in theirs:
-            for c0, c1 in ((lo, hi), (lo - s, hi - s)):  # a run may wrap past the stride
-                if any(c0 < m1 and m0 < c1 for m0, m1 in mine):
-                    return True
-        return False
-
-    def describe(self) -> str:
-        return (
-            f"PagePool(kind={self.kind}, num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, "
-            f"block_stride={self.block_stride}, runs={list(self.runs)[:8]}{'...' if len(self.runs) > 8 else ''}, "
-            f"kernel_block_ratio={self.kernel_block_ratio}, device={self.device})"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# describe_cache
 
 
 def describe_cache(
@@ -266,8 +119,8 @@ def describe_cache(
         raise LayoutError(
             f"blocks reach byte {byte0 + extent} of a {storage.nbytes()}-byte buffer: {ctx}"
         )
-    if kind is not None and kind not in _KINDS:
-        raise LayoutError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if kind is not None and kind not in KINDS:
+        raise LayoutError(f"kind must be one of {KINDS}, got {kind!r}")
     base = torch.empty(0, dtype=torch.uint8, device=first.device)
     base.set_(storage, byte0, (extent,), (1,))
     return PagePool(
@@ -294,7 +147,7 @@ class _Geometry:
 
 
 def _geometry(t: torch.Tensor, block_dim: int | None, layout_name: str | None) -> _Geometry:
-    ctx = _describe(t, layout_name)
+    ctx = describe_tensor(t, layout_name)
     if t.dim() < 1:
         raise LayoutError(f"a KV cache tensor has a block dim; got a scalar: {ctx}")
     if t.is_sparse or t.layout != torch.strided:
@@ -436,20 +289,11 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _describe(t: object, layout_name: str | None = None) -> str:
-    if not isinstance(t, torch.Tensor):
-        return f"{type(t).__name__}"
-    return (
-        f"shape={tuple(t.shape)} stride={tuple(t.stride())} dtype={t.dtype} "
-        f"storage_offset={t.storage_offset()} device={t.device} layout={layout_name or 'unspecified'}"
-    )
-
-
 def _describe_many(tensors: list[torch.Tensor], layout_name: str | None) -> str:
     if len(tensors) == 1:
-        return _describe(tensors[0], layout_name)
+        return describe_tensor(tensors[0], layout_name)
     return (
         "["
-        + "; ".join(_describe(x, layout_name) for x in tensors[:4])
+        + "; ".join(describe_tensor(x, layout_name) for x in tensors[:4])
         + (" ...]" if len(tensors) > 4 else "]")
     )

@@ -1,4 +1,4 @@
-"""xkv.layout: every cache form of vllm-connector-api.md §4 becomes the right byte pages.
+"""xkv.layout.describe: every cache form of vllm-connector-api.md §4 becomes the right byte pages.
 
 Tensors are built the way vLLM builds them (same shapes, strides, storage offsets as measured in the
 notes); the check is always the same: the PagePool's bytes of block b are exactly the bytes of the
@@ -11,107 +11,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from layout_helpers import LAYOUT_ORDER, check_pool, v26_attention, v29_views
 
-from xkv.kernels import restore, save
-from xkv.layout import KV_CACHE_LAYOUTS, LayoutError, PagePool, describe_cache
-
-# logical [L, B, H, N, C] -> physical order (vllm/v1/kv_cache_layout.py, 0.29)
-LAYOUT_ORDER = {
-    "LBHNC": (0, 1, 2, 3, 4),
-    "LBNHC": (0, 1, 3, 2, 4),
-    "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4),
-    "BLNHC": (1, 0, 3, 2, 4),
-    "BHLNC": (1, 2, 0, 3, 4),
-}
-
-
-# ---- helpers ------------------------------------------------------------------------------------
-
-
-def v29_views(layout, L, B, H, N, C, dtype=torch.bfloat16, *, pad_page=None, ratio=1):
-    """``create_kv_cache_views`` of vLLM 0.29 on CPU: one int8 buffer, a [B*ratio, H, N/ratio, C] view
-    per layer, strides from the layout (and the padded page for Mamba)."""
-    e = torch.empty((), dtype=dtype).element_size()
-    shape = (L, B * ratio, H, N // ratio, C * e)  # kernel blocks: ratio per scheduler block
-    order = LAYOUT_ORDER[layout]
-    st_ = [0] * 5
-    cur = 1
-    grid_end = max(order.index(0), order.index(1)) + 1
-    for phys, d in reversed(tuple(enumerate(order))):
-        if pad_page is not None and phys == grid_end - 1:
-            cur = max(cur, pad_page)
-        st_[d] = cur
-        cur = st_[d] * shape[d]
-    size = sum((s - 1) * t for s, t in zip(shape, st_, strict=True)) + 1
-    raw = torch.zeros(size, dtype=torch.int8)
-    v5 = torch.as_strided(raw, shape, st_)
-    views = [v5[i].view(dtype) if dtype != torch.int8 else v5[i] for i in range(L)]
-    return raw, views
-
-
-def v26_attention(B, H, N, D2, dtype=torch.bfloat16, *, layout="NHD"):
-    """0.26/0.28 FlashAttention: logical (B, H, N, 2D), NHD strides = memory [B, N, H, 2D]."""
-    raw = torch.zeros(
-        B * H * N * D2 * torch.empty((), dtype=dtype).element_size(), dtype=torch.int8
-    )
-    if layout == "NHD":
-        return raw, raw.view(dtype).view(B, N, H, D2).permute(0, 2, 1, 3)
-    return raw, raw.view(dtype).view(B, H, N, D2)
-
-
-def byte_addresses(t: torch.Tensor) -> torch.Tensor:
-    """Storage byte address of every byte of ``t``: shape ``t.shape + (element_size,)``."""
-    e = t.element_size()
-    addr = torch.full((), t.storage_offset() * e, dtype=torch.int64)
-    for d, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True)):
-        shape = [1] * t.dim()
-        shape[d] = n
-        addr = addr + (torch.arange(n, dtype=torch.int64) * s * e).view(shape)
-    return addr.unsqueeze(-1) + torch.arange(e, dtype=torch.int64)
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-
-
-def logical_block_addresses(tensors, b, *, block_dim=0, ratio=1):
-    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-    a = (
-        torch.cat(
-            [byte_addresses(t.narrow(block_dim, b * ratio, ratio)).reshape(-1) for t in tensors]
-        )
-        .sort()
-        .values
-    )
-    assert bool((a[1:] > a[:-1]).all()), "test bug: the logical block overlaps itself"
-    return a
-
-
-def check_pool(pool: PagePool, tensors, *, block_dim=0, ratio=1):
-    """The pool's block b == the logical tensor's block b, for the first, a middle and the last block;
-    and writing block b through the pool changes exactly those bytes."""
-    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-    raw = storage_bytes(tensors[0])
-    g = torch.Generator().manual_seed(1)
-    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g))
-    assert pool.num_blocks == tensors[0].shape[block_dim] // ratio
-    assert pool.kernel_block_ratio == ratio
-    for b in sorted({0, pool.num_blocks // 2, pool.num_blocks - 1}):
-        addr = logical_block_addresses(tensors, b, block_dim=block_dim, ratio=ratio)
-        assert addr.numel() == pool.block_bytes
-        assert torch.equal(pool.block(b), raw[addr]), f"block {b}"
-        # restore a fragment into block b: exactly the logical block's bytes change
-        before = raw.clone()
-        frag = torch.randint(0, 256, (pool.block_bytes,), dtype=torch.uint8, generator=g)
-        restore(frag, [0], pool, [b])
-        expect = before.clone()
-        expect[addr] = frag
-        assert torch.equal(raw, expect)
-        out = torch.full((pool.block_bytes + 3,), 0xA5, dtype=torch.uint8)
-        save(pool, [b], out, [3])
-        assert torch.equal(out[3:], frag)
-
+from xkv.layout import KV_CACHE_LAYOUTS, LayoutError, describe_cache
 
 # ---- vLLM 0.26 / 0.28 ---------------------------------------------------------------------------
 
@@ -306,24 +208,6 @@ def test_errors_name_shape_strides_layout():
         describe_cache(v29_views("LBNHC", 1, 4, 2, 16, 8)[1][0], layout="LHBNC")
 
 
-def test_pagepool_rejects_inconsistent_fields():
-    base = torch.zeros(100, dtype=torch.uint8)
-    with pytest.raises(LayoutError):
-        PagePool(
-            base=base, num_blocks=4, block_bytes=30, block_stride=30, runs=((0, 30),)
-        )  # 120 > 100
-    with pytest.raises(LayoutError):
-        PagePool(base=base, num_blocks=2, block_bytes=31, block_stride=30, runs=((0, 30),))
-    with pytest.raises(LayoutError):
-        PagePool(base=base.float(), num_blocks=1, block_bytes=4, block_stride=4, runs=((0, 4),))
-
-
-def test_overlaps():
-    raw, views = v29_views("BLNHC", L=2, B=4, H=2, N=16, C=64)
-    a, b = (describe_cache(v) for v in views)
-    assert not a.overlaps(b) and a.overlaps(a)
-
-
 # ---- property: random strides of the 5 logical dims -------------------------------------------
 
 
@@ -421,10 +305,3 @@ def test_vllm_allocate_kv_cache_every_layout():
         check_pool(
             describe_cache(caches["a0"], num_blocks=cfg.num_blocks, layout=layout), caches["a0"]
         )
-
-
-def test_kind_is_the_callers_label():
-    _, t = v26_attention(4, 2, 16, 128, layout="NHD")
-    assert describe_cache(t, kind="mla").kind == "mla"
-    with pytest.raises(LayoutError, match="kind"):
-        describe_cache(t, kind="sliding")
