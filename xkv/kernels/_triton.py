@@ -10,21 +10,21 @@ holds bytes so that callers can upload it before the word size is known. A progr
 (several fragments at once, so few programs keep many bytes in flight) and walks row groups
 grid-stride. ``SLICED`` copies only bytes ``[lo, hi)`` of the concatenation of all fragments.
 
-Integer arguments are not specialised (``do_not_specialize``): without it Triton compiles a new
-variant whenever a count happens to be 1 or a multiple of 16, so the first step of a new size
-would compile mid-serving. Alignment is passed explicitly (``WORD``, ``VEC``), so nothing is lost;
-a compiled variant depends on the constexprs and on which pointers are 16-byte aligned (the pool
-and flat buffers are fixed per cache; the tables are laid out so that theirs always are), which
-:mod:`xkv.kernels.warmup` enumerates.
+The integer arguments that change from step to step (counts, ``flat_base``, ``lo``/``hi``) are
+not specialised (``do_not_specialize``): without it Triton compiles a new variant whenever a count
+happens to be 1 or a multiple of 16, so the first step of a new size would compile mid-serving.
+The geometry of a cache (``n_runs``, ``block_stride``, ``block_words``, ``max_run_words``) is fixed
+per pool and stays specialised: its divisibility by 16 lets Triton prove aligned addresses (with
+every integer unspecialised, 4 KiB restores at 4 programs measured 0.61 of the copy engine on the
+H200, against 0.92 before; bench/RESULTS.md "Page mover"). A compiled variant depends on the constexprs, on that geometry and on which
+pointers are 16-byte aligned (the pool and flat buffers are fixed per cache; the tables are laid
+out so that theirs always are), which :mod:`xkv.kernels.warmup` enumerates with the real pools.
 """
 
 import triton
 import triton.language as tl
 
-INT_ARGS = (
-    "n_frag", "n_runs", "n_rows", "n_groups", "block_stride", "block_words", "flat_base", "lo",
-    "hi", "max_run_words",
-)
+INT_ARGS = ("n_frag", "n_rows", "n_groups", "flat_base", "lo", "hi")  # per step; geometry stays
 
 
 @triton.jit(do_not_specialize=INT_ARGS)
