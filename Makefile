@@ -22,8 +22,9 @@ demo: install
 test: install
 	$(HERE) bash scripts/test.sh "$(PY)"
 
-lint: install
+lint: install  # ruff, then the import layering (also a test: tests/test_structure.py)
 	$(VENV)/bin/ruff check xkv xkv_vllm_connector tests bench
+	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 
 matrix:  # vLLM 0.28/0.26/0.33, venvs in ~/.cache/xkv (stamped); `make test` covers 0.29
 	bash scripts/matrix.sh

@@ -13,7 +13,6 @@ import pytest
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytest.importorskip("vllm")
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import vllm_versions as V
+import vllm_harness as V
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from xkv.connector import compat
+from xkv.connector import compat, vllm_specs
 from xkv.connector.config import ConfigError
 
 pytestmark = pytest.mark.vllm
@@ -41,7 +41,8 @@ def run_to_end(sched, worker, caches, bs, max_steps=8):
     for _ in range(max_steps):
         if not sched.requests:
             break
-        outs.append(V.step(sched, worker, caches, bs))
+        so, _, out = V.step_with_worker(sched, worker, caches, bs)
+        outs.append((so, out))
     assert not sched.requests, "request did not finish"
     return outs
 
@@ -56,7 +57,7 @@ def test_store_then_restore_in_fresh_engine(kind, layout, bs, llama_dir, gateway
         assert t.dim() == (4 if compat.features()["generic_kv_views"] else 3)
     else:
         assert t.dim() == 4 and t.shape[1:] == (2, bs, 64)
-    sched.add_request(V.make_request("a", P, block_size=bs))
+    sched.add_request(V.make_request("a", P, block_size=bs, max_tokens=2))
     outs = run_to_end(sched, worker, caches, bs)
     so0, _ = outs[0]
     assert so0.num_scheduled_tokens == {"a": 300}  # nothing stored yet: no hit
@@ -67,8 +68,8 @@ def test_store_then_restore_in_fresh_engine(kind, layout, bs, llama_dir, gateway
 
     # Engine B: empty local cache, poisoned tensors; the connector is the only source of hits.
     sched, worker, caches = engine(kind, layout, bs, llama_dir, gateway_port, ns)
-    sched.add_request(V.make_request("b", P, block_size=bs))
-    so, out = V.step(sched, worker, caches, bs)
+    sched.add_request(V.make_request("b", P, block_size=bs, max_tokens=2))
+    so, _, out = V.step_with_worker(sched, worker, caches, bs)
     assert so.num_scheduled_tokens == {"b": 300 - 256}
     if compat.features()["sync_load_flag"]:
         assert so.has_sync_kv_loads  # 29+: start_load_kv runs before this step's forward
@@ -90,7 +91,7 @@ def test_salted_block_hash_scheme_matches_probe():
     from vllm.v1.core import kv_cache_utils as ku
 
     bs = 16
-    r = V.make_request("h", P[:32], block_size=bs, salt="tenant-a")
+    r = V.make_request("h", P[:32], block_size=bs, salt="tenant-a", max_tokens=2)
     toks = tuple(P[:bs])
     untagged = sha256((ku.NONE_HASH, toks, ("tenant-a",)))
     tagged = sha256((ku.NONE_HASH, toks, (("cache_salt", "tenant-a"),)))
@@ -171,7 +172,7 @@ def test_fingerprint_record(llama_dir):
     kvc = V.make_kv_cache_config("attention", block_size=32, num_blocks=8)
     V.allocate(kvc, "attention", layout=V.layout_name("NHD"))
     vc = V.make_vllm_config(llama_dir, block_size=32)
-    reg = build_registry(compat.cache_groups(kvc), tp_size=1, pp_size=1, chunk_size=64,
+    reg = build_registry(vllm_specs.cache_groups(kvc), tp_size=1, pp_size=1, chunk_size=64,
                          slot_alignment=4096)
     fields = compat.fingerprint_fields(vc, kvc, reg.groups[0])
     assert fields["hash_scheme"] == compat.block_hash_scheme()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import vllm
-import vllm_versions as V
+import vllm_harness as V
 
 from xkv.connector import compat
 from xkv.kernels import pack, unpack

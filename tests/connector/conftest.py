@@ -14,9 +14,9 @@ def fake_gateway(monkeypatch):
     from connector_fakes import FakeGateway
 
     gw = FakeGateway()
-    import xkv.connector.facade as facade
+    import xkv.connector.setup as setup
 
-    monkeypatch.setattr(facade, "_gateway_factory", lambda cfg, timeout_s: gw.client)
+    monkeypatch.setattr(setup, "gateway_factory", lambda cfg, timeout_s: gw.client)
     return gw
 
 

@@ -59,6 +59,17 @@ class FakeGateway:
     def client(self) -> FakeClient:
         return FakeClient(self)
 
+    def restart(self) -> None:
+        """A new gateway process on the same port: new epoch, empty index and card."""
+        self.epoch += 1
+        self.card[:] = bytes(len(self.card))
+        self.layouts.clear()
+        self.objects.clear()
+        self.gens.clear()
+        self.leases.clear()
+        self._next_slot, self._next_id = 0, 1
+        self.dead = False
+
     def _check(self, name, *args):
         if self.dead:
             raise GatewayUnavailable(f"fake gateway dead ({name})")
@@ -150,6 +161,10 @@ class FakeClient:
     def release(self, lease_id):
         self.gw._check("release", lease_id)
         return int(self.gw.leases.pop(lease_id, None) is not None)
+
+    def ping(self, *, timeout_s=None):
+        self.gw._check("ping")
+        return LayoutInfo(0, 0, self.gw.epoch)  # only .epoch is read
 
     def map_card(self):
         self.gw._check("card")

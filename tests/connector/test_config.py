@@ -11,8 +11,8 @@ def test_defaults():
     c = ConnectorConfig.from_extra({}, ENV)
     assert c.xkv_gateway_port == 5557 and c.slot_alignment_bytes == 4096
     assert c.gateway_host == "localhost" and c.key_namespace == "default"
-    assert c.nvlink_fanout is False and c.nvlink_fanout_groups == "auto"
-    assert c.nvlink_fanout_min_layer_bytes == 4 << 20
+    assert c.fanout.enabled is False and c.fanout.groups == "auto"
+    assert c.fanout.min_layer_bytes == 4 << 20
     assert c.resolve_chunk_size(32) == 256 and c.resolve_chunk_size(16) == 256
     assert c.resolve_chunk_size(96) == 192 and c.resolve_chunk_size(288) == 288
 
@@ -55,7 +55,7 @@ def test_bad_values(extra, needle):
 def test_fanout_groups_explicit():
     c = ConnectorConfig.from_extra({"nvlink_fanout": True,
                                     "nvlink_fanout_groups": [[0, 1], [2, 3]]}, ENV)
-    assert c.nvlink_fanout_groups == ((0, 1), (2, 3))
+    assert c.fanout.groups == ((0, 1), (2, 3))
     c.check_fanout_groups(4)
     with pytest.raises(ConfigError, match="do not exist"):
         c.check_fanout_groups(2)

@@ -5,7 +5,7 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-H = pytest.importorskip("connector_harness")
+H = pytest.importorskip("vllm_harness")
 
 
 def test_register_is_idempotent_and_resolves_by_name():
@@ -33,9 +33,9 @@ def test_scheduler_role_by_name_without_module_path(fake_gateway, llama_dir):
     import xkv_vllm_connector
 
     xkv_vllm_connector.register()
-    vc = H.make_vllm_config(llama_dir, extra={"chunk_size": 64})
+    vc = H.make_vllm_config(llama_dir, policy="recompute", extra={"chunk_size": 64})
     vc.kv_transfer_config.kv_connector_module_path = None
-    s = H.make_scheduler(vc, H.make_kv_cache_config())
+    s = H.make_scheduler(vc, H.attention_cache_config())
     assert type(s.connector).__name__ == "FusIOnXConnector"
     assert s.connector._scheduler is not None and s.connector._worker is None
 
@@ -44,8 +44,8 @@ def test_cache_nobody_writes_refused(fake_gateway, llama_dir):
     # (Mamba state groups are stored since issue 5: tests/hybrid; a sliding-window group is not)
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
-    vc = H.make_vllm_config(llama_dir)
-    kcfg = H.make_kv_cache_config()
+    vc = H.make_vllm_config(llama_dir, policy="recompute")
+    kcfg = H.attention_cache_config()
     kcfg.kv_cache_groups.append(KVCacheGroupSpec(
         ["model.layers.2.self_attn"],
         SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,

@@ -47,17 +47,17 @@ class _Warnings(logging.Handler):
 @pytest.mark.parametrize("case", ["attention_only", "mla_tp1"])
 def test_ineligible_model_restores_as_before_with_one_warning(fake_gateway, llama_dir,
                                                               monkeypatch, case):
-    import xkv.fanout
+    from xkv.connector import vllm_specs
     from xkv.fanout import Reason, eligibility
 
-    H = pytest.importorskip("connector_harness")
-    real = xkv.fanout.facts_from_vllm
+    H = pytest.importorskip("vllm_harness")
+    real = vllm_specs.fanout_facts
 
     def facts(*a, **kw):  # a CUDA machine; the tiny llama config plays an MLA model for mla_tp1
         f = real(*a, **{**kw, "cuda": True})
         return dataclasses.replace(f, use_mla=True) if case == "mla_tp1" else f
 
-    monkeypatch.setattr(xkv.fanout, "facts_from_vllm", facts)
+    monkeypatch.setattr(vllm_specs, "fanout_facts", facts)
     eligibility._reset_report_for_tests()
     warns = _Warnings()
     logging.getLogger("xkv").addHandler(warns)
@@ -67,13 +67,13 @@ def test_ineligible_model_restores_as_before_with_one_warning(fake_gateway, llam
         layout = "LBNHC" if mla else "LBHNC"
         engines = []
         for _ in range(2):
-            vc = H.make_vllm_config(llama_dir, block_size=bs,
+            vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=bs,
                                     extra={"chunk_size": chunk, "nvlink_fanout": True,
                                            "nvlink_fanout_min_layer_bytes": 0})
-            kc = H.make_kv_cache_config(block_size=bs, mla=mla)
+            kc = H.attention_cache_config(block_size=bs, mla=mla)
             kc.kv_cache_layout = layout
             sched = H.make_scheduler(vc, kc)
-            wk, caches = H.make_worker(vc, H.make_kv_cache_config(block_size=bs, mla=mla),
+            wk, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=bs, mla=mla),
                                        layout=layout)
             assert wk._worker.restorer is None
             engines.append((sched, wk, caches))

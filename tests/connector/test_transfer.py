@@ -1,4 +1,5 @@
-"""The transfer handlers' byte-exact check (``verify_restores``) and the CUDA handler's streams.
+"""transfer.py: the handlers' byte-exact check (``verify_restores``) and the CUDA handler's
+streams (moved from tests/gpu: CPU tests beside the ``gpu`` one); ``xkv.layout.contiguous_runs``.
 
 CPU tests run the SyncTransferHandler on an NHD-strided FLASH_ATTN-shaped cache (vLLM 0.26's
 ``(B, H, N, 2D)`` view of ``[B, N, H, 2D]`` memory); the ``gpu`` test runs CudaTransferHandler on
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from xkv.connector import transfer
 from xkv.layout import describe_cache
@@ -101,3 +104,28 @@ def test_cuda_handler_restore_save_verified():
     h.save_layer("l0", pool, ids[:1], card, offs[:1])  # save writes the flipped byte: matches
     h.flush_saves()
     assert h.verifier.mismatched["save"] == 0
+
+
+# ---------------------------------------------------------------- contiguous runs (xkv.layout)
+def _runs_oracle(offs, step):
+    out = []
+    for i, o in enumerate(offs):
+        if out and o == out[-1][2] + out[-1][1] * step:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1, o])
+    return [tuple(r) for r in out]
+
+
+@given(st.lists(st.integers(0, 40), max_size=30), st.integers(1, 5))
+def test_contiguous_runs_match_a_plain_scan(steps, step):
+    from xkv.layout import contiguous_runs
+
+    offs, o = [], 0
+    for s in steps:  # 0 repeats an offset, step continues a run, anything else breaks it
+        o += s
+        offs.append(o)
+    want = _runs_oracle(offs, step)
+    assert contiguous_runs(offs, step) == want
+    assert contiguous_runs(torch.tensor(offs, dtype=torch.int64), step) == want
+    assert sum(n for _, n, _ in want) == len(offs)

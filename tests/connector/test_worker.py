@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-H = pytest.importorskip("connector_harness")
+H = pytest.importorskip("vllm_harness")
 
 CHUNK = 64
 
@@ -23,12 +23,12 @@ def _prompt(n, base=10):
 
 def _engine(llama_dir, *, mla=False, extra=None, layout=None):
     bs = 16 if mla else 32
-    vc = H.make_vllm_config(llama_dir, block_size=bs, extra={"chunk_size": CHUNK, **(extra or {})})
+    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=bs, extra={"chunk_size": CHUNK, **(extra or {})})
     layout = layout or ("LBNHC" if mla else "LBHNC")  # what vLLM's CPU backends resolve
-    kcfg = H.make_kv_cache_config(block_size=bs, mla=mla)
+    kcfg = H.attention_cache_config(block_size=bs, mla=mla)
     kcfg.kv_cache_layout = layout
     sched = H.make_scheduler(vc, kcfg)
-    wk, caches = H.make_worker(vc, H.make_kv_cache_config(block_size=bs, mla=mla), layout=layout)
+    wk, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=bs, mla=mla), layout=layout)
     return sched, wk, caches, bs
 
 
@@ -134,7 +134,7 @@ def test_loads_from_another_gateway_are_errors(fake_gateway, llama_dir):
     p = _prompt(300)
     _run(s1, w1, c1, bs, H.make_request("a", p))
     s2, w2, c2, _ = _engine(llama_dir)
-    w2._worker.epoch = 12345  # the worker mapped another gateway process's card
+    w2._worker.session.epoch = 12345  # the worker mapped another gateway process's card
     s2.add_request(H.make_request("b", p))
     so, meta, out = H.step_with_worker(s2, w2, c2, bs)
     assert out.invalid_block_ids == set(meta.loads[0].groups[0].block_ids)

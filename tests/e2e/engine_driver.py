@@ -12,18 +12,30 @@ each test gets a clean environment). Steps:
   ``num_cached_tokens`` per prompt, the gateway's counters before and after, and (``kill_after_s``)
   SIGKILLs the gateway from a timer thread while the batch runs.
 * ``{"op": "reset"}`` — ``reset_prefix_cache()``; ``{"op": "kill_gateway"}``;
+  ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
+  empty card, a new epoch; stopped when the driver ends); ``{"op": "sleep", "s": t}``;
   ``{"op": "log_stats"}`` — print vLLM's periodic stats line now.
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
   records the message.
 
-With ``verify`` in the scenario, every restore is checked in-process: after each load the
-destination pages are compared with the card bytes they came from, and after each save the card
-bytes with the source pages (bit-exact), so E2's restored pages equal E1's computed ones.
+Extra-config keys for the driver only (removed before the engine sees them):
+``xkv_test_prefix_caching: false`` builds the engine without prefix caching,
+``xkv_test_max_batched: n`` with ``max_num_batched_tokens=n``; a prompt's
+``"params": {"xkv_test_drop_state": true}`` has its state objects aborted instead of committed
+(its attention chunks are committed), as if dropped on the gateway.
+
+With ``verify`` in the scenario, every copy is checked in-process (:class:`_Checks`): after each
+load the destination pages are compared with the card bytes they came from, and after each save
+the card bytes with the source pages (bit-exact), so E2's restored pages equal E1's computed
+ones; for state groups (one block per object) every restored STATE page is also compared with
+the bytes saved for the same key (sha256 taken at save time), across engines (``state_*``
+counts; ``state_blocks_per_load``: blocks written per state load, boundary + running block).
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -34,47 +46,128 @@ import time
 import torch
 
 
-def _install_verifier(results: dict) -> None:
-    from xkv.connector import worker as W
+class _Checks:
+    """In-process checks through public seams only: ``WorkerSide.bind`` (the step's metadata),
+    the transfer handler the worker gets from ``xkv.connector.setup.make_handler``, and, for
+    ``xkv_test_drop_state``, ``SchedulerSide.update_state_after_alloc`` and the gateway
+    client's ``commit``. Card offsets come from ``GroupPlan.card_offsets`` (the one home of the
+    stored-object layout)."""
 
-    orig_load, orig_save = W.WorkerSide.start_load_kv, W.WorkerSide.save_kv_layer
+    def __init__(self, res: dict) -> None:
+        self.res = res
+        for k in ("state_loads_checked", "state_loads_equal", "state_loads_match_saved",
+                  "state_saves_checked", "state_saves_equal"):
+            res[k] = 0
+        res["state_blocks_per_load"] = []
+        self.saved: dict[bytes, str] = {}  # state key + group + layer -> sha256 of the saved page
+        self.where: dict[str, dict[int, tuple[bytes, bool]]] = {"load": {}, "save": {}}
+        self.drop_reqs: set[str] = set()
+        self.drop_keys: set[tuple[int, bytes]] = set()  # (layout id, key) aborted, not committed
 
-    def _pages(self, jobs, layer_filter=None):
-        for job in jobs:
-            for gt in job.groups:
-                plan = self.registry.groups[gt.group]
-                shard = plan.shard_of(self.tp_rank)
-                k, bb = plan.blocks_per_chunk, plan.group.block_bytes
-                for li, name in enumerate(plan.group.layer_names):
-                    if layer_filter is not None and name != layer_filter:
-                        continue
-                    pool = self.pools[name]
-                    for b, c, j in zip(gt.block_ids, gt.chunk_of, gt.block_in_chunk, strict=True):
-                        off = gt.chunks[c].offsets[shard] + (li * k + j) * bb
-                        yield pool.block(b), self.card[off : off + bb]
+    def bind(self, worker, meta) -> None:
+        """Where every block of this step's loads and saves lives: card offset -> (key, state?)."""
+        reg = worker.registry
+        for kind, jobs in (("load", meta.loads), ("save", meta.saves)):
+            where = self.where[kind] = {}
+            for job in jobs:
+                for gt in job.groups:
+                    plan = reg.groups[gt.group]
+                    if kind == "load" and plan.is_state:
+                        self.res["state_blocks_per_load"].append(len(gt.block_ids))
+                    if kind == "save" and plan.is_state and job.req_id in self.drop_reqs:
+                        self.drop_keys.update((worker.layout_ids[gt.group], c.key)
+                                              for c in gt.chunks)
+                    for li in range(len(plan.group.layer_names)):
+                        offs = plan.card_offsets(worker.tp_rank, [gt], layer=li)
+                        for off, c in zip(offs, gt.chunk_of, strict=True):
+                            where[off] = (gt.chunks[c].key + bytes([gt.group, li]), plan.is_state)
 
-    def load(self):
-        orig_load(self)
-        meta = self._meta
-        if meta is None or not meta.loads or self.card is None:
-            return
-        self.handler.sync_loads()
-        for page, card in _pages(self, meta.loads):
-            results["loads_checked"] += 1
-            results["loads_equal"] += int(torch.equal(page, card))
+    def compare(self, kind: str, card, offsets, pool, block_ids) -> None:
+        """Every block of one layer copy: its page against its card bytes (after the copy)."""
+        r = self.res
+        for off, b in zip(offsets.tolist(), block_ids.tolist(), strict=True):
+            page = pool.block(b)
+            eq = int(torch.equal(page, card[off:off + pool.block_bytes]))
+            r[f"{kind}s_checked"] += 1
+            r[f"{kind}s_equal"] += eq
+            key, state = self.where[kind].get(off, (None, False))
+            if not state:
+                continue
+            r[f"state_{kind}s_checked"] += 1
+            r[f"state_{kind}s_equal"] += eq
+            sha = hashlib.sha256(page.cpu().numpy().tobytes()).hexdigest()
+            if kind == "save":
+                self.saved[key] = sha
+            else:
+                r["state_loads_match_saved"] += int(self.saved.get(key) == sha)
 
-    def save(self, layer_name):
-        orig_save(self, layer_name)
-        meta = self._meta
-        if meta is None or not meta.saves or self.card is None or self.turned_off:
-            return
-        self.handler.flush_saves()
-        for page, card in _pages(self, meta.saves, layer_name):
-            results["saves_checked"] += 1
-            results["saves_equal"] += int(torch.equal(page, card))
 
-    W.WorkerSide.start_load_kv = load
-    W.WorkerSide.save_kv_layer = save
+def _install_checks(res: dict) -> None:
+    from xkv.connector import setup
+    from xkv.connector.scheduler import SchedulerSide
+    from xkv.connector.worker import WorkerSide
+    from xkv.gateway.client import GatewayClient
+
+    checks = _Checks(res)
+    bind, admit, commit = WorkerSide.bind, SchedulerSide.update_state_after_alloc, GatewayClient.commit
+    make_handler = setup.make_handler
+
+    def checked_bind(self, meta):
+        checks.bind(self, meta)
+        bind(self, meta)
+
+    def checked_admit(self, request, block_ids, num_external_tokens):
+        if (getattr(request, "kv_transfer_params", None) or {}).get("xkv_test_drop_state"):
+            checks.drop_reqs.add(request.request_id)
+        admit(self, request, block_ids, num_external_tokens)
+
+    def dropping_commit(self, layout_id, shard, keys, **kw):
+        drop = [k for k in keys if (layout_id, k) in checks.drop_keys]
+        if drop:  # as if the state object were dropped on the gateway: never visible
+            self.abort(layout_id, shard, drop, **kw)
+        keep = [k for k in keys if (layout_id, k) not in checks.drop_keys]
+        return commit(self, layout_id, shard, keep, **kw) if keep else 0
+
+    def checked_handler(device, verify=False):
+        return _CheckedHandler(make_handler(device, verify=verify), checks)
+
+    WorkerSide.bind = checked_bind
+    SchedulerSide.update_state_after_alloc = checked_admit
+    GatewayClient.commit = dropping_commit
+    setup.make_handler = checked_handler
+
+
+class _CheckedHandler:
+    """A transfer handler that checks each copy once it is done and before the forward can
+    change the pages: a layer's loads when the worker waits for that layer (state layers: inside
+    ``start_load_kv``; the forward updates a running state block in place), the rest when the
+    loads are synced; each save right after it was issued (CPU engine: inline copies)."""
+
+    def __init__(self, inner, checks: _Checks) -> None:
+        self.inner, self.checks, self.loads = inner, checks, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load_layer(self, name, card, offsets, pool, block_ids):
+        self.inner.load_layer(name, card, offsets, pool, block_ids)
+        self.loads.setdefault(name, []).append((card, offsets.clone(), pool, block_ids.clone()))
+
+    def wait_layer(self, name):
+        self.inner.wait_layer(name)
+        for args in self.loads.pop(name, ()):
+            self.checks.compare("load", *args)
+
+    def sync_loads(self):
+        self.inner.sync_loads()
+        for name in list(self.loads):
+            for args in self.loads.pop(name):
+                self.checks.compare("load", *args)
+
+    def save_layer(self, name, pool, block_ids, card, offsets):
+        self.inner.save_layer(name, pool, block_ids, card, offsets)
+        self.inner.flush_saves()
+        self.checks.compare("save", card, offsets, pool, block_ids)
 
 
 def _gateway_stats(port):
@@ -92,9 +185,11 @@ def _build(sc, step):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = {}
+    extra = {"xkv_gateway_port": sc["port"], **sc.get("extra", {}), **step.get("extra", {})}
+    kw = {"enable_prefix_caching": extra.pop("xkv_test_prefix_caching", True)}
+    if "xkv_test_max_batched" in extra:  # a small chunked-prefill budget: several steps
+        kw["max_num_batched_tokens"] = extra.pop("xkv_test_max_batched")
     if step.get("connector", True):
-        extra = {"xkv_gateway_port": sc["port"], **sc.get("extra", {}), **step.get("extra", {})}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="FusIOnXConnector",
             kv_connector_module_path="xkv_vllm_connector.fusionx_connector",
@@ -103,8 +198,7 @@ def _build(sc, step):
             kv_load_failure_policy="recompute",
         )
     return LLM(model=sc["model"], dtype=sc["dtype"], block_size=sc["block_size"],
-               max_model_len=1024, enable_prefix_caching=True, enforce_eager=True, seed=0,
-               disable_log_stats=False, **kw)
+               max_model_len=1024, enforce_eager=True, seed=0, disable_log_stats=False, **kw)
 
 
 def _drop(llm) -> None:
@@ -123,10 +217,11 @@ def main(scenario_path: str, result_path: str) -> None:
     res: dict = {"runs": [], "errors": [], "loads_checked": 0, "loads_equal": 0,
                  "saves_checked": 0, "saves_equal": 0, "timings": []}
     if sc.get("verify"):
-        _install_verifier(res)
+        _install_checks(res)
     from vllm import SamplingParams
 
     llm = None
+    restarted: list = []  # gateways this driver started (stopped at the end)
     for step in sc["steps"]:
         op = step["op"]
         if op == "engine":
@@ -171,6 +266,16 @@ def main(scenario_path: str, result_path: str) -> None:
         elif op == "kill_gateway":
             os.kill(sc["gateway_pid"], signal.SIGKILL)
             time.sleep(0.2)
+        elif op == "restart_gateway":  # SIGKILL, then a new gateway process on the same port
+            from xkv.gateway.testing import spawn_gateway
+
+            os.kill(sc["gateway_pid"], signal.SIGKILL)
+            time.sleep(0.2)
+            proc, _ = spawn_gateway(step.get("capacity", "256M"), port=sc["port"])
+            restarted.append(proc)
+            sc["gateway_pid"] = proc.pid
+        elif op == "sleep":  # let wall-clock time pass (the connector's re-probe back-off)
+            time.sleep(step["s"])
         elif op == "log_stats":
             llm.llm_engine.do_log_stats()
         elif op == "expect_error":
@@ -195,6 +300,10 @@ def main(scenario_path: str, result_path: str) -> None:
         with open(result_path, "w") as f:
             json.dump(res, f)
     _drop(llm)
+    from xkv.gateway.testing import stop_gateway
+
+    for proc in restarted:
+        stop_gateway(proc)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip vLLM's slow interpreter teardown

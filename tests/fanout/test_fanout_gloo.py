@@ -160,9 +160,13 @@ def _refusal_worker(rank, world, init_file, q):
         nv = {"nvswitch": nvswitch(world), "bridged": bridged(world), "none": FakeNvml(world),
               "error": FakeNvml(world, [(0, 1)], fail="p2p")}[topo]
         # every rank learns the same partition, decided by TP rank 0 from the UUIDs (reversed here)
-        a = resolve_groups(cfg, rank, world, nv.uuids[world - 1 - rank], nvml_factory=lambda nv=nv: nv)
+        uuid = nv.uuids[world - 1 - rank]
+        a = resolve_groups(cfg, rank, world, uuid, nvml_factory=lambda nv=nv: nv)
+        # the UUID is passed, not found from CUDA_VISIBLE_DEVICES: with it set to "" (or changed
+        # by an earlier test in the process that started the fork server) every rank's GPU was
+        # "unknown", nobody's NVLink peer, and the refusal read NO_NVLINK instead of MEMORY
         restorer, decision = build_restorer(cfg, facts, rank, world, torch.device("cuda", rank),
-                                            nvml_factory=lambda nv=nv: nv)
+                                            nvml_factory=lambda nv=nv: nv, gpu_uuid=uuid)
         for _ in range(3):  # later decisions in the same process log nothing more
             report(decide(cfg, CacheFacts(use_mla=False, tp_size=world)))
         # the restore then runs exactly as without fan-out

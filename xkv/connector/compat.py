@@ -1,12 +1,14 @@
 """Everything that depends on the installed vLLM, decided by feature detection (never versions).
 
-The façade and this module are the only ones that import vLLM, always lazily (inside functions),
-so ``import xkv.connector.compat`` stays cheap: vLLM imports the connector class in its API
-process and config code too.
+The façade, this module and ``vllm_specs`` (the KV cache spec readers) are the only ones that
+import vLLM, always lazily (inside functions), so ``import xkv.connector.compat`` stays cheap:
+vLLM imports the connector class in its API process and config code too. Every read of a vLLM
+object the connector makes is here or in ``vllm_specs`` (optional ``SchedulerOutput`` fields:
+:func:`scheduled_blocks`).
 
 One code base runs on vLLM 0.26, 0.28, 0.29 and 0.33. Every difference the connector cares about
-is one probe in :func:`features` (notes/vllm-connector-api.md §10.6/§11); callers ask for the
-capability, never for a version string. What each probe means for xkv:
+is one probe in :func:`features` (listed below; docs/supported-models.md has the versions); callers ask for
+the capability, never for a version string. What each probe means for xkv:
 
 * ``cross_layer_api`` (26/28): we never set ``prefer_cross_layer_blocks``, so vLLM still calls
   ``register_kv_caches`` with per-layer tensors.
@@ -36,12 +38,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from xkv.connector.config import ConfigError
-from xkv.connector.registry import CacheGroup
 
 
 @functools.cache
 def features() -> dict[str, bool]:
-    """Probes of the installed vLLM (see notes/vllm-connector-api.md §10.6)."""
+    """Probes of the installed vLLM, by capability (what each means: the module docstring)."""
     import importlib.util
 
     from vllm.distributed.kv_transfer.kv_connector.v1 import base as b
@@ -189,49 +190,6 @@ def layout_hint(layout: str | None) -> str:
             "vLLM process so the scheduler and the workers agree")
 
 
-def _kind(spec: Any) -> str:
-    """Our name for a KV cache spec: "attention" | "mla" | another (refused by the registry)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    t = type(spec)
-    if t is MLAAttentionSpec:
-        return "mla"
-    if t is FullAttentionSpec and getattr(spec, "attention_chunk_size", None) is None:
-        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
-        # blocks all exist, so its pages are complete and storable like any other.
-        return "attention"
-    return t.__name__
-
-
-def _block_bytes(spec: Any) -> int:
-    """Content bytes of one block of one layer (without page padding)."""
-    for attr in ("unpadded_page_size_bytes", "real_page_size_bytes", "page_size_bytes"):
-        v = getattr(spec, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    raise ValueError(f"xkv: cannot tell the page size of KV cache spec {spec!r}")
-
-
-def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
-    """Neutral rows for every transferable KV cache group, with vLLM's group index."""
-    out = []
-    for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        if not getattr(g, "enable_kv_transfer", True):
-            continue
-        spec = g.kv_cache_spec
-        out.append(
-            CacheGroup(
-                index=i,
-                kind=_kind(spec),
-                layer_names=tuple(g.layer_names),
-                block_size=int(spec.block_size),
-                block_bytes=_block_bytes(spec),
-                spec=type(spec).__name__,
-            )
-        )
-    return out
-
-
 def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     """Tokens per entry of ``request.block_hashes``."""
     hb = getattr(kv_cache_config, "hash_block_size", None)  # 33 stores it
@@ -347,3 +305,44 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         # never trusted, even where the fields above happen to agree (e.g. 0.26 and 0.28).
         "vllm_features": sorted(k for k, v in f.items() if v),
     }
+
+
+def scheduled_blocks(so: Any) -> list[tuple[str, int, Any, bool]]:
+    """Every request scheduled in ``so`` (vLLM's ``SchedulerOutput``, duck-typed):
+    ``(request id, tokens computed before this step, block ids per group or None, replace)``.
+
+    ``replace``: the block lists replace the request's (a new or resumed request, or vLLM's
+    authoritative table) rather than extend them. Optional fields: ``kv_connector_block_state``
+    (its ``block_ids`` table, position-indexed state lists, wins where present) and
+    ``scheduled_cached_reqs.resumed_req_ids`` (a resumed request gets a new table).
+    """
+    snapshot = getattr(getattr(so, "kv_connector_block_state", None), "block_ids", None) or {}
+    out = [(new.req_id, new.num_computed_tokens, snapshot.get(new.req_id, new.block_ids), True)
+           for new in so.scheduled_new_reqs]
+    cached = so.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", set()) or set()
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id in snapshot:
+            out.append((req_id, cached.num_computed_tokens[i], snapshot[req_id], True))
+        else:
+            out.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
+                        req_id in resumed))
+    return out
+
+
+def request_opted_out(request: Any) -> bool:
+    """``kv_transfer_params: {"xkv_store": false}`` keeps a request off the card entirely.
+
+    Anything but an absent key or ``True`` counts as opting out: an unexpected value can only
+    reduce caching, never widen it.
+    """
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or "xkv_store" not in params:
+        return False
+    return params["xkv_store"] is not True
+
+
+def skips_prefix_read(request: Any) -> bool:
+    """The request asked vLLM not to read any prefix cache (``skip_reading_prefix_cache``,
+    where this vLLM has it): the connector offers no hit either."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# One source for the fan-out defaults: xkv.fanout validates the same keys at run time.
-from xkv.fanout.config import DEFAULT_MIN_LAYER_BYTES, DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
-
-MiB = 1 << 20
+# The nvlink_fanout* keys are validated by xkv.fanout alone; ConnectorConfig holds the result.
+from xkv.fanout.config import KEYS as FANOUT_KEYS
+from xkv.fanout.config import FanoutConfig, FanoutConfigError
 
 #: The gateway's control port also is vLLM's KV-events publisher default (tcp://*:5557).
 DEFAULT_GATEWAY_PORT = 5557
+#: Host of the gateway when ``XKV_GATEWAY_HOSTNAME`` is unset.
+DEFAULT_GATEWAY_HOST = "localhost"
 #: chunk_size when the key is absent: the largest multiple of the block size not above this.
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -39,7 +40,8 @@ class Option:
     help: str
 
 
-#: name -> (default, accepted types, meaning). Order = order in docs/configuration.md.
+#: name -> (default, accepted types, meaning). Order = order in docs/configuration.md. The
+#: ``nvlink_fanout*`` keys (``FANOUT_KEYS``) are ``xkv.fanout.FanoutConfig``'s.
 OPTIONS: dict[str, Option] = {
     "xkv_gateway_port": Option(DEFAULT_GATEWAY_PORT, (int,), "gateway control port (TCP)"),
     "chunk_size": Option(None, (int,), "tokens per stored object; multiple of the block size"),
@@ -48,11 +50,8 @@ OPTIONS: dict[str, Option] = {
     "key_namespace": Option("default", (str,), "separates deployments sharing one gateway"),
     "lookup_timeout_ms": Option(50.0, (int, float), "deadline of one LOOKUP (scheduler)"),
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
-    "nvlink_fanout": Option(False, (bool,), "MLA restores fanned out over NVLink"),
-    "nvlink_fanout_groups": Option("auto", (str, list), '"auto" or lists of TP ranks'),
-    "nvlink_fanout_staging_bytes": Option(DEFAULT_STAGING_BYTES, (int,), "per-GPU fan-out staging buffer"),
-    "nvlink_fanout_min_layer_bytes": Option(DEFAULT_MIN_LAYER_BYTES, (int,), "smallest layer restore fanned out"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
+    "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
 }
 
 
@@ -67,12 +66,10 @@ class ConnectorConfig:
     key_namespace: str = "default"
     lookup_timeout_ms: float = 50.0
     gateway_timeout_ms: float = 1000.0
-    nvlink_fanout: bool = False
-    nvlink_fanout_groups: str | tuple[tuple[int, ...], ...] = "auto"
-    nvlink_fanout_staging_bytes: int = DEFAULT_STAGING_BYTES
-    nvlink_fanout_min_layer_bytes: int = DEFAULT_MIN_LAYER_BYTES
     verify_restores: bool = False
-    gateway_host: str = "localhost"
+    reattach: bool = False
+    gateway_host: str = DEFAULT_GATEWAY_HOST
+    fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -83,11 +80,11 @@ class ConnectorConfig:
         env = os.environ if env is None else env
         check_hash_seed(env)
         extra = dict(extra or {})
-        unknown = sorted(k for k in extra if k not in OPTIONS)
+        unknown = sorted(k for k in extra if k not in OPTIONS and k not in FANOUT_KEYS)
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {unknown} for FusIOnXConnector; "
-                f"valid keys: {', '.join(OPTIONS)}"
+                f"valid keys: {', '.join([*OPTIONS, *FANOUT_KEYS])}"
             )
         values: dict[str, Any] = {}
         for name, opt in OPTIONS.items():
@@ -96,11 +93,11 @@ class ConnectorConfig:
                 values[name] = None
                 continue
             values[name] = _check_type(name, value, opt)
-        values["nvlink_fanout_groups"] = _check_groups(values["nvlink_fanout_groups"])
-        host = env.get("XKV_GATEWAY_HOSTNAME", "localhost").strip()
-        if not host:
-            raise ConfigError("XKV_GATEWAY_HOSTNAME is set but empty; unset it or name the host")
-        cfg = cls(**values, gateway_host=host, extra=extra)
+        try:
+            fanout = FanoutConfig.from_extra_config({k: extra[k] for k in FANOUT_KEYS if k in extra})
+        except FanoutConfigError as e:
+            raise ConfigError(str(e)) from e
+        cfg = cls(**values, gateway_host=gateway_host(env), fanout=fanout, extra=extra)
         cfg._check_ranges()
         return cfg
 
@@ -121,16 +118,6 @@ class ConnectorConfig:
             v = getattr(self, name)
             if not 0 < v <= 60_000:
                 raise ConfigError(f"{name}={v}: expected a deadline in (0, 60000] milliseconds")
-        if self.nvlink_fanout_staging_bytes < MIN_STAGING_BYTES:
-            raise ConfigError(
-                f"nvlink_fanout_staging_bytes={self.nvlink_fanout_staging_bytes}: "
-                f"expected at least {MIN_STAGING_BYTES} bytes (two 1 MiB staging slots)"
-            )
-        if self.nvlink_fanout_min_layer_bytes < 0:
-            raise ConfigError(
-                f"nvlink_fanout_min_layer_bytes={self.nvlink_fanout_min_layer_bytes}: "
-                "expected >= 0 bytes"
-            )
 
     def resolve_chunk_size(self, block_size: int) -> int:
         """Tokens per stored object for a scheduler block size (tokens); a multiple of it."""
@@ -146,16 +133,11 @@ class ConnectorConfig:
         return self.chunk_size
 
     def check_fanout_groups(self, tp_size: int) -> None:
-        """Explicit groups must name TP ranks that exist (called once the TP size is known)."""
-        if isinstance(self.nvlink_fanout_groups, str):
-            return
-        for g in self.nvlink_fanout_groups:
-            bad = [r for r in g if r >= tp_size]
-            if bad:
-                raise ConfigError(
-                    f"nvlink_fanout_groups: ranks {bad} do not exist with tensor parallel size "
-                    f"{tp_size} (valid ranks 0..{tp_size - 1})"
-                )
+        """Explicit fan-out groups must name TP ranks that exist (once the TP size is known)."""
+        try:
+            self.fanout.explicit_groups(tp_size)
+        except FanoutConfigError as e:
+            raise ConfigError(str(e)) from e
 
     def check_port_clash(self, kv_events_endpoint: str | None) -> None:
         """vLLM's KV-events publisher binds tcp://*:5557 by default: the same port as the gateway."""
@@ -168,6 +150,16 @@ class ConnectorConfig:
                 f"{self.xkv_gateway_port}, the xkv gateway's control port; move one of them "
                 "(kv_events_config endpoint, or xkv_gateway_port plus xkv-gateway --port)"
             )
+
+
+def gateway_host(env: Mapping[str, str] | None = None) -> str:
+    """The gateway's host: ``XKV_GATEWAY_HOSTNAME``, else ``DEFAULT_GATEWAY_HOST``. The one place
+    the connector reads it; an empty or blank value is an error, not the default."""
+    env = os.environ if env is None else env
+    host = env.get("XKV_GATEWAY_HOSTNAME", DEFAULT_GATEWAY_HOST).strip()
+    if not host:
+        raise ConfigError("XKV_GATEWAY_HOSTNAME is set but empty; unset it or name the host")
+    return host
 
 
 def check_hash_seed(env: Mapping[str, str]) -> None:
@@ -194,31 +186,3 @@ def _check_type(name: str, value: Any, opt: Option) -> Any:
             f"expected {expected} ({opt.help})"
         )
     return float(value) if float in opt.types and not isinstance(value, bool) else value
-
-
-def _check_groups(value: Any) -> str | tuple[tuple[int, ...], ...]:
-    if isinstance(value, str):
-        if value != "auto":
-            raise ConfigError(
-                f'nvlink_fanout_groups={value!r}: expected "auto" or a list of lists of TP ranks'
-            )
-        return value
-    groups: list[tuple[int, ...]] = []
-    seen: set[int] = set()
-    for g in value:
-        if not isinstance(g, (list, tuple)) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in g
-        ):
-            raise ConfigError(
-                f"nvlink_fanout_groups entry {g!r}: expected a list of TP ranks (ints >= 0)"
-            )
-        if len(g) < 2:
-            raise ConfigError(f"nvlink_fanout_groups entry {list(g)}: a group needs >= 2 ranks")
-        dup = seen.intersection(g) | {r for r in g if list(g).count(r) > 1}
-        if dup:
-            raise ConfigError(f"nvlink_fanout_groups: rank(s) {sorted(dup)} appear more than once")
-        seen.update(g)
-        groups.append(tuple(g))
-    if not groups:
-        raise ConfigError('nvlink_fanout_groups=[]: expected "auto" or at least one group')
-    return tuple(groups)

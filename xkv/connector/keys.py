@@ -1,6 +1,6 @@
 """Keys on the card: a layout fingerprint per cache group, and one key per chunk.
 
-Decision 2 of the notes: keys come from vLLM's block hashes only (they already carry cache_salt,
+Keys come from vLLM's block hashes only (they already carry cache_salt,
 LoRA and multimodal hashes); we never hash tokens. A stored object is identified by
 ``(key_namespace, fingerprint(group), chunk key)``: the namespace and fingerprint are bound once
 per gateway connection by ``register_layout`` (the gateway keeps them apart), and the chunk key is

@@ -11,7 +11,9 @@ and is layer-major: layer ``l``, block ``j`` of the chunk at ``offset + (l * k +
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,12 @@ class ChunkRef:
     key: bytes
     offsets: tuple[int, ...]
     generations: tuple[int, ...]
+
+    @classmethod
+    def at(cls, key: bytes, where: Any) -> ChunkRef:
+        """``key`` stored where the gateway said: ``where`` has per-shard ``offsets`` and
+        ``generations`` (a LOOKUP's ``ChunkSlots``, a RESERVE's ``Reservation``)."""
+        return cls(bytes(key), tuple(where.offsets), tuple(where.generations))
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,23 @@ class GroupTransfer:
             raise ValueError(f"GroupTransfer(group={self.group}): chunk index out of range")
 
 
+def load_transfer(group: int, ids: Sequence[int], first: int, last: int, blocks_per_chunk: int,
+                  chunk_ref: Callable[[int], ChunkRef]) -> GroupTransfer:
+    """Load of blocks ``[first, last)`` of one group's block list ``ids`` (scheduler blocks of
+    the request); block ``i`` is block ``i % k`` of chunk ``i // k``, whose object is
+    ``chunk_ref(chunk)``."""
+    k = blocks_per_chunk
+    used = sorted({i // k for i in range(first, last)})
+    index = {c: n for n, c in enumerate(used)}
+    return GroupTransfer(
+        group=group,
+        block_ids=tuple(ids[first:last]),
+        chunk_of=tuple(index[i // k] for i in range(first, last)),
+        block_in_chunk=tuple(i % k for i in range(first, last)),
+        chunks=tuple(chunk_ref(c) for c in used),
+    )
+
+
 @dataclass(frozen=True)
 class TransferJob:
     """A load (card -> pages) or a save (pages -> card) of one request in one step."""
@@ -72,9 +97,6 @@ class StepMetadata:
     epoch: int = 0
     layout_ids: tuple[int, ...] = ()
     turned_off: bool = False
-
-    def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.turned_off
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Who writes and who reads every KV cache the engine allocated, decided once at start.
 
 compat.py turns vLLM's ``KVCacheConfig`` into ``CacheGroup`` rows (no vLLM types here). For every
-group the registry decides the sharding (decision 3 of the notes):
+group the registry decides the sharding (one stored object = one chunk x one group x one shard,
+all layers of the group, layer-major):
 
 * ``attention`` — heads split by tensor parallelism: one shard per TP rank; rank r writes and
   reads shard r.
@@ -20,7 +21,12 @@ refuses the model at start with ``RegistryError`` naming the group and its layer
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xkv.connector.metadata import GroupTransfer
 
 SHARDED_KINDS = ("attention",)
 REPLICATED_KINDS = ("mla",)
@@ -80,6 +86,21 @@ class GroupPlan:
         a = self.slot_alignment
         return -(-self.shard_bytes // a) * a
 
+    def object_offset(self, layer: int, block: int) -> int:
+        """Bytes from the start of a shard's object to block ``block`` (its index in the object)
+        of layer ``layer``: objects are layer-major, ``(layer * blocks_per_object + block) *
+        block_bytes``. The one home of the stored-object layout (loads, saves, fan-out, tests)."""
+        return (layer * self.blocks_per_object + block) * self.group.block_bytes
+
+    def card_offsets(self, tp_rank: int, transfers: Iterable[GroupTransfer],
+                     layer: int = 0) -> list[int]:
+        """Card byte offset of every block of ``transfers`` (in order) for layer ``layer`` of
+        the shard ``tp_rank`` reads or writes."""
+        shard = self.shard_of(tp_rank)
+        return [gt.chunks[c].offsets[shard] + self.object_offset(layer, j)
+                for gt in transfers
+                for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True)]
+
     def shard_of(self, tp_rank: int) -> int:
         """The shard rank ``tp_rank`` reads (and writes, if it is a writer)."""
         return tp_rank if self.num_shards > 1 else 0
@@ -96,12 +117,9 @@ class Registry:
     @property
     def multi_group(self) -> bool:
         """Several KV cache groups (a hybrid model): vLLM <= 0.29 cannot take block-level load
-        errors for these, so a promised load must never fail (decision 6)."""
+        errors for these, so a promised load must never fail (the scheduler promises only
+        leased data there)."""
         return len(self.groups) > 1
-
-    @property
-    def has_state(self) -> bool:
-        return any(p.is_state for p in self.groups)
 
     @property
     def num_caches(self) -> int:

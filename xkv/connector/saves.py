@@ -1,5 +1,11 @@
-"""Deferred COMMIT of a step's saves: publish a chunk only after its bytes are on the card, without
-blocking the engine's host thread on the save stream.
+"""The save path of a worker rank (:class:`Saver`) and the deferred COMMIT of a step's saves
+(:class:`Committer`): publish a chunk only after its bytes are on the card, without blocking the
+engine's host thread on the save stream.
+
+Per step, ``Saver.save_layer`` copies the layer's pages of the reserved chunks to their slots
+(``save_kv_layer``; state layers, which have no hook, in ``wait_for_save``), and
+``Saver.wait_for_save`` decides commit or abort for every chunk (a chunk with a layer not
+written is aborted), fences the copies and hands the batch to the committer.
 
 vLLM (0.26) calls ``wait_for_save`` after the forward and *before* it launches logits and sampling.
 Blocking the host there on the save stream, then on a COMMIT round trip, lets the GPU run dry
@@ -21,10 +27,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from xkv.connector.metadata import StepMetadata
+from xkv.connector.registry import Registry
+from xkv.connector.session import GatewaySession, SessionOff
+from xkv.connector.stats import ConnectorStats
+from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.gateway.protocol import MAX_KEYS
 
 log = logging.getLogger("xkv.connector")
 
@@ -137,3 +153,178 @@ class Committer:
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
+
+
+class Saver:
+    """Saves of one worker rank (see the module docstring).
+
+    ``pools``/``layer_pos`` (layer -> PagePool, layer -> (group, index in group)) and ``handler``
+    (the transfer handler) are set by the worker once its caches are registered. COMMIT/ABORT go
+    through ``session``; their counters, counted on the committer thread, reach ``stats`` on the
+    engine thread (:meth:`merge_counts`).
+    """
+
+    def __init__(self, registry: Registry, tp_rank: int, session: GatewaySession,
+                 stats: ConnectorStats, handler: Any):
+        self.registry, self.tp_rank, self.session, self.stats = registry, tp_rank, session, stats
+        self.handler = handler
+        self.pools: dict[str, Any] = {}
+        self.layer_pos: dict[str, tuple[int, int]] = {}
+        self._meta: StepMetadata | None = None
+        # the layers written this step per group (every job of a group is saved by one call);
+        # the step whose saves were issued and not yet fenced; whether this step's
+        # wait_for_save ran (vLLM 0.33 calls it every step, and it must act once per step)
+        self._saved: dict[int, set[int]] = {}
+        self._unflushed: StepMetadata | None = None
+        self._flushed = False
+        self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, layer-0 offsets)
+        self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
+        self._counts: Counter = Counter()
+        self._counts_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Fenced batches not yet committed."""
+        return self._committer.pending
+
+    @property
+    def has_unflushed(self) -> bool:
+        """Saves were issued in a step whose ``wait_for_save`` has not run yet."""
+        return self._unflushed is not None
+
+    def bind(self, meta: StepMetadata) -> None:
+        if self._unflushed is not None:
+            # saves issued in a step whose wait_for_save never came: fence and commit them now
+            self._flush(self._unflushed)
+        self._flushed = False
+        self._meta = meta
+        self._plan = {}
+
+    def save_layer(self, layer_name: str) -> None:
+        """Copy ``layer_name``'s pages of this step's reserved chunks to their slots."""
+        meta, card = self._meta, self.session.card
+        if meta is None or not meta.saves or self.session.turned_off or card is None:
+            return
+        pos = self.layer_pos.get(layer_name)
+        if pos is None:
+            return
+        g, layer = pos
+        plan = self.registry.groups[g]
+        if not plan.writes(self.tp_rank) or meta.epoch != self.session.epoch:
+            return
+        t0 = time.perf_counter()
+        if g not in self._plan:
+            transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
+            blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids],
+                                  dtype=torch.int64)
+            base = torch.tensor(plan.card_offsets(self.tp_rank, [gt for _, gt in transfers]),
+                                dtype=torch.int64)
+            self._plan[g] = ([job for job, _ in transfers], blocks, base)
+        jobs, blocks, base = self._plan[g]
+        if not jobs:
+            return
+        offs = base + plan.object_offset(layer, 0)
+        self.handler.save_layer(layer_name, self.pools[layer_name], blocks, card, offs)
+        self._saved.setdefault(g, set()).add(layer)
+        self._unflushed = meta
+        self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)
+        self.stats.add("seconds_saved", time.perf_counter() - t0)
+
+    def wait_for_save(self) -> None:
+        """Fence the step's saves and hand its commits over; never blocks on the save copies.
+
+        Commits are sent once every layer's bytes are on the card: inline on the CPU handler,
+        from the committer thread after the save stream's event on CUDA (vLLM 0.26 calls this
+        before it launches logits and sampling, so a host wait here would idle the GPU)."""
+        meta = self._meta
+        if meta is None or not meta.saves or self._flushed:
+            return
+        self._flushed = True
+        t0 = time.perf_counter()
+        # State layers have no save_kv_layer hook: their end-of-step state is saved here, after
+        # the forward that wrote it.
+        for plan in self.registry.groups:
+            if plan.is_state:
+                for name in plan.group.layer_names:
+                    self.save_layer(name)
+        self._flush(meta)
+        self.stats.add("seconds_saved", time.perf_counter() - t0)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def _flush(self, meta: StepMetadata) -> None:
+        """Decide commit/abort for every save job of ``meta`` (from the layers written), fence
+        the copies and submit the batch. A chunk with a layer not written is aborted."""
+        self._unflushed = None
+        saved, self._saved = self._saved, {}
+        fence = self.handler.fence_saves()  # None: the bytes are on the card already
+        batch = SaveBatch()
+        for job in meta.saves:
+            for gt in job.groups:
+                plan = self.registry.groups[gt.group]
+                if not plan.writes(self.tp_rank):
+                    continue
+                keys = [c.key for c in gt.chunks]
+                complete = len(saved.get(gt.group, ())) == len(plan.group.layer_names)
+                if not complete and keys:
+                    # A layer without a save hook call (CUDA graph replay, a layer vLLM
+                    # skipped): committing would publish bytes that were never written.
+                    log.warning("xkv: request %s group %d: not every layer was saved this step; "
+                                "aborting %d chunk(s)", job.req_id, gt.group, len(keys))
+                batch.add(gt.group, plan.shard_of(self.tp_rank), complete, keys, job.req_id)
+        self._committer.submit(fence, batch)
+
+    def _send(self, batch: SaveBatch) -> None:
+        """COMMIT (or ABORT) every key of ``batch``: one message per group, shard and kind (split
+        at the protocol's key limit). Runs on the committer thread on CUDA."""
+        for (g, shard, ok), jobs in batch.items.items():
+            keys = [k for ks, _ in jobs for k in ks]
+            reqs = ",".join(sorted({r for _, r in jobs}))
+            for i in range(0, len(keys), MAX_KEYS):
+                self._send_one(g, shard, ok, keys[i:i + MAX_KEYS], reqs)
+
+    def _send_one(self, g: int, shard: int, ok: bool, keys: list[bytes], reqs: str) -> None:
+        what = f"{'COMMIT' if ok else 'ABORT'} for request(s) {reqs}"
+        lids = self.session.layout_ids  # () if the session never opened: call() raises first
+        try:
+            if ok:
+                self.session.call(what, lambda c: c.commit(lids[g], shard, keys))
+                self._count("chunks_saved", len(keys))
+            else:
+                self.session.call(what, lambda c: c.abort(lids[g], shard, keys))
+                self._count("save_errors", len(keys))
+        except SessionOff:
+            self._count("save_errors", len(keys))
+        except GatewayUnavailable:  # counted (and maybe turned off) by the session
+            self._count("save_errors", len(keys))
+            self._count("gateway_errors")
+        except GatewayError as e:
+            self._count("save_errors", len(keys))
+            self._count("gateway_errors")
+            log.warning("xkv: %s refused: %s", what, e)
+
+    def _count(self, name: str, value: float = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += value
+
+    def merge_counts(self) -> None:
+        """Move the committer thread's counters into ``stats`` (engine thread)."""
+        with self._counts_lock:
+            counts, self._counts = self._counts, Counter()
+        for name, value in counts.items():
+            self.stats.add(name, value)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every fenced batch was committed (tests, shutdown); False on timeout."""
+        ok = self._committer.drain(timeout_s)
+        self.merge_counts()
+        return ok
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Fence and send what is left; commits waiting on their fence go out before the
+        session closes."""
+        if self._unflushed is not None:
+            self._flush(self._unflushed)
+        self._committer.close(timeout_s=timeout_s)
+        self.merge_counts()

@@ -14,9 +14,10 @@ One request's life (see docs/architecture.md):
 4. Workers report finished loads (``update_connector_output``); the lease is released once every
    rank finished, and in any case when the request finishes.
 
-Failure: ``MAX_FAILURES`` consecutive ``GatewayUnavailable`` (dead, restarted, or deadlines
-missed; a single slow answer only costs that request its hit) turn the connector off for good: zero hits, no
-saves, and ``StepMetadata.turned_off`` tells every worker to turn off too.
+Failure (``session.GatewaySession``): ``MAX_FAILURES`` consecutive calls without an answer
+(dead, restarted, or deadlines missed; a single slow answer only costs that request its hit) turn
+the connector off for good: zero hits, no saves, and ``StepMetadata.turned_off`` tells every
+worker to turn off too.
 """
 
 from __future__ import annotations
@@ -27,37 +28,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from xkv.connector import compat
 from xkv.connector.config import ConnectorConfig
-from xkv.connector.keys import chunk_keys, event_fields
+from xkv.connector.keys import chunk_keys
 from xkv.connector.metadata import (
     ChunkRef,
-    GroupTransfer,
     StepMetadata,
     TransferJob,
     WorkerReport,
+    load_transfer,
 )
 from xkv.connector.registry import Registry
-from xkv.connector.states import add_running_blocks, probe_states, saved_boundary, state_load
+from xkv.connector.reservations import RequestState, SavePlanner
+from xkv.connector.session import GatewaySession, LayoutSpec, SessionOff
+from xkv.connector.states import add_running_blocks, probe_states, state_load
 from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
-
-#: Consecutive failed gateway calls (no reply within the deadline, dead, restarted) after which a
-#: process stops using the external cache until vLLM and the gateway are restarted together.
-MAX_FAILURES = 3
-
-
-def request_opted_out(request: Any) -> bool:
-    """``kv_transfer_params: {"xkv_store": false}`` keeps a request off the card entirely.
-
-    Anything but an absent key or ``True`` counts as opting out: an unexpected value can only
-    reduce caching, never widen it.
-    """
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict) or "xkv_store" not in params:
-        return False
-    return params["xkv_store"] is not True
 
 
 @dataclass
@@ -79,15 +67,6 @@ class _Lookup:
         return [x for x in (self.lease_id, self.state_lease_id) if x is not None]
 
 
-@dataclass
-class _ReqState:
-    request: Any
-    block_ids: list[list[int]]
-    next_save_chunk: int = 0
-    present: set[int] = field(default_factory=set)  # chunks the gateway reported stored
-    lease_ids: set[int] = field(default_factory=set)
-
-
 class SchedulerSide:
     """The scheduler-role half of FusIOnXConnector (one per engine)."""
 
@@ -103,6 +82,9 @@ class SchedulerSide:
         load: bool = True,
         save: bool = True,
     ):
+        """Once off, the session re-probes the gateway with a back-off, at steps with no load
+        pending, and is on again when it answers (``cfg.reattach``: a restarted gateway, another
+        epoch, too; the old one's leases are then forgotten, never released on the new one)."""
         self.cfg = cfg
         self.load, self.save = load, save  # kv_role: consumer loads only, producer saves only
         self.registry = registry
@@ -118,32 +100,37 @@ class SchedulerSide:
         self.hashes_per_chunk = self.chunk_size // hash_block_size
         self.world_size = world_size
         self.stats = ConnectorStats()
-        self.turned_off = False
-        self._failures = 0  # consecutive GatewayUnavailable
         self._lookups: dict[str, _Lookup] = {}
-        self._states: dict[str, _ReqState] = {}
+        self._states: dict[str, RequestState] = {}
         self._pending_loads: list[TransferJob] = []
         self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
         self._loads_done: Counter = Counter()
         self._next_job = 1
-        self.gw = None
-        self.layout_ids: tuple[int, ...] = ()
-        self.epoch = 0
-        try:
-            self.gw = gateway_factory()
-            infos = [
-                self.gw.register_layout(cfg.key_namespace, fp, p.num_shards, p.registered_bytes)
-                for p, fp in zip(registry.groups, fingerprints, strict=True)
-            ]
-            self.layout_ids = tuple(i.layout_id for i in infos)
-            self.epoch = infos[0].epoch
-        except GatewayError as e:  # dead, or refused our layout (e.g. larger than the card)
-            self._turn_off(f"unusable at start: {e}")
+        self.session = GatewaySession(
+            gateway_factory,
+            [LayoutSpec(fp, p.num_shards, p.registered_bytes)
+             for p, fp in zip(registry.groups, fingerprints, strict=True)],
+            namespace=cfg.key_namespace, on_off=self._log_off, reattach=cfg.reattach,
+            on_reattach=self._log_reattach, probe_timeout_s=cfg.lookup_timeout_ms / 1000)
+        self.session.open()  # dead, or refused our layout (e.g. larger than the card): off
+        self._saves = SavePlanner(registry, self.session, self.stats, self.hashes_per_chunk)
+
+    @property
+    def turned_off(self) -> bool:
+        return self.session.turned_off
+
+    @property
+    def layout_ids(self) -> tuple[int, ...]:
+        return self.session.layout_ids
+
+    @property
+    def epoch(self) -> int:
+        return self.session.epoch
 
     # ------------------------------------------------------------------ lookups
 
     def _eligible(self, request: Any) -> bool:
-        if self.turned_off or request_opted_out(request):
+        if self.turned_off or compat.request_opted_out(request):
             return False
         # require_cache_salt: an unsalted request never reaches the gateway (no message at all).
         return bool(getattr(request, "cache_salt", None)) or not self.cfg.require_cache_salt
@@ -153,7 +140,7 @@ class SchedulerSide:
         if (
             not self.load
             or not self._eligible(request)
-            or getattr(request, "skip_reading_prefix_cache", False)
+            or compat.skips_prefix_read(request)
         ):
             return 0
         req_id = request.request_id
@@ -171,30 +158,29 @@ class SchedulerSide:
         if stop <= start:
             return 0
         keys = chunk_keys(request.block_hashes, self.hashes_per_chunk, start, stop)
-        lease = state_lease = None
-        try:
-            res = self.gw.lookup(
-                [(self.layout_ids[g], keys) for g in self._attn],
-                lease=True,
-                timeout_s=self.cfg.lookup_timeout_ms / 1000,
-            )
-            lease = res.lease_id or None  # the gateway answers 0 when it took no lease
+        got: dict[str, Any] = {"lease": None, "state_lease": None, "state_slots": {}}
+        timeout_s = self.cfg.lookup_timeout_ms / 1000
+
+        def ask(gw: Any) -> tuple[Any, int]:
+            res = gw.lookup([(self.layout_ids[g], keys) for g in self._attn], lease=True,
+                            timeout_s=timeout_s)
+            got["lease"] = res.lease_id or None  # the gateway answers 0 when it took no lease
             hits = min(res.num_chunks, stop - start)
-            state_slots: dict[int, Any] = {}
             if self._state and hits:
-                hits, state_lease, state_slots = probe_states(
-                    self.gw, [self.layout_ids[g] for g in self._state], self._state, keys,
-                    hits, self.cfg.lookup_timeout_ms / 1000)
-        except GatewayUnavailable as e:
-            self._release_all(lease, state_lease)
-            self._unavailable(f"LOOKUP failed: {e}")
-            return 0
+                hits, got["state_lease"], got["state_slots"] = probe_states(
+                    gw, [self.layout_ids[g] for g in self._state], self._state, keys, hits,
+                    timeout_s)
+            return res, hits
+
+        try:
+            res, hits = self.session.call(f"LOOKUP for request {req_id}", ask)
         except GatewayError as e:
-            self._release_all(lease, state_lease)
+            self._release_all(got["lease"], got["state_lease"])
             self.stats.add("gateway_errors")
-            log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
+            if not isinstance(e, GatewayUnavailable | SessionOff):
+                log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
             return 0
-        self._failures = 0
+        lease, state_lease, state_slots = got["lease"], got["state_lease"], got["state_slots"]
         self.stats.add("lookups")
         ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
         # vLLM computes at least the last token: when the stored prefix reaches it, restore every
@@ -205,8 +191,8 @@ class SchedulerSide:
             lease is None or (self._state and state_lease is None)
             or (self._state and num_computed_tokens + ext != (start + hits) * self.chunk_size)
         ):
-            # Decision 6: vLLM <= 0.29 cannot take a block load error for a hybrid model, so a
-            # hit is promised only when every byte of it is leased (and, with states, when it
+            # Never a wrong token: vLLM <= 0.29 cannot take a block load error for a hybrid
+            # model, so a hit is promised only when every byte of it is leased (and, with states, when it
             # ends exactly on the stored state's boundary).
             ext = 0
         if ext == 0:
@@ -237,7 +223,7 @@ class SchedulerSide:
         if old:  # re-admitted after preemption: its earlier leases are useless now
             for lease in old.lease_ids:
                 self._release(lease)
-        st = _ReqState(request=request, block_ids=[list(b) for b in block_ids])
+        st = RequestState(request=request, block_ids=[list(b) for b in block_ids])
         self._states[req_id] = st
         if lk is not None:
             st.present.update(range(lk.start, lk.start + lk.hits))
@@ -258,7 +244,7 @@ class SchedulerSide:
             if plan.is_state:
                 c = lk.start + lk.hits - 1
                 cs = lk.state_slots[g]
-                ref = ChunkRef(lk.keys[c - lk.start], tuple(cs.offsets), tuple(cs.generations))
+                ref = ChunkRef.at(lk.keys[c - lk.start], cs)
                 groups.append(state_load(g, ids, lk.local + num_external_tokens, bs, ref, req_id))
                 continue
             first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
@@ -267,25 +253,9 @@ class SchedulerSide:
                     f"xkv: request {req_id} group {g}: {len(ids)} blocks allocated, "
                     f"{last} needed for {lk.local + num_external_tokens} tokens"
                 )
-            chunks_used = sorted({i // k for i in range(first, last)})
-            index = {c: n for n, c in enumerate(chunks_used)}
-            refs = tuple(
-                ChunkRef(
-                    key=lk.keys[c - lk.start],
-                    offsets=tuple(lk.slots[g][c - lk.start].offsets),
-                    generations=tuple(lk.slots[g][c - lk.start].generations),
-                )
-                for c in chunks_used
-            )
-            groups.append(
-                GroupTransfer(
-                    group=g,
-                    block_ids=tuple(ids[first:last]),
-                    chunk_of=tuple(index[i // k] for i in range(first, last)),
-                    block_in_chunk=tuple(i % k for i in range(first, last)),
-                    chunks=refs,
-                )
-            )
+            groups.append(load_transfer(
+                g, ids, first, last, k,
+                lambda c, g=g: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start])))
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
         self._pending_loads.append(job)
         if lk.leases():
@@ -297,33 +267,27 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> StepMetadata:
         """The step's loads and saves. ``so``: vLLM's SchedulerOutput (duck-typed)."""
-        snapshot = getattr(getattr(so, "kv_connector_block_state", None), "block_ids", None) or {}
+        epoch = self.session.epoch
+        if not self._pending_loads and self.session.reattach_due() and self.session.reattach() \
+                and self.session.epoch != epoch:
+            self._forget_leases()
         saves: list[TransferJob] = []
         computed: dict[str, int] = {}  # tokens each request had before this step
-        for new in so.scheduled_new_reqs:
-            st = self._states.get(new.req_id)
-            if st is None:
-                continue
-            computed[new.req_id] = new.num_computed_tokens
-            st.block_ids = [list(b) for b in snapshot.get(new.req_id, new.block_ids)]
-            self._plan_save(st, new.num_computed_tokens, so.num_scheduled_tokens, saves)
-        cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
-        for i, req_id in enumerate(cached.req_ids):
+        for req_id, num_computed, blocks, replace in compat.scheduled_blocks(so):
             st = self._states.get(req_id)
             if st is None:
                 continue
-            computed[req_id] = cached.num_computed_tokens[i]
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                if req_id in resumed:
-                    st.block_ids = [list(b) for b in new_ids]
-                else:
-                    for g, b in enumerate(new_ids):
-                        st.block_ids[g].extend(b)
-            if req_id in snapshot:  # vLLM's authoritative table (position-indexed state lists)
-                st.block_ids = [list(b) for b in snapshot[req_id]]
-            self._plan_save(st, cached.num_computed_tokens[i], so.num_scheduled_tokens, saves)
+            computed[req_id] = num_computed
+            if blocks is not None and replace:
+                st.block_ids = [list(b) for b in blocks]
+            elif blocks is not None:
+                for g, b in enumerate(blocks):
+                    st.block_ids[g].extend(b)
+            if self.save and self._eligible(st.request):
+                job = self._saves.plan(st, num_computed,
+                                       so.num_scheduled_tokens.get(req_id, 0), self._job_id)
+                if job is not None:
+                    saves.append(job)
         loads, self._pending_loads = tuple(self._pending_loads), []
         if self._state:
             loads = tuple(
@@ -340,72 +304,6 @@ class SchedulerSide:
             layout_ids=self.layout_ids,
             turned_off=self.turned_off,
         )
-
-    def _plan_save(
-        self, st: _ReqState, computed: int, scheduled: dict[str, int], out: list[TransferJob]
-    ) -> None:
-        req = st.request
-        if not self.save or not self._eligible(req):
-            return
-        n_sched = scheduled.get(req.request_id, 0)
-        end = min(computed + n_sched, req.num_prompt_tokens)
-        hashed = len(req.block_hashes) // self.hashes_per_chunk
-        c_end = min(end // self.chunk_size, hashed)
-        cands = [c for c in range(st.next_save_chunk, c_end) if c not in st.present]
-        st.next_save_chunk = max(st.next_save_chunk, c_end)
-        groups: list[GroupTransfer] = []
-        for g in self._attn if cands else ():
-            plan = self.registry.groups[g]
-            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
-            todo = [c for c in cands if (c + 1) * k <= len(ids)]
-            if todo and not self._reserve(
-                req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
-            ):
-                return
-        c = saved_boundary(computed, n_sched, req.num_prompt_tokens, self.chunk_size, hashed)
-        for g in self._state if c is not None else ():
-            plan = self.registry.groups[g]
-            ids, i = st.block_ids[plan.group.index], (c + 1) * plan.blocks_per_chunk - 1
-            ok = i >= len(ids) or ids[i] == 0 or self._reserve(  # ids[i]: the running block
-                req, g, [c], lambda _c, b=ids[i]: [b], groups)
-            if not ok:
-                return
-        if groups:
-            ntok = len(cands) * self.chunk_size
-            out.append(TransferJob(self._job_id(), req.request_id, tuple(groups), ntok))
-
-    def _reserve(self, req: Any, g: int, chunks: list[int], blocks_of, out: list) -> bool:
-        """RESERVE ``chunks`` of group ``g``; a GroupTransfer of the reserved ones goes to
-        ``out`` (``blocks_of(c)``: the blocks of chunk c in object order). False when the
-        gateway is unavailable (the caller stops planning this request's saves)."""
-        keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in chunks]
-        try:
-            kw = (event_fields(req.block_hashes, self.hashes_per_chunk, chunks,  # KV events
-                               self.chunk_size // self.hashes_per_chunk,
-                               self.registry.groups[g].group.index)
-                  if getattr(self.gw, "events_enabled", False) is True else {})
-            res = self.gw.reserve(self.layout_ids[g], keys, **kw)
-        except GatewayUnavailable as e:
-            self._unavailable(f"RESERVE failed: {e}")
-            return False
-        except GatewayError as e:
-            self.stats.add("gateway_errors")
-            log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
-            return True
-        self._failures = 0
-        refs, blocks, chunk_of, pos = [], [], [], []
-        for c, r in zip(chunks, res, strict=True):
-            if r is None:  # stored already, being written elsewhere, or no space
-                continue
-            b = list(blocks_of(c))
-            chunk_of.extend([len(refs)] * len(b))
-            refs.append(ChunkRef(r.key, tuple(r.offsets), tuple(r.generations)))
-            blocks.extend(b)
-            pos.extend(range(len(b)))
-        if refs:
-            self.stats.add("chunks_reserved", len(refs))
-            out.append(GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs)))
-        return True
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         if report is None:
@@ -446,13 +344,12 @@ class SchedulerSide:
                 self._release(lease)
 
     def _release(self, lease_id: int) -> None:
-        if self.turned_off or self.gw is None:
-            return
         try:
-            self.gw.release(lease_id)
-            self._failures = 0
-        except GatewayUnavailable as e:
-            self._unavailable(f"RELEASE failed: {e}")
+            self.session.call("RELEASE", lambda gw: gw.release(lease_id))
+        except SessionOff:
+            return
+        except GatewayUnavailable:
+            self.stats.add("gateway_errors")
         except GatewayError as e:
             self.stats.add("gateway_errors")
             log.debug("xkv: RELEASE %s refused: %s", lease_id, e)
@@ -461,22 +358,25 @@ class SchedulerSide:
         self._next_job += 1
         return self._next_job - 1
 
-    def _unavailable(self, reason: str) -> None:
-        self._failures += 1
-        self.stats.add("gateway_errors")
-        if self._failures >= MAX_FAILURES:
-            self._turn_off(f"{reason} ({self._failures} failed calls in a row)")
-        else:
-            log.warning("xkv scheduler: %s; no external hit for this call", reason)
+    def _forget_leases(self) -> None:
+        """After a re-attach: the old gateway's leases, slots and 'stored' answers died with it
+        (its lease ids may be valid, someone else's, on the new one: never release them)."""
+        for st in self._states.values():
+            st.lease_ids.clear()
+            st.present.clear()
+        self._lookups.clear()
+        self._load_leases.clear()
+        self._loads_done.clear()
 
-    def _turn_off(self, reason: str) -> None:
-        if self.turned_off:
-            return
-        self.turned_off = True
+    def _log_reattach(self, epoch: int) -> None:
+        log.warning("xkv scheduler: re-attached to gateway %s:%d (epoch %d); serving hits again",
+                    self.cfg.gateway_host, self.cfg.xkv_gateway_port, epoch)
+
+    def _log_off(self, reason: str) -> None:
         self.stats.add("gateway_errors")
         log.warning(
-            "xkv scheduler: gateway %s:%d %s; answering zero hits and saving nothing from now on "
-            "(restart the gateway and vLLM together to turn it back on)",
+            "xkv scheduler: gateway %s:%d %s; answering zero hits and saving nothing until it "
+            "answers again (probed with a back-off; a restarted gateway only with reattach)",
             self.cfg.gateway_host,
             self.cfg.xkv_gateway_port,
             reason,
@@ -489,8 +389,4 @@ class SchedulerSide:
                 self._release(lease)
         for req_id in list(self._lookups):
             self._drop_lookup(req_id)
-        if self.gw is not None:
-            try:
-                self.gw.close()
-            except Exception:  # closing a dead socket must not mask shutdown
-                log.debug("xkv: gateway close failed", exc_info=True)
+        self.session.close()

@@ -24,6 +24,7 @@ import time
 import torch
 
 from xkv import kernels
+from xkv.layout import contiguous_runs
 
 log = logging.getLogger("xkv.connector")
 
@@ -75,19 +76,13 @@ def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) ->
         return 0, 0
     dev = pool.device
     per = max(1, _VERIFY_BATCH_BYTES // bb)
-    o = offs.tolist()
     bad = 0
     for a in range(0, n, per):
         z = min(n, a + per)
         want = torch.empty((z - a, bb), dtype=torch.uint8, device=dev)
         flat = want.view(-1)
-        i = a
-        while i < z:  # maximal run of adjacent card fragments -> one copy
-            j = i + 1
-            while j < z and o[j] == o[j - 1] + bb:
-                j += 1
-            flat[(i - a) * bb:(j - a) * bb].copy_(card[o[i]:o[i] + (j - i) * bb], non_blocking=True)
-            i = j
+        for i, count, o in contiguous_runs(offs[a:z], bb):  # adjacent card blocks: one copy
+            flat[i * bb:(i + count) * bb].copy_(card[o:o + count * bb], non_blocking=True)
         idx = ids[a:z].to(dev)
         got = torch.cat([pool.run_view(r).index_select(0, idx) for r in range(len(pool.runs))], 1)
         bad += int((got != want).any(dim=1).sum())

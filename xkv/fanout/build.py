@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from xkv.fanout.comm import Exchanger, LocalExchanger, NcclExchanger, PyncclExchanger
+from xkv.fanout.comm import Exchanger, LocalExchanger, NcclExchanger, PyncclExchanger, agree
 from xkv.fanout.config import FanoutConfig
 from xkv.fanout.eligibility import CacheFacts, Decision, Mode, Reason, decide, report
 from xkv.fanout.engine import FanoutRestorer
@@ -57,10 +57,13 @@ def probe_exchange(exchanger: Exchanger, buf: torch.Tensor, host: torch.Tensor, 
 def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_size: int,
                    device: torch.device | str, *, cpu_group: Any = None, tp_pynccl: Any = None,
                    nvml_factory: Any = open_nvml, share_copy: str = "auto",
-                   probe: bool = True) -> tuple[FanoutRestorer | None, Decision]:
+                   probe: bool = True, gpu_uuid: str | None = None,
+                   ) -> tuple[FanoutRestorer | None, Decision]:
     """Build this TP rank's restorer (collective over ``cpu_group``, the TP gloo group; None =
     default group). ``tp_pynccl``: vLLM's TP ``PyNcclCommunicator``, reused when the fan-out
-    group is the whole TP group."""
+    group is the whole TP group. ``gpu_uuid``: this rank's GPU UUID when the caller knows it;
+    otherwise it comes from torch, else from ``CUDA_VISIBLE_DEVICES`` resolved through NVML
+    (which depends on the process environment)."""
     decision = decide(config, facts)
     if not decision.on:
         report(decision)
@@ -69,16 +72,7 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.monotonic()
-    try:
-        props = torch.cuda.get_device_properties(device)
-        my_uuid = local_gpu_uuid(device.index or 0, torch_uuid=str(getattr(props, "uuid", "") or ""),
-                                 nvml=None)
-    except Exception:
-        try:
-            my_uuid = local_gpu_uuid(device.index or 0, nvml=nvml_factory())
-        except Exception as e:  # still join the collective below: this GPU is nobody's peer
-            logger.debug("fan-out: GPU UUID of %s unknown: %s", device, e)
-            my_uuid = f"unknown-tp-rank-{tp_rank}"
+    my_uuid = gpu_uuid or _gpu_uuid(device, tp_rank, nvml_factory)
     assignment = resolve_groups(config, tp_rank, tp_size, my_uuid, cpu_group=cpu_group,
                                 nvml_factory=nvml_factory)
     if assignment.reason is not Reason.OK:
@@ -100,7 +94,7 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
                 staging = torch.empty(config.slots * config.slot_bytes, dtype=torch.uint8, device=device)
         except Exception as e:  # no CUDA, OOM: refuse on every rank, never leave one waiting
             problem = Decision(False, Reason.MEMORY, f"cannot allocate {need} bytes on {device}: {e}")
-    if not _agree(cpu_group, problem is None):
+    if not agree(cpu_group, problem is None):
         return _refuse(problem or Decision(False, Reason.MEMORY, "another TP rank lacks GPU memory"))
 
     exchanger: Exchanger
@@ -115,7 +109,7 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
     except Exception as e:  # NCCL missing / init failure: agree, then refuse everywhere
         logger.debug("fan-out exchanger failed: %s", e)
         exchanger, ok, problem = LocalExchanger(1), False, Decision(False, Reason.NCCL, str(e))
-    if not _agree(cpu_group, ok):
+    if not agree(cpu_group, ok):
         exchanger.close()
         return _refuse(problem or Decision(False, Reason.NCCL, "another TP rank could not set up NCCL"))
 
@@ -127,7 +121,7 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
         ratio_ok = bus >= MIN_EXCHANGE_RATIO * h2d
         detail = f"all-gather bus bandwidth {bus / 1e9:.1f} GB/s, one PCIe link {h2d / 1e9:.1f} GB/s"
         logger.info("XKV fan-out probe (TP rank %d): %s", tp_rank, detail)
-    if not _agree(cpu_group, ratio_ok):
+    if not agree(cpu_group, ratio_ok):
         exchanger.close()
         return _refuse(Decision(False, Reason.SLOW_EXCHANGE, detail or "measured on another TP rank"))
 
@@ -140,12 +134,19 @@ def build_restorer(config: FanoutConfig, facts: CacheFacts, tp_rank: int, tp_siz
     return restorer, final
 
 
-def _agree(cpu_group: Any, ok: bool) -> bool:
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
-    return bool(flag.item())
+def _gpu_uuid(device: torch.device, tp_rank: int, nvml_factory: Any) -> str:
+    """This rank's GPU UUID: torch's, else CUDA_VISIBLE_DEVICES through NVML, else a name no
+    other rank has (the rank still joins the collectives; this GPU is nobody's peer)."""
+    try:
+        props = torch.cuda.get_device_properties(device)
+        return local_gpu_uuid(device.index or 0, torch_uuid=str(getattr(props, "uuid", "") or ""),
+                              nvml=None)
+    except Exception:
+        try:
+            return local_gpu_uuid(device.index or 0, nvml=nvml_factory())
+        except Exception as e:
+            logger.debug("fan-out: GPU UUID of %s unknown: %s", device, e)
+            return f"unknown-tp-rank-{tp_rank}"
 
 
 def _refuse(decision: Decision) -> tuple[None, Decision]:

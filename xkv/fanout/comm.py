@@ -37,6 +37,17 @@ def _check_buf(buf: torch.Tensor, share: int, size: int) -> None:
         raise ValueError(f"exchange buffer of {buf.numel()} bytes cannot hold {size} shares of {share} bytes")
 
 
+def agree(cpu_group: Any, ok: bool) -> bool:
+    """True iff ``ok`` on every rank of ``cpu_group`` (the TP CPU group; None: the default group).
+    A host collective: every rank must call it at the same point. The one "every rank OK?" of
+    the fan-out: set-up steps (``build_restorer``, ``NcclExchanger.create``) and each batch."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(flag.item())
+
+
 class Exchanger:
     """Interface. ``size``: ranks in the group; ``rank``: this process's index in it."""
 
@@ -58,11 +69,7 @@ class Exchanger:
         calls it at the same point, including ranks that exchange with nobody)."""
         if not self._agree_with_peers:
             return bool(ok)
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        return bool(flag.item())
+        return agree(self._cpu_group, ok)
 
     def close(self) -> None:
         return None
@@ -227,9 +234,7 @@ class NcclExchanger(Exchanger):
                 mine[:] = torch.tensor(list(lib.unique_id()), dtype=torch.uint8)
         except Exception as e:
             error = e
-        flag = torch.tensor([0 if error else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
-        if not int(flag):
+        if not agree(cpu_group, error is None):
             raise ExchangeError(f"NCCL unavailable on this rank: {error}" if error else
                                 "NCCL unavailable on another TP rank")
         uids = [torch.zeros(128, dtype=torch.uint8) for _ in range(tp_size)]

@@ -1,5 +1,6 @@
 """Configuration of the NVLink fan-out (the ``nvlink_fanout*`` keys of ``kv_connector_extra_config``).
 
+The only validator of those keys (the connector's ``ConnectorConfig`` holds a ``FanoutConfig``).
 Every key is validated before anything is allocated; a bad value raises ``FanoutConfigError``
 (a ``ValueError``) naming the key, the value and what was expected.
 """
@@ -15,8 +16,9 @@ MiB = 1 << 20
 #: Staging memory per rank (both slots together), bytes. 128 MiB holds ~58k bf16 DeepSeek tokens
 #: of one layer per slot at TP 1 and more per round at larger TP.
 DEFAULT_STAGING_BYTES = 128 * MiB
-#: Smallest layer restore (bytes, one layer, all its caches) worth fanning out. The model in
-#: notes/fanout.md §5.5 puts break-even at 1.0-1.75 MB; 4 MiB leaves margin for launch jitter.
+#: Smallest layer restore (bytes, one layer, all its caches) worth fanning out. A cost model of
+#: one host copy split N ways plus an NVLink all-gather (docs/fanout.md) puts break-even at
+#: 1.0-1.75 MB on an H200; 4 MiB leaves margin for launch jitter.
 DEFAULT_MIN_LAYER_BYTES = 4 * MiB
 #: Smallest staging buffer accepted (two slots of 1 MiB).
 MIN_STAGING_BYTES = 2 * MiB
@@ -52,7 +54,8 @@ class FanoutConfig:
     def __post_init__(self) -> None:
         _check_bool("nvlink_fanout", self.enabled)
         object.__setattr__(self, "groups", _check_groups(self.groups))
-        _check_int("nvlink_fanout_staging_bytes", self.staging_bytes, MIN_STAGING_BYTES)
+        _check_int("nvlink_fanout_staging_bytes", self.staging_bytes, MIN_STAGING_BYTES,
+                   " (two 1 MiB staging slots)")
         _check_int("nvlink_fanout_min_layer_bytes", self.min_layer_bytes, 0)
         _check_int("slots", self.slots, 1)
         if self.staging_bytes // self.slots < 1 * MiB:
@@ -99,7 +102,8 @@ class FanoutConfig:
                 if r >= tp_size:
                     raise FanoutConfigError(
                         f"nvlink_fanout_groups={[list(x) for x in self.groups]} names TP rank {r}, "
-                        f"but tensor_parallel_size is {tp_size}; expected ranks 0..{tp_size - 1}"
+                        f"but tensor_parallel_size is {tp_size}: ranks >= {tp_size} do not exist; "
+                        f"expected ranks 0..{tp_size - 1}"
                     )
         return self.groups
 
@@ -109,11 +113,11 @@ def _check_bool(key: str, value: Any) -> None:
         raise FanoutConfigError(f"{key}={value!r}: expected true or false (a JSON boolean)")
 
 
-def _check_int(key: str, value: Any, minimum: int) -> None:
+def _check_int(key: str, value: Any, minimum: int, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FanoutConfigError(f"{key}={value!r}: expected an integer number of bytes")
     if value < minimum:
-        raise FanoutConfigError(f"{key}={value}: expected an integer >= {minimum}")
+        raise FanoutConfigError(f"{key}={value}: expected an integer >= {minimum}{why}")
 
 
 def _check_groups(value: Any) -> str | tuple[tuple[int, ...], ...]:
@@ -123,7 +127,8 @@ def _check_groups(value: Any) -> str | tuple[tuple[int, ...], ...]:
             raise FanoutConfigError(f'{key}={value!r}: expected "auto" or a list of lists of TP ranks')
         return value
     if not isinstance(value, Sequence) or not value:
-        raise FanoutConfigError(f'{key}={value!r}: expected "auto" or a non-empty list of lists of TP ranks')
+        raise FanoutConfigError(f'{key}={value!r}: expected "auto" or a non-empty list of lists of '
+                                "TP ranks (at least one group)")
     seen: set[int] = set()
     groups = []
     for g in value:
@@ -132,10 +137,13 @@ def _check_groups(value: Any) -> str | tuple[tuple[int, ...], ...]:
         members = []
         for r in g:
             if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-                raise FanoutConfigError(f"{key}: {r!r} in group {list(g)} is not a TP rank (an integer >= 0)")
+                raise FanoutConfigError(f"{key}: {r!r} in group {list(g)} is not a TP rank "
+                                        "(expected TP ranks: integers >= 0)")
             if r in seen:
                 raise FanoutConfigError(f"{key}: TP rank {r} appears more than once; groups must be disjoint")
             seen.add(r)
             members.append(r)
+        if len(members) < 2:  # a rank listed in no group restores on its own anyway
+            raise FanoutConfigError(f"{key}: group {list(g)}: a group needs >= 2 ranks")
         groups.append(tuple(sorted(members)))
     return tuple(sorted(groups))

@@ -1,8 +1,8 @@
 """Whether a model/deployment may fan out, and the one warning that says why not.
 
 ``decide(config, facts)`` is a pure function of the validated config and ``CacheFacts`` (what the
-connector learned from vLLM). ``facts_from_vllm`` extracts those facts from vLLM objects by
-attribute name only (this package never imports vLLM). ``report(decision)`` logs a refusal as
+connector learned from vLLM: ``xkv.connector.vllm_specs.fanout_facts`` reads them; this package
+never reads vLLM objects). ``report(decision)`` logs a refusal as
 exactly one ``WARNING`` per process; the restore then runs exactly as without fan-out.
 """
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from xkv.fanout.config import FanoutConfig
 
@@ -141,60 +139,3 @@ def _reset_report_for_tests() -> None:
         _reported = None
 
 
-def classify_spec(spec: Any) -> str:
-    """Kind of one per-layer vLLM cache spec, by class name and fields (no vLLM import)."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    if "MambaSpec" in names:
-        return SPEC_MAMBA
-    if names[0] == "MLAAttentionSpec":
-        if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "model_version", None) == "deepseek_v4":
-            return SPEC_MLA_OTHER
-        return SPEC_MLA
-    if "MLAAttentionSpec" in names or "SlidingWindowMLASpec" in names:
-        return SPEC_MLA_OTHER
-    if "AttentionSpec" in names:
-        return SPEC_ATTENTION
-    return SPEC_OTHER
-
-
-def _iter_layer_specs(group_spec: Any) -> Iterable[Any]:
-    inner = getattr(group_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    if isinstance(inner, Mapping):
-        return list(inner.values())
-    return [group_spec]
-
-
-def facts_from_vllm(vllm_config: Any, kv_cache_config: Any, *, layer_views: Iterable[Any] = (),
-                    layerwise_hook: bool = True, cuda: bool | None = None) -> CacheFacts:
-    """Collect ``CacheFacts`` from vLLM's ``VllmConfig`` and ``KVCacheConfig`` (0.26-0.33).
-
-    ``layer_views`` are the per-layer cache tensors handed to ``register_kv_caches``: each must be
-    contiguous with ``stride(0) * itemsize == page``. ``layerwise_hook`` is False when some restored
-    layer's attention never calls ``wait_for_layer_load`` (DeepSeek-V3.2 / GLM-5 DSA).
-    """
-    model = vllm_config.model_config
-    par = vllm_config.parallel_config
-    groups = getattr(kv_cache_config, "transfer_groups", None)
-    if groups is None:
-        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
-    kinds = tuple(classify_spec(s) for g in groups for s in _iter_layer_specs(g.kv_cache_spec))
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or ""
-    block_outermost = str(layout).upper().startswith("B")
-    contiguous = all(bool(v.is_contiguous()) for v in layer_views)
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    return CacheFacts(
-        use_mla=bool(getattr(model, "use_mla", False)),
-        tp_size=int(getattr(par, "tensor_parallel_size", 1)),
-        spec_kinds=kinds,
-        is_hybrid=bool(getattr(model, "is_hybrid", False)),
-        block_outermost=block_outermost,
-        layers_contiguous=contiguous,
-        dcp_size=int(getattr(par, "decode_context_parallel_size", 1) or 1),
-        pcp_size=int(getattr(par, "prefill_context_parallel_size", 1) or 1),
-        ubatching=bool(getattr(par, "use_ubatching", False)),
-        layerwise_hook=layerwise_hook,
-        cuda=bool(cuda),
-    )

@@ -29,6 +29,7 @@ from xkv.fanout.comm import Exchanger
 from xkv.fanout.config import FanoutConfig
 from xkv.fanout.eligibility import Mode
 from xkv.fanout.plan import ALIGN, PlanError, Round, plan_batch
+from xkv.layout import contiguous_runs
 
 logger = logging.getLogger("xkv.fanout")
 
@@ -60,18 +61,6 @@ class _Batch:
     next_copy: int = 0
     next_scatter: int = 0
     keep: list[torch.Tensor] = field(default_factory=list)
-
-
-def _coalesce(offsets: torch.Tensor, block_bytes: int) -> list[tuple[int, int, int]]:
-    """Runs of blocks whose source bytes are back to back: (first block, n blocks, src offset)."""
-    n = offsets.numel()
-    if n == 0:
-        return []
-    breaks = ((offsets[1:] - offsets[:-1]) != block_bytes).nonzero().flatten().tolist()
-    starts = [0] + [b + 1 for b in breaks]
-    ends = starts[1:] + [n]
-    vals = offsets.tolist()
-    return [(a, b - a, vals[a]) for a, b in zip(starts, ends, strict=True)]
 
 
 class FanoutRestorer:
@@ -162,7 +151,7 @@ class FanoutRestorer:
         longest = max((r.n_blocks for r in rounds), default=0)
         if self._arange.numel() < longest:
             self._arange = torch.arange(longest, dtype=torch.int64)
-        runs = [_coalesce(o, ld.dst.block_bytes) for o, ld in zip(offs, loads, strict=True)]
+        runs = [contiguous_runs(o, ld.dst.block_bytes) for o, ld in zip(offs, loads, strict=True)]
         self._batch = _Batch(src, loads, rounds, offs, bids, runs, layer_end)
         if self._cuda:  # copies start after the work queued so far (e.g. the previous step's reads)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))

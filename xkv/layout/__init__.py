@@ -24,10 +24,12 @@ strides, dtype and layout. No vLLM import here: layouts are recognised from stri
 
 from xkv.layout.describe import KV_CACHE_LAYOUTS, describe_cache
 from xkv.layout.pool import LayoutError, PagePool
+from xkv.layout.runs import contiguous_runs
 
 __all__ = [
     "KV_CACHE_LAYOUTS",
     "LayoutError",
     "PagePool",
+    "contiguous_runs",
     "describe_cache",
 ]

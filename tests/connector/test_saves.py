@@ -17,7 +17,7 @@ from xkv.connector.transfer import SyncTransferHandler
 
 pytestmark = pytest.mark.vllm
 
-H = pytest.importorskip("connector_harness")
+H = pytest.importorskip("vllm_harness")
 
 CHUNK, BS = 64, 32
 
@@ -67,11 +67,11 @@ def _prompt(n, base=10):
 
 
 def _engine(llama_dir):
-    vc = H.make_vllm_config(llama_dir, block_size=BS, extra={"chunk_size": CHUNK})
-    kcfg = H.make_kv_cache_config(block_size=BS)
+    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=BS, extra={"chunk_size": CHUNK})
+    kcfg = H.attention_cache_config(block_size=BS)
     kcfg.kv_cache_layout = "LBHNC"
     sched = H.make_scheduler(vc, kcfg)
-    conn, caches = H.make_worker(vc, H.make_kv_cache_config(block_size=BS), layout="LBHNC")
+    conn, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=BS), layout="LBHNC")
     w = conn._worker
     w.handler = DeferredHandler()
     return sched, conn, w, caches
@@ -80,7 +80,8 @@ def _engine(llama_dir):
 def _watch(w, caches, commits):
     """Record every bound step's save blocks; make COMMIT check the card bytes of its keys."""
     blocks_of = {}  # key -> [(block id, block in chunk)]
-    bind, commit = w.bind, w.gw.commit
+    client = w.session.client
+    bind, commit = w.bind, client.commit
 
     def bind_rec(meta):
         for job in meta.saves:
@@ -97,13 +98,13 @@ def _watch(w, caches, commits):
                     page = H.page(caches[name], b)
                     bb = page.numel()
                     off = ref.offsets[shard] + (li * (CHUNK // BS) + j) * bb
-                    card = torch.frombuffer(w.gw.gw.card, dtype=torch.uint8)[off:off + bb]
+                    card = torch.frombuffer(client.gw.card, dtype=torch.uint8)[off:off + bb]
                     assert torch.equal(card, page), f"torn chunk {key.hex()[:12]} committed"
         commits.append(list(keys))
         return commit(layout_id, shard, keys)
 
     w.bind = bind_rec
-    w.gw.commit = commit_check
+    client.commit = commit_check
     return blocks_of
 
 
@@ -117,7 +118,7 @@ def test_commit_waits_for_the_fence_then_commits_every_chunk(fake_gateway, llama
     (fence,) = w.handler.fences
     # wait_for_save returned with the copies still queued: nothing is published yet, and the
     # reserved slots hold no page bytes, so an early COMMIT would have published torn chunks
-    assert not fence.query() and w._committer.pending == 1
+    assert not fence.query() and w.saver.pending == 1
     assert not commits and not fake_gateway.committed(1)
     assert not any(fake_gateway.card)
     fence.complete()
@@ -159,7 +160,7 @@ def test_saves_without_wait_for_save_are_committed_at_the_next_step(fake_gateway
     conn.wait_for_save = lambda: None  # a step whose finalize never came
     sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=3))
     H.step_with_worker(sched, conn, caches, BS)
-    assert not w.handler.fences and w._unflushed is not None
+    assert not w.handler.fences and w.saver.has_unflushed
     conn.wait_for_save = orig
     H.step_with_worker(sched, conn, caches, BS)  # its bind fences the previous step's saves
     (fence,) = w.handler.fences
@@ -252,10 +253,10 @@ def test_thread_commit_counts_reach_the_next_steps_stats(fake_gateway, llama_dir
     w.handler.fences[0].complete()
     deadline = threading.Event()
     for _ in range(100):  # the committer thread sends once the fence completed
-        if w._committer.pending == 0:
+        if w.saver.pending == 0:
             break
         deadline.wait(0.05)
-    assert w._committer.pending == 0
+    assert w.saver.pending == 0
     sched.add_request(H.make_request("b", _prompt(100, base=700), block_size=BS, max_tokens=1))
     _, _, out = H.step_with_worker(sched, conn, caches, BS)
     assert out.kv_connector_stats.data["chunks_saved"] == 4  # merged by get_finished

@@ -1,4 +1,6 @@
-"""Version-neutral builders over the installed vLLM (0.26, 0.28, 0.29 or 0.33), on the CPU.
+"""The one vLLM test harness: version-neutral builders over the installed vLLM (0.26, 0.28, 0.29
+or 0.33), on the CPU, for tests/connector and tests/compat (``pytest.importorskip`` it: it
+imports vLLM).
 
 Everything that differs between versions is chosen by the same probes the connector uses
 (``xkv.connector.compat.features()``), never by a version string:
@@ -13,7 +15,11 @@ Everything that differs between versions is chosen by the same probes the connec
   computed from the ``KVCacheTensor`` description only (never from the tensor's strides), so a
   page mover that picked the wrong bytes cannot agree with it by construction;
 * ``make_scheduler`` / ``make_request`` / ``step`` — a real ``Scheduler`` with FusIOnXConnector
-  loaded by module path, and one engine step with a simulated forward on a worker connector.
+  loaded by module path, and one engine step without a forward (``step``) or with a simulated
+  forward on a worker connector (``step_with_worker``: per layer, wait for its load, write
+  ``pattern`` bytes for the step's new blocks, ``save_kv_layer``);
+* ``attention_cache_config`` / ``make_worker_caches`` — the two-layer attention or MLA cache of
+  the connector tests and a worker connector over vLLM's own allocation of it.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from xkv.connector import compat
+from xkv.connector import compat, vllm_specs
 
 MODULE = "xkv_vllm_connector.fusionx_connector"
 ATTN_LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -121,7 +127,7 @@ def allocate(kvc: KVCacheConfig, kind: str, *, layout: str | None = None,
     """vLLM's own CPU allocation for ``kvc`` (one group), every byte poisoned."""
     g = kvc.kv_cache_groups[0]
     spec, bs = g.kv_cache_spec, g.kv_cache_spec.block_size
-    content = compat._block_bytes(spec)
+    content = vllm_specs.block_bytes(spec)
     if compat.features()["generic_kv_views"]:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -161,19 +167,24 @@ def raw_page(c: Caches, layer: str, block: int) -> torch.Tensor:
 # ------------------------------------------------------------------ scheduler side
 
 
-def make_vllm_config(model_dir, *, block_size: int, extra=None, dtype="float32") -> VllmConfig:
+def make_vllm_config(model_dir, *, block_size: int = 32, extra=None, dtype="float32",
+                     kv_role="kv_both", max_num_batched_tokens=2048, policy=None) -> VllmConfig:
+    """``policy``: ``kv_load_failure_policy`` ("recompute" / "fail"; None: vLLM's default, and
+    nothing passed where this vLLM has no such field)."""
     mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype,
                      max_model_len=2048)
+    kt = {} if policy is None else {"kv_load_failure_policy": policy}
     return VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+        scheduler_config=SchedulerConfig(max_num_seqs=16,
+                                         max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="FusIOnXConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
-            kv_connector_extra_config=dict(extra or {})),
+            kv_connector="FusIOnXConnector", kv_connector_module_path=MODULE, kv_role=kv_role,
+            kv_connector_extra_config=dict(extra or {}), **kt),
     )
 
 
@@ -197,12 +208,15 @@ def make_worker(vllm_config: VllmConfig, kvc: KVCacheConfig, caches: Caches):
 _HASH_READY = False
 
 
-def make_request(req_id: str, tokens, *, block_size: int, salt=None, max_tokens=2) -> Request:
+def make_request(req_id: str, tokens, *, block_size: int = 32, salt=None, max_tokens=4,
+                 params=None) -> Request:
+    """``params``: the request's ``kv_transfer_params``."""
     global _HASH_READY
     if not _HASH_READY:
         init_none_hash(sha256)
         _HASH_READY = True
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params is not None else None)
     return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
                    pooling_params=None, cache_salt=salt,
                    block_hasher=get_request_block_hasher(block_size, sha256))
@@ -215,40 +229,104 @@ def pattern(tokens, layer: str, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
-def step(scheduler: Scheduler, worker, caches: Caches, block_size: int):
-    """One engine step with a simulated forward: per layer, wait for its load, 'compute' the
-    blocks of this step's new tokens (write ``pattern`` bytes through the oracle), then
-    ``save_kv_layer``. Returns (scheduler_output, KVConnectorOutput)."""
-    so = scheduler.schedule()
-    meta = so.kv_connector_metadata
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    work = []
-    for rid, n in so.num_scheduled_tokens.items():
-        req = scheduler.requests[rid]
-        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
-        end = req.num_computed_tokens  # schedule() already counted this step's tokens
-        start = end - n
-        toks = list(req.all_token_ids)
-        for b in range(start // block_size, -(-end // block_size)):
-            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
-    for name, kv in caches.tensors.items():
-        worker.wait_for_layer_load(name)
-        for bid, toks in work:
-            raw_page(caches, name, bid).copy_(pattern(toks, name, caches.page_bytes))
-        worker.save_kv_layer(name, kv, None)
-    worker.wait_for_save()
-    worker.get_finished(so.finished_req_ids)
-    kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                               kv_connector_worker_meta=worker.build_connector_worker_meta())
-    worker.clear_connector_metadata()
+LAST_STATS = None  # SchedulerStats of the last step()
+
+
+def _finish_step(scheduler: Scheduler, so, kv_out) -> None:
+    """Feed back a fake model output: one sampled token per request past its prompt."""
+    global LAST_STATS
     reqs = list(so.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[r].num_computed_tokens
                < scheduler.requests[r].num_prompt_tokens else [5] for r in reqs]
     out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
                             sampled_token_ids=sampled, kv_connector_output=kv_out)
-    scheduler.update_from_output(so, out)
-    return so, kv_out
+    outs = scheduler.update_from_output(so, out)
+    LAST_STATS = next((o.scheduler_stats for o in outs.values() if o.scheduler_stats), None)
+
+
+def step(scheduler: Scheduler, worker=None):
+    """One engine step without a forward; returns (scheduler_output, step metadata)."""
+    so = scheduler.schedule()
+    meta = so.kv_connector_metadata
+    kv_out = KVConnectorOutput()
+    if worker is not None:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.get_finished(so.finished_req_ids)
+        kv_out.invalid_block_ids = worker.get_block_ids_with_load_errors()
+        kv_out.kv_connector_worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+    _finish_step(scheduler, so, kv_out)
+    return so, meta.step
+
+
+def step_with_worker(scheduler: Scheduler, worker, caches, block_size: int, *,
+                     layers_saved: int | None = None):
+    """One step with a simulated forward: per layer, wait for its load, 'compute' the blocks of
+    this step's new tokens (write ``pattern`` bytes: through the oracle for a ``Caches``, into
+    the block of a ``{layer: tensor}`` view otherwise), then ``save_kv_layer`` (only the first
+    ``layers_saved`` layers when given). Returns (scheduler_output, step metadata,
+    KVConnectorOutput with the worker's stats)."""
+    so = scheduler.schedule()
+    meta = so.kv_connector_metadata
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    work = []  # (block id, token prefix) computed this step
+    for rid, n in so.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        end = req.num_computed_tokens  # schedule() already counted this step's tokens
+        toks = list(req.all_token_ids)
+        for b in range((end - n) // block_size, -(-end // block_size)):
+            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
+    tensors = caches.tensors if isinstance(caches, Caches) else caches
+    for li, (name, kv) in enumerate(tensors.items()):
+        worker.wait_for_layer_load(name)
+        for bid, toks in work:
+            if isinstance(caches, Caches):
+                raw_page(caches, name, bid).copy_(pattern(toks, name, caches.page_bytes))
+            else:
+                write_page(kv, bid, pattern(toks, name, page(kv, 0).numel()))
+        if layers_saved is None or li < layers_saved:
+            worker.save_kv_layer(name, kv, None)
+    worker.wait_for_save()
+    worker.get_finished(so.finished_req_ids)
+    kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                               kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                               kv_connector_stats=worker.get_kv_connector_stats())
+    worker.clear_connector_metadata()
+    _finish_step(scheduler, so, kv_out)
+    return so, meta.step, kv_out
+
+
+def page(kv: torch.Tensor, block: int) -> torch.Tensor:
+    """Block ``block``'s page of a ``[B, H, N, C]`` view, as bytes (block-compact layouts)."""
+    return kv[block].contiguous().view(-1).view(torch.uint8)
+
+
+def write_page(kv: torch.Tensor, block: int, data: torch.Tensor) -> None:
+    assert kv[block].is_contiguous(), "write_page needs a block-compact layout; use a Caches"
+    kv[block].view(-1).view(torch.uint8).copy_(data)
+    assert torch.equal(page(kv, block), data)
+
+
+# ------------------------------------------------------------------ the connector tests' cache
+
+
+def attention_cache_config(*, block_size: int = 32, num_blocks: int = 256,
+                           mla: bool = False) -> KVCacheConfig:
+    """Two layers of full attention (fp32) or MLA (bf16 latent) in one group."""
+    return make_kv_cache_config("mla" if mla else "attention", block_size=block_size,
+                                num_blocks=num_blocks)
+
+
+def make_worker_caches(vllm_config: VllmConfig, kvc: KVCacheConfig, *, layout: str = "LBHNC"):
+    """A worker-role FusIOnXConnector over vLLM's own allocation of ``kvc`` (every byte
+    poisoned) in ``layout``. Returns (connector, {layer: tensor})."""
+    kind = "mla" if isinstance(kvc.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec) else "attention"
+    caches = allocate(kvc, kind, layout=layout)
+    return make_worker(vllm_config, kvc, caches), caches.tensors
 
 
 # ------------------------------------------------------------------ hybrid (attention + Mamba)

@@ -5,18 +5,13 @@ stops with a clear error (multi-group models cannot take block load errors)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from connector_fakes import FakeGateway
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))
-from connector_fakes import FakeGateway  # noqa: E402
-
-from xkv.connector.metadata import ChunkRef, GroupTransfer, StepMetadata, TransferJob  # noqa: E402
-from xkv.connector.registry import CacheGroup, build_registry, state_group  # noqa: E402
-from xkv.connector.worker import WorkerSide  # noqa: E402
+from xkv.connector.metadata import ChunkRef, GroupTransfer, StepMetadata, TransferJob
+from xkv.connector.registry import CacheGroup, build_registry, state_group
+from xkv.connector.worker import WorkerSide
 
 NB, BS, H, D = 12, 32, 2, 16  # blocks, tokens per block, KV heads, head dim (fp32)
 PAGE = H * BS * 2 * D * 4  # attention page bytes = the padded state page

@@ -1,28 +1,24 @@
 """State groups without an engine: registry, state positions, and the scheduler side's plan
-(saves at step-end boundaries, probe for the longest stored state, leases, decision 6) against
-the in-process fake gateway of tests/connector."""
+(saves at step-end boundaries, probe for the longest stored state, leases, hybrid hits promised
+only when leased) against the in-process fake gateway of tests/connector."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
+from connector_fakes import FakeGateway
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))
-from connector_fakes import FakeGateway  # noqa: E402
-
-from xkv.connector.config import ConnectorConfig  # noqa: E402
-from xkv.connector.metadata import ChunkRef, GroupTransfer  # noqa: E402
-from xkv.connector.registry import (  # noqa: E402
+from xkv.connector.config import ConnectorConfig
+from xkv.connector.metadata import ChunkRef, GroupTransfer
+from xkv.connector.registry import (
     CacheGroup,
     RegistryError,
     build_registry,
     state_group,
 )
-from xkv.connector.scheduler import SchedulerSide  # noqa: E402
-from xkv.connector.states import (  # noqa: E402
+from xkv.connector.scheduler import SchedulerSide
+from xkv.connector.states import (
     MAX_STATE_PROBES,
     boundary_index,
     running_index,
@@ -43,7 +39,7 @@ def test_registry_state_groups():
     assert m.is_state and m.num_shards == 2 and m.writer_ranks == (0, 1)
     assert m.blocks_per_object == 1 and m.shard_bytes == 18112  # one state block per object
     assert a.blocks_per_object == 2 and a.shard_bytes == 2 * 24576
-    assert reg.multi_group and reg.has_state
+    assert reg.multi_group and any(p.is_state for p in reg.groups)
     assert "g0[mamba]=all 2 rank(s) (own shard)" in reg.log_lines()[0]
     with pytest.raises(RegistryError, match="pure state-space"):
         build_registry([M0], tp_size=1, pp_size=1, chunk_size=BS)
@@ -185,5 +181,5 @@ def test_unleased_hit_never_promised_for_hybrid(monkeypatch):
         gw.leases.pop(res.lease_id, None)
         return type(res)(res.num_chunks, 0, res.slots)  # hits, but no lease taken
 
-    monkeypatch.setattr(s.gw, "lookup", no_lease)
+    monkeypatch.setattr(s.session.client, "lookup", no_lease)
     assert s.get_num_new_matched_tokens(_req("b", H3), 0) == 0

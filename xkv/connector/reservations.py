@@ -1,0 +1,116 @@
+"""Scheduler side of saves: which prompt chunks become complete in a step, and their RESERVEs.
+
+A chunk is saved once, by the first request that computes it (the gateway's RESERVE is first
+writer wins: a key stored already, being written by another engine, or without room answers no
+slot). Attention groups save every chunk completed in the step; a state group saves the state
+at the chunk boundary the step ended on, if any (``states.saved_boundary``): vLLM keeps no state
+anywhere else. No vLLM types; only :meth:`SavePlanner._reserve` talks to the gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from xkv.connector.keys import chunk_keys, event_fields
+from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
+from xkv.connector.registry import Registry
+from xkv.connector.session import GatewaySession, SessionOff
+from xkv.connector.states import saved_boundary
+from xkv.connector.stats import ConnectorStats
+from xkv.gateway.client import GatewayError, GatewayUnavailable
+
+log = logging.getLogger("xkv.connector")
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side keeps per admitted request."""
+
+    request: Any
+    block_ids: list[list[int]]  # per vLLM KV cache group index
+    next_save_chunk: int = 0
+    present: set[int] = field(default_factory=set)  # chunks the gateway reported stored
+    lease_ids: set[int] = field(default_factory=set)
+
+
+class SavePlanner:
+    """Plans one request's saves per step (``plan``); RESERVEs through ``session``."""
+
+    def __init__(self, registry: Registry, session: GatewaySession, stats: ConnectorStats,
+                 hashes_per_chunk: int):
+        self.registry, self.session, self.stats = registry, session, stats
+        self.hashes_per_chunk = hashes_per_chunk
+        self.chunk_size = registry.groups[0].chunk_size
+        self._attn = [g for g, p in enumerate(registry.groups) if not p.is_state]
+        self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
+
+    def plan(self, st: RequestState, computed: int, n_sched: int,
+             job_id: Callable[[], int]) -> TransferJob | None:
+        """The save job of ``st``'s request for a step computing ``[computed, computed +
+        n_sched)``, or None. Stops at the first unanswered RESERVE (a later one would be
+        refused the same way)."""
+        req = st.request
+        end = min(computed + n_sched, req.num_prompt_tokens)
+        hashed = len(req.block_hashes) // self.hashes_per_chunk
+        c_end = min(end // self.chunk_size, hashed)
+        cands = [c for c in range(st.next_save_chunk, c_end) if c not in st.present]
+        st.next_save_chunk = max(st.next_save_chunk, c_end)
+        groups: list[GroupTransfer] = []
+        for g in self._attn if cands else ():
+            plan = self.registry.groups[g]
+            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
+            todo = [c for c in cands if (c + 1) * k <= len(ids)]
+            if todo and not self._reserve(
+                req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
+            ):
+                return None
+        c = saved_boundary(computed, n_sched, req.num_prompt_tokens, self.chunk_size, hashed)
+        for g in self._state if c is not None else ():
+            plan = self.registry.groups[g]
+            ids, i = st.block_ids[plan.group.index], (c + 1) * plan.blocks_per_chunk - 1
+            ok = i >= len(ids) or ids[i] == 0 or self._reserve(  # ids[i]: the running block
+                req, g, [c], lambda _c, b=ids[i]: [b], groups)
+            if not ok:
+                return None
+        if not groups:
+            return None
+        return TransferJob(job_id(), req.request_id, tuple(groups), len(cands) * self.chunk_size)
+
+    def _reserve(self, req: Any, g: int, chunks: list[int], blocks_of, out: list) -> bool:
+        """RESERVE ``chunks`` of group ``g``; a GroupTransfer of the reserved ones goes to
+        ``out`` (``blocks_of(c)``: the blocks of chunk c in object order). False when the
+        gateway is unavailable (the caller stops planning this request's saves)."""
+        keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in chunks]
+
+        def reserve(gw: Any) -> Any:
+            kw = (event_fields(req.block_hashes, self.hashes_per_chunk, chunks,  # KV events
+                               self.chunk_size // self.hashes_per_chunk,
+                               self.registry.groups[g].group.index)
+                  if getattr(gw, "events_enabled", False) is True else {})
+            return gw.reserve(self.session.layout_ids[g], keys, **kw)
+
+        try:
+            res = self.session.call(f"RESERVE for request {req.request_id}", reserve)
+        except (GatewayUnavailable, SessionOff):
+            self.stats.add("gateway_errors")
+            return False
+        except GatewayError as e:
+            self.stats.add("gateway_errors")
+            log.warning("xkv: RESERVE refused for request %s: %s", req.request_id, e)
+            return True
+        refs, blocks, chunk_of, pos = [], [], [], []
+        for c, r in zip(chunks, res, strict=True):
+            if r is None:  # stored already, being written elsewhere, or no space
+                continue
+            b = list(blocks_of(c))
+            chunk_of.extend([len(refs)] * len(b))
+            refs.append(ChunkRef.at(r.key, r))
+            blocks.extend(b)
+            pos.extend(range(len(b)))
+        if refs:
+            self.stats.add("chunks_reserved", len(refs))
+            out.append(GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs)))
+        return True

@@ -1,0 +1,130 @@
+"""What both connector roles need, built once from vLLM's configuration.
+
+``build(vllm_config, kv_cache_config, kv_transfer_config)`` validates the settings
+(``ConnectorConfig``), reads the KV cache groups (``vllm_specs``), decides writers and readers
+(``registry``), and computes each group's layout fingerprint; ``scheduler_side`` and
+``worker_side`` then build the role the façade was created for. The façade's ``__init__`` is
+only the role choice. vLLM objects are read through ``compat``/``vllm_specs`` only (no vLLM
+import here).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from xkv.connector import compat, vllm_specs
+from xkv.connector.config import ConfigError, ConnectorConfig
+from xkv.connector.keys import fingerprint
+from xkv.connector.registry import Registry, build_registry
+from xkv.connector.scheduler import SchedulerSide
+from xkv.connector.worker import WorkerSide
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The validated configuration and the cache plan shared by both roles."""
+
+    cfg: ConnectorConfig
+    registry: Registry
+    fingerprints: list[str]
+    num_blocks: int  # blocks per KV cache tensor
+    kv_layout: str | None  # the layout name vLLM resolved (enters every fingerprint)
+    tp_size: int
+    world_size: int
+    load: bool  # kv_role lets this engine load (consumer or both)
+    save: bool  # ... and save (producer or both)
+
+
+def build(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Setup:
+    """Everything both roles need; raises ``ConfigError`` (or a ``RegistryError``/``ValueError``
+    naming the setting) for a deployment the connector refuses."""
+    compat.require_supported(vllm_config)
+    cfg = ConnectorConfig.from_extra(kv_transfer_config.kv_connector_extra_config)
+    if cfg.gateway_host in LOOPBACK:
+        cfg.check_port_clash(compat.kv_events_endpoint(vllm_config))
+    if kv_cache_config is None:
+        raise ConfigError("xkv: vLLM passed no kv_cache_config; this vLLM is not supported")
+    tp, pp, world = compat.parallel_sizes(vllm_config)
+    cfg.check_fanout_groups(tp)
+    groups = vllm_specs.state_groups(vllm_config, kv_cache_config,
+                                     vllm_specs.cache_groups(kv_cache_config))
+    sizes = {g.block_size for g in groups}
+    if len(sizes) > 1:
+        raise ConfigError(f"xkv: KV cache groups with different block sizes {sorted(sizes)}")
+    chunk = cfg.resolve_chunk_size(groups[0].block_size if groups else 1)
+    registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
+                              slot_alignment=cfg.slot_alignment_bytes)
+    fps = [fingerprint({**compat.fingerprint_fields(vllm_config, kv_cache_config, p),
+                        **vllm_specs.state_fields(kv_cache_config, p)})
+           for p in registry.groups]
+    return Setup(cfg=cfg, registry=registry, fingerprints=fps,
+                 num_blocks=kv_cache_config.num_blocks,
+                 kv_layout=compat.kv_cache_layout(vllm_config, kv_cache_config),
+                 tp_size=tp, world_size=world,
+                 load=bool(kv_transfer_config.is_kv_consumer),
+                 save=bool(kv_transfer_config.is_kv_producer))
+
+
+def gateway_factory(cfg: ConnectorConfig, timeout_s: float) -> Callable[[], Any]:
+    """A function that opens a gateway client (called once per role, inside the session)."""
+
+    def make():
+        from xkv.gateway.client import GatewayClient
+
+        return GatewayClient(cfg.gateway_host, cfg.xkv_gateway_port, timeout_s=timeout_s)
+
+    return make
+
+
+def scheduler_side(s: Setup, vllm_config: Any, kv_cache_config: Any) -> SchedulerSide:
+    return SchedulerSide(
+        s.cfg, s.registry, s.fingerprints,
+        hash_block_size=compat.hash_block_size(vllm_config, kv_cache_config),
+        world_size=s.world_size,
+        gateway_factory=gateway_factory(s.cfg, s.cfg.gateway_timeout_ms / 1000),
+        load=s.load, save=s.save,
+    )
+
+
+def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> WorkerSide:
+    fanout = (functools.partial(_fanout_factory, s, vllm_config, kv_cache_config, tp_rank)
+              if s.cfg.fanout.enabled else None)
+    return WorkerSide(
+        s.registry, s.fingerprints,
+        namespace=s.cfg.key_namespace,
+        tp_rank=tp_rank,
+        gateway_factory=gateway_factory(s.cfg, s.cfg.gateway_timeout_ms / 1000),
+        handler_factory=functools.partial(make_handler, verify=s.cfg.verify_restores),
+        fanout_factory=fanout,
+        reattach=s.cfg.reattach,
+    )
+
+
+def make_handler(device: Any, verify: bool = False) -> Any:
+    """The transfer handler for the device the caches live on (``xkv.connector.transfer``)."""
+    from xkv.connector.transfer import CudaTransferHandler, SyncTransferHandler
+
+    if device.type == "cuda":
+        return CudaTransferHandler(device, verify=verify)
+    return SyncTransferHandler(verify=verify)
+
+
+def _fanout_factory(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int,
+                    kv_caches: dict, device: Any) -> Any:
+    """The worker's fan-out restorer (None = off, one warning saying why). Called once on every
+    TP rank after the KV cache was allocated: ``build_restorer`` is collective over the TP group."""
+    from xkv.fanout import build_restorer
+
+    facts = vllm_specs.fanout_facts(vllm_config, kv_cache_config,
+                                    layer_views=list(kv_caches.values()),
+                                    layerwise_hook=compat.layerwise_load_hook(vllm_config),
+                                    cuda=device.type == "cuda")
+    cpu_group, pynccl = compat.tp_comms()
+    restorer, _ = build_restorer(s.cfg.fanout, facts, tp_rank, s.tp_size, device,
+                                 cpu_group=cpu_group, tp_pynccl=pynccl)
+    return restorer

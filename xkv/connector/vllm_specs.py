@@ -1,0 +1,185 @@
+"""Reading vLLM's KV cache specs: which groups the connector stores, their bytes per block, the
+Mamba state policy, and the facts fan-out decides on. Split from ``compat`` (one idea: specs).
+
+Like ``compat``, vLLM is imported lazily inside functions and differences between versions are
+read by attribute name, never by version string.
+
+Mamba / linear-attention groups become ``mamba`` state groups only in vLLM's ``align`` cache
+mode (prefix caching on): there vLLM keeps a state per block boundary; otherwise nothing
+restorable would exist and the model is refused at start with the switch that fixes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from xkv.connector.config import ConfigError
+from xkv.connector.registry import CacheGroup, state_group
+from xkv.fanout import eligibility as el
+from xkv.fanout.eligibility import CacheFacts
+
+
+def spec_kind(spec: Any) -> str:
+    """Our name for a KV cache spec: "attention" | "mla" | another (refused by the registry)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    t = type(spec)
+    if t is MLAAttentionSpec:
+        return "mla"
+    if t is FullAttentionSpec and getattr(spec, "attention_chunk_size", None) is None:
+        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
+        # blocks all exist, so its pages are complete and storable like any other.
+        return "attention"
+    return t.__name__
+
+
+def block_bytes(spec: Any) -> int:
+    """Content bytes of one block of one layer (without page padding)."""
+    for attr in ("unpadded_page_size_bytes", "real_page_size_bytes", "page_size_bytes"):
+        v = getattr(spec, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise ValueError(f"xkv: cannot tell the page size of KV cache spec {spec!r}")
+
+
+def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
+    """Neutral rows for every transferable KV cache group, with vLLM's group index."""
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue
+        spec = g.kv_cache_spec
+        out.append(
+            CacheGroup(
+                index=i,
+                kind=spec_kind(spec),
+                layer_names=tuple(g.layer_names),
+                block_size=int(spec.block_size),
+                block_bytes=block_bytes(spec),
+                spec=type(spec).__name__,
+            )
+        )
+    return out
+
+
+def state_groups(vllm_config: Any, kv_cache_config: Any, groups: list[CacheGroup]) -> list[CacheGroup]:
+    """Mamba / linear-attention groups become ``mamba`` state groups, after checking that vLLM
+    keeps a state per block (``mamba_cache_mode == "align"``, which prefix caching turns on).
+
+    Without prefix caching vLLM runs Mamba models with ``mamba_cache_mode="none"``: one state
+    block per request, no state at any block boundary, so nothing restorable would ever exist
+    (and the attention pages alone would resume from a wrong state). Refused at start.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out = []
+    for g in groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            out.append(g)
+            continue
+        cc = vllm_config.cache_config
+        mode = str(getattr(spec, "mamba_cache_mode", None) or getattr(cc, "mamba_cache_mode", ""))
+        if not getattr(cc, "enable_prefix_caching", False) or mode == "none":
+            raise ConfigError(
+                f"xkv: hybrid model with a {getattr(spec, 'mamba_type', 'Mamba')} state cache "
+                f"(KV cache group {g.index}) but prefix caching is off, so vLLM keeps no Mamba "
+                "state per block (mamba_cache_mode='none') and nothing could be restored: add "
+                "--enable-prefix-caching (LLM(enable_prefix_caching=True)) to use "
+                "FusIOnXConnector with this model"
+            )
+        if mode != "align":
+            raise ConfigError(
+                f"xkv: mamba_cache_mode={mode!r}: FusIOnXConnector restores Mamba states in "
+                "vLLM's 'align' mode only (the default with --enable-prefix-caching); remove "
+                "--mamba-cache-mode or set it to 'align'"
+            )
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise ConfigError(
+                "xkv: speculative decoding with a Mamba state cache is not supported by "
+                "FusIOnXConnector (the running state block moves with the draft tokens)"
+            )
+        content = getattr(spec, "state_content_size_bytes", None)
+        if not isinstance(content, int) or content <= 0:
+            content = sum(
+                math.prod(shape) * dt.itemsize
+                for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+        out.append(state_group(g, content))
+    return out
+
+
+def state_fields(kv_cache_config: Any, plan: Any) -> dict[str, Any]:
+    """What else must match to share a state group's objects: the state tensors' shapes and
+    dtypes (two SSM cache dtypes of one size, fp16 vs bf16, would otherwise share a layout)."""
+    if not plan.is_state:
+        return {}
+    spec = kv_cache_config.kv_cache_groups[plan.group.index].kv_cache_spec
+    return {
+        "state_shapes": [list(s) for s in spec.shapes],
+        "state_dtypes": [str(d) for d in spec.dtypes],
+        "mamba_type": str(getattr(spec, "mamba_type", "")),
+        "mamba_cache_mode": str(getattr(spec, "mamba_cache_mode", "")),
+    }
+
+
+def fanout_spec_kind(spec: Any) -> str:
+    """Kind of one per-layer vLLM cache spec for fan-out (``xkv.fanout.eligibility.SPEC_*``), by
+    class name and fields."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    if "MambaSpec" in names:
+        return el.SPEC_MAMBA
+    if names[0] == "MLAAttentionSpec":
+        if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "model_version", None) == "deepseek_v4":
+            return el.SPEC_MLA_OTHER
+        return el.SPEC_MLA
+    if "MLAAttentionSpec" in names or "SlidingWindowMLASpec" in names:
+        return el.SPEC_MLA_OTHER
+    if "AttentionSpec" in names:
+        return el.SPEC_ATTENTION
+    return el.SPEC_OTHER
+
+
+def _iter_layer_specs(group_spec: Any) -> Iterable[Any]:
+    inner = getattr(group_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    if isinstance(inner, Mapping):
+        return list(inner.values())
+    return [group_spec]
+
+
+def fanout_facts(vllm_config: Any, kv_cache_config: Any, *, layer_views: Iterable[Any] = (),
+                 layerwise_hook: bool = True, cuda: bool | None = None) -> CacheFacts:
+    """Collect fan-out's ``CacheFacts`` from vLLM's ``VllmConfig`` and ``KVCacheConfig`` (0.26-0.33).
+
+    ``layer_views`` are the per-layer cache tensors handed to ``register_kv_caches``: each must be
+    contiguous with ``stride(0) * itemsize == page``. ``layerwise_hook`` is False when some restored
+    layer's attention never calls ``wait_for_layer_load`` (DeepSeek-V3.2 / GLM-5 DSA).
+    """
+    model = vllm_config.model_config
+    par = vllm_config.parallel_config
+    groups = getattr(kv_cache_config, "transfer_groups", None)
+    if groups is None:
+        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    kinds = tuple(fanout_spec_kind(s) for g in groups for s in _iter_layer_specs(g.kv_cache_spec))
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or ""
+    block_outermost = str(layout).upper().startswith("B")
+    contiguous = all(bool(v.is_contiguous()) for v in layer_views)
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return CacheFacts(
+        use_mla=bool(getattr(model, "use_mla", False)),
+        tp_size=int(getattr(par, "tensor_parallel_size", 1)),
+        spec_kinds=kinds,
+        is_hybrid=bool(getattr(model, "is_hybrid", False)),
+        block_outermost=block_outermost,
+        layers_contiguous=contiguous,
+        dcp_size=int(getattr(par, "decode_context_parallel_size", 1) or 1),
+        pcp_size=int(getattr(par, "prefill_context_parallel_size", 1) or 1),
+        ubatching=bool(getattr(par, "use_ubatching", False)),
+        layerwise_hook=layerwise_hook,
+        cuda=bool(cuda),
+    )
