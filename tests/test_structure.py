@@ -14,14 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("xkv", "xkv_vllm_connector")
 #: Lines per module (the standard: ~400, hard budget 500).
 MAX_LINES = 500
-#: Modules still over the budget while their split is under way (issue 12): each may not grow.
-#: Remove an entry once its module is split.
-OVER_BUDGET = {
-    "xkv/kernels/page_copy.py": 958,  # split by engine (issue 12, kernels part)
-    "xkv/layout.py": 535,  # test-only merge_layers and the PagePool.kind guessing are to go
-}
-#: Trees whose duplicates are being removed by the same split (issue 12, kernels part).
-DUPLICATES_UNDER_WAY = ("xkv/kernels/",)
 #: A repeated block of this many code lines is a second home of one idea.
 BLOCK = 6
 
@@ -52,7 +44,7 @@ def test_modules_within_line_budget():
     for p in _modules():
         rel = p.relative_to(ROOT).as_posix()
         n = len(p.read_text().splitlines())
-        if n > OVER_BUDGET.get(rel, MAX_LINES):
+        if n > MAX_LINES:
             over[rel] = n
     assert not over, f"modules over {MAX_LINES} lines (split them by idea): {over}"
 
@@ -69,8 +61,6 @@ def test_no_repeated_blocks():
     seen: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     for p in _modules():
         rel = p.relative_to(ROOT).as_posix()
-        if rel.startswith(DUPLICATES_UNDER_WAY):
-            continue
         rows = _code_lines(p)
         for k in range(len(rows) - BLOCK + 1):
             seen[tuple(ln for _, ln in rows[k:k + BLOCK])].append(f"{rel}:{rows[k][0]}")
