@@ -6,8 +6,9 @@ backends K and V share the last dim; byte pages are right for both.
 
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
-layer only; MLA groups can be fanned out over NVLink instead (``xkv.fanout``, docs/fanout.md):
-each rank copies 1/N of a layer and the group all-gathers the rest at ``wait_for_layer_load``.
+layer only; MLA groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``,
+docs/fanout.md): each rank copies 1/N of a layer and the group all-gathers the rest at
+``wait_for_layer_load``.
 ``save_kv_layer``/``wait_for_save`` are the :class:`~xkv.connector.saves.Saver`'s;
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
 error, never wrong bytes) and collects the step's load errors. The gateway connection (HELLO,
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
 from xkv.connector.registry import GroupPlan, Registry
 from xkv.connector.saves import Saver
@@ -72,8 +74,7 @@ class WorkerSide:
         # (kv_caches, device) -> FanoutRestorer | None; collective over the TP group, so every rank
         # calls it exactly once, in register_kv_caches, whatever happens to its gateway
         self._fanout_factory = fanout_factory
-        self.restorer: Any = None
-        self._fanout_layers: set[str] = set()  # this step's layers restored by the restorer
+        self.fanout: FanoutLoads | None = None  # MLA restores over NVLink, when on
         self.stats = ConnectorStats()
         self.session = GatewaySession(
             gateway_factory,
@@ -100,6 +101,11 @@ class WorkerSide:
     @handler.setter
     def handler(self, h: Any) -> None:
         self.saver.handler = h
+
+    @property
+    def restorer(self) -> Any:
+        """The fan-out restorer (None: fan-out off on this rank)."""
+        return self.fanout.restorer if self.fanout is not None else None
 
     @property
     def turned_off(self) -> bool:
@@ -148,7 +154,9 @@ class WorkerSide:
         if self._handler_factory is not None:
             self.handler = self._handler_factory(device)
         if self._fanout_factory is not None:
-            self.restorer = self._fanout_factory(kv_caches, device)
+            restorer = self._fanout_factory(kv_caches, device)
+            if restorer is not None:
+                self.fanout = FanoutLoads(restorer, self.registry, self.tp_rank, self.pools)
         cuda = device.type == "cuda"
         self.session.open(register_card=_register_card if cuda else None,
                           unregister_card=_unregister_card if cuda else None)
@@ -200,7 +208,8 @@ class WorkerSide:
             self._no_block_errors("the card is not mapped on this rank, or its gateway changed")
             # The other ranks are inside the restorer's agreement for this batch: join it with
             # an empty source, which this rank refuses, so every rank restores as usual.
-            self._fanout_begin(torch.empty(0, dtype=torch.uint8), by_group)
+            if self.fanout is not None:
+                self.fanout.begin(torch.empty(0, dtype=torch.uint8), by_group)
             for job in meta.loads:
                 self._fail(job.block_ids())
                 self._loads_done[job.job_id] += 1
@@ -211,7 +220,7 @@ class WorkerSide:
             for gt in job.groups:
                 self._load_checks.extend((gt, c) for c in range(len(gt.chunks)))
             self._loads_done[job.job_id] += 1
-        fanned = self._fanout_begin(card, by_group)
+        fanned = self.fanout.begin(card, by_group) if self.fanout is not None else set()
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
@@ -230,49 +239,13 @@ class WorkerSide:
             self.stats.add("blocks_restored", len(blocks))
         self._t_load = time.perf_counter() - t0
 
-    def _fanout_begin(self, src: torch.Tensor, by_group: dict[int, list[GroupTransfer]]) -> set[int]:
-        """Hand this step's MLA group loads to the fan-out restorer; returns the groups it took
-        (empty: restore them through the handler). Built from scheduler metadata only, so every
-        TP rank calls ``begin`` with the same loads (it agrees across ranks inside)."""
-        self._fanout_layers = set()
-        if self.restorer is None:
-            return set()
-        from xkv.fanout import LayerLoad
-
-        groups, loads = [], []
-        for g, transfers in by_group.items():
-            plan = self.registry.groups[g]
-            if plan.group.kind != "mla" or plan.is_state:
-                continue
-            # host index tensors: the restorer validates and plans on the host
-            blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-            base = self._base_offsets(plan, transfers)
-            groups.append(g)
-            loads += [LayerLoad(name, base + plan.object_offset(layer, 0), self.pools[name], blocks)
-                      for layer, name in enumerate(plan.group.layer_names)]
-        if not loads or not self.restorer.begin(src, loads):
-            return set()
-        self._fanout_layers = {ld.layer for ld in loads}
-        return set(groups)
-
-    def _fanout_finish(self) -> None:
-        """Exchange whatever the forward left (layers without a wait hook), then wait for the
-        fanned-out copies so the generation check below follows the bytes it vouches for."""
-        if self.restorer is None or not self._fanout_layers:
-            return
-        self.restorer.finish()
-        self._fanout_layers = set()
-        dev = self.restorer.device
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
-
     def _base_offsets(self, plan: GroupPlan, transfers: list[GroupTransfer]) -> torch.Tensor:
         """int64 [n]: card offset of each block of ``transfers`` for layer 0 (this rank's shard)."""
         return torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if layer_name in self._fanout_layers:
-            self.restorer.wait_layer(layer_name)  # all-gather + scatter on the compute stream
+        if self.fanout is not None and layer_name in self.fanout.layers:
+            self.fanout.wait_layer(layer_name)
         else:
             self.handler.wait_layer(layer_name)
 
@@ -293,7 +266,8 @@ class WorkerSide:
     def get_finished(self) -> None:
         """Wait for the step's reads and verify every slot read still holds what was leased."""
         self.saver.merge_counts()
-        self._fanout_finish()
+        if self.fanout is not None:
+            self.fanout.finish()
         if not self._load_checks:
             self._release_card_if_unused()
             return
@@ -359,11 +333,8 @@ class WorkerSide:
         log.warning("%s (tp rank %d: gateway epoch %d)", REATTACHED_LINE, self.tp_rank, epoch)
 
     def shutdown(self) -> None:
-        if self.restorer is not None:
-            try:
-                self.restorer.close()
-            except Exception:
-                log.debug("xkv: fan-out close failed", exc_info=True)
-            self.restorer = None
+        if self.fanout is not None:
+            self.fanout.close()
+            self.fanout = None
         self.saver.close(timeout_s=10.0)
         self.session.close()
