@@ -215,8 +215,8 @@ def make_request(req_id: str, tokens, *, block_size: int = 32, salt=None, max_to
     if not _HASH_READY:
         init_none_hash(sha256)
         _HASH_READY = True
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params} if params is not None else None)
+    extra = {} if params is None else {"extra_args": {"kv_transfer_params": params}}
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
     return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
                    pooling_params=None, cache_salt=salt,
                    block_hasher=get_request_block_hasher(block_size, sha256))
@@ -293,8 +293,9 @@ def step_with_worker(scheduler: Scheduler, worker, caches, block_size: int, *,
     worker.wait_for_save()
     worker.get_finished(so.finished_req_ids)
     kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                               kv_connector_worker_meta=worker.build_connector_worker_meta(),
-                               kv_connector_stats=worker.get_kv_connector_stats())
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    if "kv_connector_stats" in getattr(KVConnectorOutput, "__dataclass_fields__", {}):
+        kv_out.kv_connector_stats = worker.get_kv_connector_stats()
     worker.clear_connector_metadata()
     _finish_step(scheduler, so, kv_out)
     return so, meta.step, kv_out
