@@ -16,8 +16,9 @@ One request's life (see docs/architecture.md):
 
 Failure (``session.GatewaySession``): ``MAX_FAILURES`` consecutive calls without an answer
 (dead, restarted, or deadlines missed; a single slow answer only costs that request its hit) turn
-the connector off for good: zero hits, no saves, and ``StepMetadata.turned_off`` tells every
-worker to turn off too.
+the connector off: zero hits, no saves, and ``StepMetadata.turned_off`` tells every worker to
+turn off too, until a re-probe (with a back-off, at a step with no load pending) finds the
+gateway answering again (a restarted one only with ``reattach``).
 """
 
 from __future__ import annotations
