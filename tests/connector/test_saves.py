@@ -52,6 +52,12 @@ class DeferredHandler(SyncTransferHandler):
     def save_layer(self, name, pool, block_ids, card, offsets):
         self.queued.append((pool, block_ids.clone(), card, offsets.clone()))
 
+    def prepare_saves(self, pools, block_ids, card, offsets):
+        return None  # the copies are queued per layer below and applied by the fence
+
+    def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
+        self.save_layer(name, pool, block_ids, card, offsets)
+
     def flush_saves(self):
         raise AssertionError("wait_for_save must not block on the save copies")
 

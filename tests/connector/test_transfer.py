@@ -129,3 +129,81 @@ def test_contiguous_runs_match_a_plain_scan(steps, step):
     assert contiguous_runs(offs, step) == want
     assert contiguous_runs(torch.tensor(offs, dtype=torch.int64), step) == want
     assert sum(n for _, n, _ in want) == len(offs)
+
+
+# ---------------------------------------------------------------- group loads, prepared saves
+class _Plan:
+    """The two things layer_offsets reads of a GroupPlan: its layer names, object_offset."""
+
+    def __init__(self, layers: int, blocks_per_object: int, block_bytes: int):
+        self.group = type("G", (), {"layer_names": tuple(f"l{i}" for i in range(layers))})()
+        self.k, self.bb = blocks_per_object, block_bytes
+
+    def object_offset(self, layer, block):
+        return (layer * self.k + block) * self.bb
+
+
+def _handler(device):
+    if device == "cuda":
+        return transfer.CudaTransferHandler(torch.device("cuda"))
+    return transfer.SyncTransferHandler()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@given(data=st.data())
+def test_load_group_and_prepared_saves_bit_exact(device, data):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L = data.draw(st.integers(1, 4), label="layers")
+    n = data.draw(st.integers(0, B), label="blocks")
+    ids = torch.tensor(data.draw(st.permutations(range(B)))[:n], dtype=torch.int64)
+    caches = [_cache(device) for _ in range(L)]
+    for c in caches:
+        c.view(torch.uint8).fill_(0xA5)  # poisoned destination
+    pools = [describe_cache(c, num_blocks=B, layout="NHD") for c in caches]
+    bb = pools[0].block_bytes
+    k = B  # one object holds B blocks per layer; slot i of the step in a shuffled order
+    plan = _Plan(L, k, bb)
+    slots = torch.tensor(data.draw(st.permutations(range(k)))[:n], dtype=torch.int64)
+    base = slots * bb + 3 * 4096  # the object starts at an aligned offset inside the card
+    offs = transfer.layer_offsets(plan, base)
+    assert offs.shape == (L, n)
+    for i in range(L):
+        assert torch.equal(offs[i], base + plan.object_offset(i, 0))
+    card = _card(3 * 4096 + L * k * bb, device)
+    h = _handler(device)
+    h.begin_loads()
+    names = plan.group.layer_names
+    h.load_group(names, card, offs, pools, ids)
+    for name in reversed(names):
+        h.wait_layer(name)
+    h.sync_loads()
+    for i, pool in enumerate(pools):
+        for j, b in enumerate(ids.tolist()):
+            assert torch.equal(pool.block(b).cpu(), card[offs[i, j]: offs[i, j] + bb].cpu())
+        untouched = sorted(set(range(B)) - set(ids.tolist()))
+        for b in untouched:
+            assert bool((pool.block(b) == 0xA5).all())
+    out = torch.zeros_like(card)
+    prep = h.prepare_saves(pools, ids, out, offs)
+    order = data.draw(st.permutations(range(L)), label="save order")
+    for i in order:
+        h.save_prepared(prep, i, names[i], pools[i], ids, out, offs[i])
+    h.flush_saves()
+    for i, pool in enumerate(pools):
+        for j, b in enumerate(ids.tolist()):
+            assert torch.equal(out[offs[i, j]: offs[i, j] + bb].cpu(), pool.block(b).cpu())
+    written = torch.zeros(out.numel(), dtype=torch.bool)
+    for i in range(L):
+        for j in range(n):
+            written[int(offs[i, j]): int(offs[i, j]) + bb] = True
+    assert not bool(out.cpu()[~written].any())  # nothing outside the step's fragments
+
+
+def test_load_group_refuses_bad_offsets_before_any_byte_moves():
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    before = kv.clone()
+    bad = torch.stack([offs, offs + card.numel()])  # layer 1 reads past the card's end
+    with pytest.raises(ValueError):
+        transfer.SyncTransferHandler().load_group(("a", "b"), card, bad, [pool, pool], ids)
+    assert torch.equal(kv, before)

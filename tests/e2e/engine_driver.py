@@ -153,6 +153,11 @@ class _CheckedHandler:
         self.inner.load_layer(name, card, offsets, pool, block_ids)
         self.loads.setdefault(name, []).append((card, offsets.clone(), pool, block_ids.clone()))
 
+    def load_group(self, names, card, offsets, pools, block_ids):
+        self.inner.load_group(names, card, offsets, pools, block_ids)
+        for name, offs, pool in zip(names, offsets, pools, strict=True):
+            self.loads.setdefault(name, []).append((card, offs.clone(), pool, block_ids.clone()))
+
     def wait_layer(self, name):
         self.inner.wait_layer(name)
         for args in self.loads.pop(name, ()):
@@ -166,6 +171,11 @@ class _CheckedHandler:
 
     def save_layer(self, name, pool, block_ids, card, offsets):
         self.inner.save_layer(name, pool, block_ids, card, offsets)
+        self.inner.flush_saves()
+        self.checks.compare("save", card, offsets, pool, block_ids)
+
+    def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
+        self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)
         self.inner.flush_saves()
         self.checks.compare("save", card, offsets, pool, block_ids)
 

@@ -39,6 +39,7 @@ from xkv.connector.metadata import StepMetadata
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.stats import ConnectorStats
+from xkv.connector.transfer import layer_offsets
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 from xkv.gateway.protocol import MAX_KEYS
 
@@ -177,7 +178,7 @@ class Saver:
         self._saved: dict[int, set[int]] = {}
         self._unflushed: StepMetadata | None = None
         self._flushed = False
-        self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, layer-0 offsets)
+        self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, [L, n] offsets, prepared)
         self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
@@ -214,17 +215,23 @@ class Saver:
             return
         t0 = time.perf_counter()
         if g not in self._plan:
+            # once per group and step: every layer's offsets, validated and uploaded together
             transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
             blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids],
                                   dtype=torch.int64)
             base = torch.tensor(plan.card_offsets(self.tp_rank, [gt for _, gt in transfers]),
                                 dtype=torch.int64)
-            self._plan[g] = ([job for job, _ in transfers], blocks, base)
-        jobs, blocks, base = self._plan[g]
+            offs = layer_offsets(plan, base)
+            prep = None
+            if transfers:
+                pools = [self.pools[n] for n in plan.group.layer_names]
+                prep = self.handler.prepare_saves(pools, blocks, card, offs)
+            self._plan[g] = ([job for job, _ in transfers], blocks, offs, prep)
+        jobs, blocks, offs, prep = self._plan[g]
         if not jobs:
             return
-        offs = base + plan.object_offset(layer, 0)
-        self.handler.save_layer(layer_name, self.pools[layer_name], blocks, card, offs)
+        self.handler.save_prepared(prep, layer, layer_name, self.pools[layer_name], blocks, card,
+                                   offs[layer])
         self._saved.setdefault(g, set()).add(layer)
         self._unflushed = meta
         self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)

@@ -89,6 +89,15 @@ def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) ->
     return n, bad
 
 
+def layer_offsets(plan, base: torch.Tensor) -> torch.Tensor:
+    """int64 ``[L, n]``: card offsets of every layer of ``plan``'s group, from ``base`` (int64
+    ``[n]``, layer 0; see ``GroupPlan.card_offsets``); objects are layer-major, so row ``l`` is
+    ``base + plan.object_offset(l, 0)``. One host op for the whole group."""
+    starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(plan.group.layer_names))],
+                          dtype=torch.int64)
+    return base.reshape(1, -1) + starts.reshape(-1, 1)
+
+
 def _verifier(verify: bool) -> PageVerifier | None:
     return PageVerifier() if verify else None
 
@@ -108,12 +117,33 @@ class SyncTransferHandler:
             self.verifier.record("restore", card, offsets, pool, block_ids)
         kernels.restore(card, offsets, pool, block_ids)
 
+    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+        """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]`` is
+        layer ``names[l]``; validated once (:func:`xkv.kernels.prepare_restore`)."""
+        if self.verifier is not None:
+            for i, pool in enumerate(pools):
+                self.verifier.poison(pool, block_ids)
+                self.verifier.record("restore", card, offsets[i], pool, block_ids)
+        prep = kernels.prepare_restore(card, offsets, pools, block_ids)
+        for i in range(len(pools)):
+            prep.launch(i)
+
     def wait_layer(self, name: str) -> None:
         return None
 
     def sync_loads(self) -> None:
         if self.verifier is not None:
             self.verifier.check("restore")
+
+    def prepare_saves(self, pools, block_ids, card, offsets):
+        """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host)."""
+        return kernels.prepare_save(pools, block_ids, card, offsets)
+
+    def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
+        """Layer ``layer`` of ``prep`` (its pool ``pool``, card offsets ``offsets`` [n])."""
+        prep.launch(layer)
+        if self.verifier is not None:
+            self.verifier.record("save", card, offsets, pool, block_ids)
 
     def save_layer(self, name: str, pool, block_ids, card, offsets) -> None:
         kernels.save(pool, block_ids, card, offsets)
@@ -160,6 +190,7 @@ class CudaTransferHandler:
         self._events: dict[str, torch.cuda.Event] = {}
         self._timing = os.environ.get("XKV_TIMING", "0") == "1"
         self._t: list = []  # [start event, host start, host end of issue, bytes]
+        self._preps: list = []  # this step's prepared loads (see load_group)
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -181,6 +212,26 @@ class CudaTransferHandler:
             self._t[2] = time.perf_counter()
             self._t[3] += int(block_ids.numel()) * pool.block_bytes
 
+    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+        """:meth:`load_layer` for a group's ``L`` layers at once (``offsets`` int64 ``[L, n]``,
+        host): validated and planned once, every table in one upload, then per layer only a
+        launch and its event (no host work per layer: the fixed cost of a restore step)."""
+        with torch.cuda.stream(self.load_stream):
+            if self.verifier is not None:
+                for i, pool in enumerate(pools):
+                    self.verifier.poison(pool, block_ids)
+                    self.verifier.record("restore", card, offsets[i], pool, block_ids)
+            prep = kernels.prepare_restore(card, offsets, pools, block_ids, engine=self.load_engine)
+            for i, name in enumerate(names):
+                prep.launch(i)
+                ev = torch.cuda.Event()
+                ev.record(self.load_stream)
+                self._events[name] = ev
+        self._preps.append(prep)  # tables and buffers referenced until sync_loads
+        if self._t:
+            self._t[2] = time.perf_counter()
+            self._t[3] += int(block_ids.numel()) * prep.block_bytes * len(pools)
+
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
         if ev is not None:
@@ -193,6 +244,7 @@ class CudaTransferHandler:
             end.record(self.load_stream)
         self.load_stream.synchronize()
         self._events.clear()
+        self._preps.clear()
         if end is not None:
             start, h0, h1, nbytes = self._t
             ms = start.elapsed_time(end)
@@ -208,6 +260,19 @@ class CudaTransferHandler:
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.save_stream):
             kernels.save(pool, block_ids, card, offsets, engine=self.save_engine)
+        if self.verifier is not None:
+            self.verifier.record("save", card, offsets, pool, block_ids)
+
+    def prepare_saves(self, pools, block_ids, card, offsets):
+        """A group's saves for one step (``offsets`` int64 ``[L, n]``, host): validated once,
+        tables uploaded once on the save stream, where every :meth:`save_prepared` launches."""
+        with torch.cuda.stream(self.save_stream):
+            return kernels.prepare_save(pools, block_ids, card, offsets, engine=self.save_engine)
+
+    def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
+        """:meth:`save_layer` for layer ``layer`` of ``prep``: a stream wait and a launch."""
+        self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
+        prep.launch(layer)  # on the save stream (prep.stream)
         if self.verifier is not None:
             self.verifier.record("save", card, offsets, pool, block_ids)
 
