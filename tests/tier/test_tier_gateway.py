@@ -1,0 +1,167 @@
+"""The tier inside real xkv-gateway processes: hosts A and B (separate cards and ports) on one
+real mooncake_master. A lookup that misses in B's card is answered with what A wrote through,
+as an ordinary hit; namespaces stay apart across hosts; a dead master costs hits, never service;
+a restarted master brings hits back; bad objects are misses, counted and logged."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+from tier_hosts import check, hosts, store
+
+SHARDS, SHARD_BYTES = 2, 20000
+
+
+def keys(n):
+    return [os.urandom(32) for _ in range(n)]
+
+
+def test_b_serves_what_a_stored_and_namespaces_stay_apart(master, tmp_path):
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000"]) as (a, b):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(4)
+        data = store(a, la, ks, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 4 and t["tier_inflight"] == 0, what="written")
+        # another namespace, same fingerprint and keys, on B: asked, nothing found
+        other = b.client.register_layout("staging", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        r = b.client.lookup([(other, ks)])
+        assert r.num_chunks == 0 and r.lease_id == 0
+        t = b.tier()
+        assert t["tier_lookups"] == 1 and t["tier_misses"] == 4 and t["tier_hits"] == 0
+        # the same namespace on B (its own layout id): every chunk, bytes equal, leased
+        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        r = b.client.lookup([(lb, ks)])
+        assert r.num_chunks == 4 and r.lease_id != 0
+        check(b, r, ks, data, SHARD_BYTES)
+        s = b.client.stats()
+        assert s["tier_hits"] == 4 and s["tier_served_chunks"] == 4
+        assert s["lookups"] == 2 and s["hit_chunks"] == 4 and s["leases"] == 1
+        assert s["tier_written"] == 0  # pulled objects are not written back
+        assert b.client.release(r.lease_id) == 1
+        # now B's card has them: no second trip to Mooncake
+        r = b.client.lookup([(lb, ks + keys(1))])
+        assert r.num_chunks == 4 and b.tier()["tier_hits"] == 4
+        assert b.tier()["tier_lookups"] == 3  # only the fifth key was asked for, and missed
+        assert b.tier()["tier_asked_chunks"] == 4 + 4 + 1
+
+
+def test_eviction_keeps_the_mooncake_copy(master, tmp_path):
+    # A's card holds 4 objects; the 5th..8th evict the first ones, Mooncake still has them
+    obj = SHARDS * 20480
+    with hosts(master, tmp_path, n=1, capacity=str(4 * obj),
+               extra=["--mooncake-wait-ms", "5000"]) as (a,):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        first, second = keys(4), keys(4)
+        data = store(a, la, first, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 4, what="first written")
+        store(a, la, second, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 8, what="second written")
+        assert a.client.stats()["evicted"] == 4
+        r = a.client.lookup([(la, first[:2])])
+        assert r.num_chunks == 2 and a.tier()["tier_hits"] == 2
+        check(a, r, first, data, SHARD_BYTES)
+
+
+def test_master_killed_then_restarted(master, tmp_path):
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "3000"]) as (a, b):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(6)
+        data = store(a, la, ks, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 6, what="written")
+        r = b.client.lookup([(lb, ks[:3])])
+        assert r.num_chunks == 3
+        b.client.release(r.lease_id)
+        master.kill()
+        # B serves its card (3 chunks) and misses the rest, without stalling; several times
+        for _ in range(5):
+            t0 = time.monotonic()
+            r = b.client.lookup([(lb, ks)])
+            assert r.num_chunks == 3, r
+            assert time.monotonic() - t0 < 3.5  # never more than the wait; then at once
+            check(b, r, ks, data, SHARD_BYTES)
+            b.client.release(r.lease_id)
+        b.wait(lambda t: t["tier_up"] == 0, what="tier down")
+        t0 = time.monotonic()
+        assert b.client.lookup([(lb, ks)]).num_chunks == 3
+        assert time.monotonic() - t0 < 0.5  # down: not even asked
+        fresh = store(a, la, keys(1), SHARDS, SHARD_BYTES)  # A keeps storing into its card
+        assert len(fresh) == SHARDS
+        master.start()
+        for h in (a, b):
+            h.wait(lambda t: t["tier_up"] == 1, timeout_s=60, what="tier back up")
+        # the restarted master lost its objects; new writes from A are hits on B again
+        deadline = time.monotonic() + 30
+        while True:
+            ks2 = keys(2)
+            before = a.tier()
+            data2 = store(a, la, ks2, SHARDS, SHARD_BYTES)
+            t = a.wait(lambda t, b0=before: t["tier_written"] + t["tier_write_errors"]
+                       >= b0["tier_written"] + b0["tier_write_errors"] + 2, what="write result")
+            if t["tier_written"] == before["tier_written"] + 2:
+                break
+            assert time.monotonic() < deadline, t  # segments re-mount about 1 s after restart
+            time.sleep(0.5)
+        r = b.client.lookup([(lb, ks2)])
+        assert r.num_chunks == 2
+        check(b, r, ks2, data2, SHARD_BYTES)
+        for h in (a, b):
+            log = h.log()
+            assert log.count("mooncake tier down") == 1, log[-3000:]
+            assert log.count("(reconnected)") == 1, log[-3000:]
+        t = a.tier()  # A's write of `fresh` failed (or was dropped, once A knew): counted
+        assert t["tier_write_errors"] + t["tier_write_dropped"] >= 1
+
+
+def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path):
+    from mooncake_master import free_port
+
+    from xkv.gateway.tier_store import layout_digest, mooncake_key
+
+    port = free_port()
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000"]) as (a, b):
+        b.stop()
+        b.__init__(master, str(tmp_path / "gateway_B2.log"),
+                   extra=["--mooncake-wait-ms", "5000", "--metrics-port", str(port)])
+        b.wait(lambda t: t["tier_up"] == 1)
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(3)
+        store(a, la, ks, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 3)
+        name = mooncake_key(layout_digest("prod", "fp-1", SHARDS, SHARD_BYTES), ks[1])
+        hand = master.client()
+        try:
+            blob = bytearray(hand.get(name))
+            blob[-1] ^= 0xFF
+            assert hand.upsert(name, bytes(blob)) == 0
+        finally:
+            hand.close()
+        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        r = b.client.lookup([(lb, ks)])
+        assert r.num_chunks == 1  # chunk 1 is corrupt: the prefix stops before it
+        t = b.tier()
+        assert t["tier_corrupt"] == 1 and t["tier_hits"] == 2 and t["tier_misses"] == 1
+        assert b.client.stats()["ready_objects"] == 2  # the bad one was never made visible
+        assert "fails its checksum" in b.log()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for line in ("xkv_gateway_tier_up 1", "xkv_gateway_tier_hits_total 2",
+                     'xkv_gateway_tier_bad_objects_total{reason="corrupt"} 1',
+                     "xkv_gateway_tier_write_backlog 0", "xkv_gateway_tier_pull_bytes_total "):
+            assert line in text, line
+        assert "xkv_gateway_tier_pull_seconds_total" in text
+
+
+def test_write_through_off_and_backlog_full(master, tmp_path):
+    with hosts(master, tmp_path, extra=["--no-mooncake-write-through"], n=1) as (a,):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        store(a, la, keys(2), SHARDS, SHARD_BYTES)
+        time.sleep(0.3)
+        t = a.tier()
+        assert t["tier_written"] == 0 and t["tier_write_dropped"] == 0
+    with hosts(master, tmp_path, extra=["--mooncake-backlog", "0"], n=1) as (a,):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        store(a, la, keys(2), SHARDS, SHARD_BYTES)
+        t = a.tier()
+        assert t["tier_written"] == 0 and t["tier_write_dropped"] == 2
