@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("mooncake.store", reason="Mooncake Store not installed (pip install 'xkv[mooncake]')")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "models"))
+sys.path.insert(0, str(HERE.parent / "e2e"))  # e2e_harness + engine_driver: reused, not copied
 
 from mooncake_master import Master  # noqa: E402
 
@@ -20,3 +23,10 @@ def master(tmp_path):
     m = Master(str(tmp_path / "mooncake_master.log")).start()
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="session")
+def models():
+    from tiny_models import ensure_model
+
+    return {"llama": str(ensure_model("llama"))}

@@ -85,6 +85,28 @@ class Master:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def capacity(self) -> int:
+        """Bytes of segments mounted now (master_total_capacity_bytes); -1 if it does not answer."""
+        import urllib.request
+
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics",
+                                          timeout=2).read().decode()
+        except OSError:
+            return -1
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return int(float(line.split()[1]))
+        return -1
+
+    def wait_capacity(self, nbytes: int, timeout_s: float = 60.0) -> None:
+        """Until the gateways' segments (re-)mounted: ``nbytes`` in all."""
+        deadline = time.monotonic() + timeout_s
+        while self.capacity() < nbytes:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"master has {self.capacity()} B of segments, not {nbytes}")
+            time.sleep(0.1)
+
     def client(self, segment: int = 32 << 20):
         """A plain Mooncake client (the tests' hand on the shared store)."""
         from mooncake.store import MooncakeDistributedStore

@@ -21,9 +21,11 @@ Threads. ``pull`` runs existence checks and pulls (``batch_is_exist``, ``batch_g
 straight into the card's slots, the header into a registered side buffer); ``push`` runs the
 write-through (``batch_put_from_multi_buffers`` straight from the slots). Both post results to
 ``done`` (a SimpleQueue the loop drains). Mooncake calls block up to ~4.3 s each once the master
-is gone and ``setup`` blocks ~90 s while it is down (measured, notes/gateway.md), which is why
+is gone and ``setup`` blocks ~90 s while it is down (measured here), which is why
 none of them runs on the loop. The pull thread also owns the connection state (connecting / up /
-down), logging one line per change and probing ``health_check`` while down.
+down), logging one line per change. While idle it calls ``health_check`` once a second (it
+reads the client's own heartbeat state and returns at once) to notice a lost master; while down
+it also makes one real call before it says "up" again.
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ class MooncakeBackend:
             try:
                 if self.state == "down":
                     self._probe()
+                elif not job and self.store.health_check() != 0:  # idle: notice a lost master
+                    self._failed("health_check", self.store.health_check())
                 if job:
                     self.done.put(self._run(job))
             except Exception as e:  # a bug or a binding error must not kill the tier silently
