@@ -176,9 +176,12 @@ def _mooncake(args) -> dict:
                          f"{args.mooncake_segment_size}")
     local = args.mooncake_local_hostname
     if not local:
-        address = _resolve(host.strip("[]"))
-        local = "127.0.0.1" if ipaddress.ip_address(address).is_loopback else \
-            _resolve(socket.gethostname())
+        try:
+            loopback = ipaddress.ip_address(socket.gethostbyname(host.strip("[]"))).is_loopback
+            local = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+        except OSError as e:
+            raise SystemExit(f"xkv-gateway: cannot resolve the --mooncake-master host {host!r} "
+                             f"or this host's name (give --mooncake-local-hostname): {e}") from None
     return dict(mooncake_master=args.mooncake_master,
                 mooncake_metadata=args.mooncake_metadata or f"http://{host}:8080/metadata",
                 mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,

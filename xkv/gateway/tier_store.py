@@ -116,8 +116,8 @@ def _address(buf) -> int:
 class MooncakeBackend:
     """Owns one ``MooncakeDistributedStore`` client and the pull/push threads.
 
-    ``card``: the card's arena (an mmap); it is registered with Mooncake so transfers go straight
-    between slots and the network. The loop calls :meth:`submit` (pull-thread jobs) and
+    ``card``: the card's arena (an mmap). Transfers are handed slot addresses, so xkv copies no
+    byte; with RDMA the arena is registered with Mooncake (the NIC needs it), with TCP it is not. The loop calls :meth:`submit` (pull-thread jobs) and
     :meth:`offer` (write-through), and drains :attr:`done`; nothing here touches the index."""
 
     def __init__(self, settings: MooncakeSettings, card: mmap.mmap, *, store_factory=None):
@@ -204,8 +204,12 @@ class MooncakeBackend:
         if rc != 0:
             self._set_state("down", f"setup with master {s.master} returned {rc}")
             return False
-        regs = [store.register_buffer(self._card_addr, len(self._card))]
-        regs += [store.register_buffer(_address(h), len(h)) for h in self._hdr.values()]
+        # RDMA NICs can only move registered memory; registering also publishes the buffer to
+        # every peer of the cluster, so over TCP (which moves any address) the card stays private.
+        regs = []
+        if s.protocol == "rdma":
+            regs = [store.register_buffer(self._card_addr, len(self._card))]
+            regs += [store.register_buffer(_address(h), len(h)) for h in self._hdr.values()]
         if any(regs):
             self._set_state("down", f"register_buffer returned {regs}")
             store.close()
