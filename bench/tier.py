@@ -101,6 +101,8 @@ def bench_store(master, sizes, batches, repeat, card_bytes):
                     call_s.append(seconds)
                     assert status == ["ok"] * batch, status
                     assert nbytes == batch * (size + HEADER_BYTES)
+                    # free the pool for the next round (forced: the pull's lease is still on)
+                    assert a.store.batch_remove(names, True) == [0] * batch
                 moved = batch * size
                 rows.append({
                     "object_bytes": size, "batch": batch, "repeat": repeat,
@@ -121,7 +123,8 @@ def bench_gateways(master, chunk_bytes, chunks, repeat, log_dir):
     from tier_hosts import Host, store
 
     cap = f"{max(4 * chunk_bytes * chunks, 64 << 20)}"
-    extra = ["--mooncake-wait-ms", "30000", "--mooncake-segment-size", cap]
+    pool = f"{max(2 * chunk_bytes * chunks * repeat, 64 << 20)}"  # every round stays stored
+    extra = ["--mooncake-wait-ms", "30000", "--mooncake-segment-size", pool]
     hosts = [Host(master, os.path.join(log_dir, f"bench_gateway_{n}.log"), capacity=cap,
                   extra=extra) for n in "AB"]
     a, b = hosts
