@@ -30,6 +30,7 @@ it also makes one real call before it says "up" again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -50,7 +51,7 @@ HEADER = struct.Struct("<4sHHI16s8sQI16x")
 HEADER_BYTES = HEADER.size  # 64
 MAGIC, VERSION = b"XKVT", 1
 RPC_FAIL = -900  # Mooncake ErrorCode: the master did not answer
-OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 #: Most objects in one pull or push call (and header buffers per thread).
 MAX_BATCH = 4096
 
@@ -175,7 +176,8 @@ class MooncakeBackend:
                 self.store.close()
             except Exception as e:  # closing must not fail the gateway's shutdown
                 log.debug("mooncake close: %s", e)
-        self._view.release()
+        with contextlib.suppress(BufferError):  # a thread still inside a call keeps it
+            self._view.release()
 
     # ------------------------------------------------------------------ connection state
 
@@ -342,5 +344,5 @@ class MooncakeBackend:
         res = self.store.batch_put_from_multi_buffers([it.name for it in items], ptrs, sizes)
         if any(r == RPC_FAIL for r in res):
             self._failed("batch_put_from", RPC_FAIL)
-        ok = [r == 0 for r in res]
+        ok = [r in (0, OBJECT_ALREADY_EXISTS) for r in res]  # another host wrote it first
         return ("pushed", items, ok, sum(it.nbytes for it, k in zip(items, ok, strict=True) if k))
