@@ -165,3 +165,24 @@ def test_write_through_off_and_backlog_full(master, tmp_path):
         store(a, la, keys(2), SHARDS, SHARD_BYTES)
         t = a.tier()
         assert t["tier_written"] == 0 and t["tier_write_dropped"] == 2
+
+
+def test_lookup_over_its_wait_is_answered_from_the_card_and_prefetches(master, tmp_path):
+    # a wait of 0 ms: the lookup cannot be served by the tier, its pull becomes a prefetch
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "0"]) as (a, b):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(4)
+        data = store(a, la, ks, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 4, what="written")
+        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        r = b.client.lookup([(lb, ks)])
+        assert r.num_chunks == 0 and r.lease_id == 0
+        t = b.wait(lambda t: t["tier_late_objects"] == 4, what="prefetch landed")
+        assert t["tier_deadline"] == 1 and t["tier_served_chunks"] == 0
+        r = b.client.lookup([(lb, ks)])
+        assert r.num_chunks == 4
+        check(b, r, ks, data, SHARD_BYTES)
+        t = b.tier()
+        assert t["tier_lookups"] == 1 and t["tier_hits"] == 4  # the second one was a card hit
+        s = b.client.stats()
+        assert s["lookups"] == 2 and s["hit_chunks"] == 4 and s["leases"] == 1
