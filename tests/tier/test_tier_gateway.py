@@ -186,3 +186,28 @@ def test_lookup_over_its_wait_is_answered_from_the_card_and_prefetches(master, t
         assert t["tier_lookups"] == 1 and t["tier_hits"] == 4  # the second one was a card hit
         s = b.client.stats()
         assert s["lookups"] == 2 and s["hit_chunks"] == 4 and s["leases"] == 1
+
+
+def test_two_groups_pull_the_common_prefix(master, tmp_path):
+    # a hybrid model's lookup names one layout per cache group; a chunk counts only if every
+    # group has it, in Mooncake as in the card
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000"]) as (a, b):
+        g1a = a.client.register_layout("prod", "fp-attn", 2, 12000).layout_id
+        g2a = a.client.register_layout("prod", "fp-state", 1, 30000).layout_id
+        k1, k2 = keys(4), keys(4)
+        d1 = store(a, g1a, k1, 2, 12000)
+        d2 = store(a, g2a, k2[:2] + k2[3:], 1, 30000)  # group 2 lacks chunk 2
+        a.wait(lambda t: t["tier_written"] == 7, what="written")
+        g1b = b.client.register_layout("prod", "fp-attn", 2, 12000).layout_id
+        g2b = b.client.register_layout("prod", "fp-state", 1, 30000).layout_id
+        r = b.client.lookup([(g1b, k1), (g2b, k2)])
+        assert r.num_chunks == 2
+        card = b.client.map_card()
+        for c in range(2):
+            for s, off in enumerate(r.slots[0][c].offsets):
+                assert bytes(card[off:off + 12000]) == d1[(k1[c], s)]
+            off = r.slots[1][c].offsets[0]
+            assert bytes(card[off:off + 30000]) == d2[(k2[c], 0)]
+        t = b.tier()
+        assert t["tier_hits"] == 4 and t["tier_served_chunks"] == 2 and t["tier_misses"] == 2
+        assert b.client.stats()["ready_objects"] == 4  # nothing pulled past the gap
