@@ -154,13 +154,13 @@ def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path)
 
 
 def test_write_through_off_and_backlog_full(master, tmp_path):
-    with hosts(master, tmp_path, extra=["--no-mooncake-write-through"], n=1) as (a,):
+    with hosts(master, tmp_path, extra=["--no-mooncake-write-through"], n=1, tag="off") as (a,):
         la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
         store(a, la, keys(2), SHARDS, SHARD_BYTES)
         time.sleep(0.3)
         t = a.tier()
         assert t["tier_written"] == 0 and t["tier_write_dropped"] == 0
-    with hosts(master, tmp_path, extra=["--mooncake-backlog", "0"], n=1) as (a,):
+    with hosts(master, tmp_path, extra=["--mooncake-backlog", "0"], n=1, tag="full") as (a,):
         la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
         store(a, la, keys(2), SHARDS, SHARD_BYTES)
         t = a.tier()
@@ -211,3 +211,32 @@ def test_two_groups_pull_the_common_prefix(master, tmp_path):
         t = b.tier()
         assert t["tier_hits"] == 4 and t["tier_served_chunks"] == 2 and t["tier_misses"] == 2
         assert b.client.stats()["ready_objects"] == 4  # nothing pulled past the gap
+
+
+def test_secret_file_signs_and_checks_through_the_gateways(master, tmp_path):
+    secret = tmp_path / "tier.secret"
+    secret.write_bytes(os.urandom(24).hex().encode())
+    secret.chmod(0o600)
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000",
+                                        "--mooncake-secret-file", str(secret)]) as (a, b):
+        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(2)
+        data = store(a, la, ks, SHARDS, SHARD_BYTES)
+        a.wait(lambda t: t["tier_written"] == 2, what="written")
+        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        r = b.client.lookup([(lb, ks)])
+        assert r.num_chunks == 2 and b.tier()["tier_corrupt"] == 0
+        check(b, r, ks, data, SHARD_BYTES)
+    # a gateway without the secret wrote them: a gateway with it refuses them
+    with hosts(master, tmp_path, n=1, tag="plain",
+               extra=["--mooncake-wait-ms", "5000"]) as (plain,):
+        lp = plain.client.register_layout("prod", "fp-2", SHARDS, SHARD_BYTES).layout_id
+        ks = keys(2)
+        store(plain, lp, ks, SHARDS, SHARD_BYTES)
+        plain.wait(lambda t: t["tier_written"] == 2, what="written")
+        with hosts(master, tmp_path, n=1, tag="signed", extra=[
+                "--mooncake-wait-ms", "5000", "--mooncake-secret-file", str(secret)]) as (s,):
+            ls = s.client.register_layout("prod", "fp-2", SHARDS, SHARD_BYTES).layout_id
+            assert s.client.lookup([(ls, ks)]).num_chunks == 0
+            assert s.tier()["tier_corrupt"] == 2
+            assert "not signed with this cluster's secret" in s.log()

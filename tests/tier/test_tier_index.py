@@ -62,6 +62,26 @@ def test_tier_flags():
     assert not cfg.mooncake_write_through and cfg.mooncake_segment_bytes == 2 << 30
     assert cfg.mooncake_metadata == "http://10.0.0.5:8080/metadata"
     assert parse_args([]).mooncake_master is None  # off by default
+    import os
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("wb", delete=False) as f:
+        f.write(b"  s3cret-s3cret-s3cret\n")
+    try:
+        os.chmod(f.name, 0o600)
+        cfg = parse_args(["--mooncake-master", "127.0.0.1:1", "--mooncake-secret-file", f.name])
+        assert cfg.mooncake_secret == b"s3cret-s3cret-s3cret"
+        os.chmod(f.name, 0o644)
+        with pytest.raises(SystemExit, match="readable by others .mode 644.; chmod 600"):
+            parse_args(["--mooncake-master", "127.0.0.1:1", "--mooncake-secret-file", f.name])
+        os.chmod(f.name, 0o600)
+        with open(f.name, "wb") as g:
+            g.write(b"short")
+        with pytest.raises(SystemExit, match="holds 5 bytes, expected at least 16"):
+            parse_args(["--mooncake-master", "127.0.0.1:1", "--mooncake-secret-file", f.name])
+    finally:
+        os.unlink(f.name)
+    assert parse_args(["--mooncake-master", "127.0.0.1:1"]).mooncake_secret is None
     for bad, msg in ((["--mooncake-master", "nohost"], "HOST:PORT, got 'nohost'"),
                      (["--mooncake-master", "h:99999"], "HOST:PORT, got 'h:99999'"),
                      (["--mooncake-master", "127.0.0.1:5", "--mooncake-wait-ms", "-1"], ">= 0"),

@@ -35,20 +35,25 @@ def _wait(backend, kind, timeout_s=20.0):
     raise AssertionError(f"no {kind} result within {timeout_s} s")
 
 
-@pytest.fixture
-def backends(master):
-    """Two backends (hosts A and B) on one master, each with its own card."""
+def _start(master, secrets):
     out = []
-    for _ in range(2):
+    for secret in secrets:
         card = mmap.mmap(-1, CARD)
         b = MooncakeBackend(MooncakeSettings(master.address, master.metadata,
-                                             segment_bytes=32 << 20), card)
+                                             segment_bytes=32 << 20, secret=secret), card)
         b.start()
         out.append((b, card))
     deadline = time.monotonic() + 30
     while any(b.state != "up" for b, _ in out):
         assert time.monotonic() < deadline, [b.state for b, _ in out]
         time.sleep(0.02)
+    return out
+
+
+@pytest.fixture
+def backends(master):
+    """Two backends (hosts A and B) on one master, each with its own card."""
+    out = _start(master, [None, None])
     yield out
     for b, _ in out:
         b.close()
@@ -128,3 +133,31 @@ def test_lost_corrupt_truncated_foreign_are_misses(backends, master):
     assert status == ["ok", "lost", "corrupt", "truncated", "corrupt"]
     for i, o in enumerate((0, 16384)):
         assert card_b[o:o + 12345] == want[(keys[0], offs[0][i])]
+
+
+def test_secret_signed_objects_and_unsigned_or_foreign_signed_are_misses(master):
+    key1, key2 = b"0123456789abcdef-cluster", b"another-cluster-secret!!"
+    out = _start(master, [key1, key1, key2, None])
+    try:
+        (a, card_a), (b, card_b), (c, _), (d, card_d) = out
+        ks = [os.urandom(32) for _ in range(3)]
+        src, want = _items(card_a, ks[:2], [(0, 16384), (32768, 49152)])
+        a.offer(src)  # signed with key1
+        assert _wait(a, "pushed")[2] == [True, True]
+        unsigned, _ = _items(card_d, ks[2:], [(0, 16384)])
+        d.offer(unsigned)  # a writer without the secret
+        assert _wait(d, "pushed")[2] == [True]
+        dst = [TierItem(DIGEST, k, 2, 12345, (65536 * (i + 1), 65536 * (i + 1) + 16384))
+               for i, k in enumerate(ks)]
+        b.submit(("pull", 1, dst))  # same secret: signed ones verify, the unsigned one does not
+        assert _wait(b, "pull")[2] == ["ok", "ok", "corrupt"]
+        for it, so in zip(dst[:2], [(0, 16384), (32768, 49152)], strict=True):
+            for o, s_ in zip(it.offsets, so, strict=True):
+                assert card_b[o:o + 12345] == want[(it.key, s_)]
+        c.submit(("pull", 2, dst[:2]))  # another secret: nothing verifies
+        assert _wait(c, "pull")[2] == ["corrupt", "corrupt"]
+        d.submit(("pull", 3, dst))  # no secret: crc32 only, signed objects are still readable
+        assert _wait(d, "pull")[2] == ["ok", "ok", "ok"]
+    finally:
+        for bk, _ in out:
+            bk.close()

@@ -43,11 +43,11 @@ class Host:
 
 
 @contextlib.contextmanager
-def hosts(master, tmp_path, n=2, **kw):
+def hosts(master, tmp_path, n=2, tag="", **kw):
     out = []
     try:
         for name in "AB"[:n]:
-            out.append(Host(master, str(tmp_path / f"gateway_{name}.log"), **kw))
+            out.append(Host(master, str(tmp_path / f"gateway_{tag}{name}.log"), **kw))
         for h in out:
             h.wait(lambda t: t["tier_up"] == 1, what="tier up")
         yield out

@@ -63,6 +63,7 @@ class GatewayConfig:
     mooncake_write_through: bool = True
     mooncake_wait_ms: float = 20.0
     mooncake_backlog: int = 4096
+    mooncake_secret: bytes | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +160,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mooncake-backlog", type=int, default=4096, metavar="OBJECTS",
                    help="objects queued for write-through at most; more are dropped and "
                         "counted (default 4096)")
+    t.add_argument("--mooncake-secret-file", metavar="PATH",
+                   help="a secret shared by every gateway of the cluster (mode 0600, at least 16 "
+                        "bytes): objects carry a keyed MAC and objects without a valid one are "
+                        "misses (default: crc32 only)")
     return p
+
+
+def _secret(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise SystemExit(f"xkv-gateway: cannot read --mooncake-secret-file: {e}") from None
+    if st.st_mode & 0o077:
+        raise SystemExit(f"xkv-gateway: --mooncake-secret-file {path} is readable by others "
+                         f"(mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if len(secret) < 16:
+        raise SystemExit(f"xkv-gateway: --mooncake-secret-file {path} holds {len(secret)} bytes, "
+                         f"expected at least 16 (e.g. head -c 32 /dev/urandom | base64)")
+    return secret
 
 
 def _mooncake(args) -> dict:
@@ -187,7 +210,8 @@ def _mooncake(args) -> dict:
                 mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
                 mooncake_local_hostname=local, mooncake_segment_bytes=args.mooncake_segment_size,
                 mooncake_write_through=args.mooncake_write_through,
-                mooncake_wait_ms=args.mooncake_wait_ms, mooncake_backlog=args.mooncake_backlog)
+                mooncake_wait_ms=args.mooncake_wait_ms, mooncake_backlog=args.mooncake_backlog,
+                mooncake_secret=_secret(args.mooncake_secret_file))
 
 
 def _resolve(host: str) -> str:

@@ -373,7 +373,7 @@ def _start_tier(gw: Gateway):
                          f"'xkv[mooncake]' (and libibverbs1 on Debian/Ubuntu): {e}") from None
     settings = MooncakeSettings(c.mooncake_master, c.mooncake_metadata, c.mooncake_protocol,
                                 c.mooncake_device, c.mooncake_local_hostname,
-                                c.mooncake_segment_bytes)
+                                c.mooncake_segment_bytes, secret=c.mooncake_secret)
     return Tier(gw.index, MooncakeBackend(settings, gw.card.arena), gw._answer_lookup,
                 write_through=c.mooncake_write_through, wait_s=c.mooncake_wait_ms / 1000,
                 backlog_objects=c.mooncake_backlog)

@@ -6,8 +6,11 @@ Object format. One card object (one chunk of one layout: ``num_shards`` shards o
 bytes: a 64-byte header, then the shards back to back (never a slot's padding, which may hold
 bytes of an earlier occupant of the slot). Header, little-endian::
 
-    magic b"XKVT" | version u16 | 0 u16 | num_shards u32 | layout digest 16 B |
-    key digest 8 B | shard_bytes u64 | crc32 of the shards u32 | 16 zero bytes
+    magic b"XKVT" | version u16 | flags u16 | num_shards u32 | layout digest 16 B |
+    key digest 8 B | shard_bytes u64 | crc32 of the shards u32 | MAC 16 B
+
+MAC: with a shared secret (``--mooncake-secret-file``, flags bit 0 set), a keyed BLAKE2b-128 of
+the first 48 header bytes and the shards; else 16 zero bytes.
 
 The layout digest is a 16-byte BLAKE2b of (namespace, fingerprint, num_shards, shard_bytes) —
 the names, never the gateway-local layout id — and the Mooncake key is
@@ -15,7 +18,8 @@ the names, never the gateway-local layout id — and the Mooncake key is
 fingerprint agree on every key, and different namespaces never meet. A pull is verified before
 the object becomes visible: header fields equal, crc32 equal, size exact; anything else is a miss.
 crc32 catches corruption and truncation, not a malicious writer (anyone who can reach the
-master can write objects: see docs/operations.md "Several hosts").
+master can write objects: see docs/operations.md "Several hosts"); the MAC does, for writers
+without the secret, when every gateway of the cluster has one.
 
 Threads. ``pull`` runs existence checks and pulls (``batch_is_exist``, ``batch_get_into_multi_buffers``
 straight into the card's slots, the header into a registered side buffer); ``push`` runs the
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import hmac
 import logging
 import mmap
 import queue
@@ -47,7 +52,9 @@ import msgspec
 
 log = logging.getLogger("xkv.gateway")
 
-HEADER = struct.Struct("<4sHHI16s8sQI16x")
+HEADER = struct.Struct("<4sHHI16s8sQI16s")
+SIGNED = HEADER.size - 16  # header bytes the MAC covers (all but itself)
+FLAG_MAC = 1
 HEADER_BYTES = HEADER.size  # 64
 MAGIC, VERSION = b"XKVT", 1
 RPC_FAIL = -900  # Mooncake ErrorCode: the master did not answer
@@ -70,8 +77,15 @@ def key_digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=8).digest()
 
 
-def pack_header(digest: bytes, key: bytes, num_shards: int, shard_bytes: int, crc: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, num_shards, digest, key_digest(key), shard_bytes, crc)
+def pack_header(digest: bytes, key: bytes, num_shards: int, shard_bytes: int, crc: int,
+                flags: int = 0, mac: bytes = bytes(16)) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, flags, num_shards, digest, key_digest(key), shard_bytes,
+                       crc, mac)
+
+
+def mac_key(secret: bytes) -> bytes:
+    """The BLAKE2b key (64 bytes) derived from a secret of any length."""
+    return hashlib.blake2b(b"xkv-tier-mac-1" + secret).digest()
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,7 @@ class MooncakeSettings:
     segment_bytes: int = 1 << 30  # memory this gateway contributes to the shared pool
     local_buffer_bytes: int = 16 << 20
     probe_interval_s: float = 1.0
+    secret: bytes | None = None  # shared by every gateway of the cluster: objects carry a MAC
 
 
 def _address(buf) -> int:
@@ -127,6 +142,7 @@ class MooncakeBackend:
         self._view = memoryview(card)
         self._card_addr = _address(card)
         self._factory = store_factory
+        self._mac_key = mac_key(settings.secret) if settings.secret else None
         self.state = "connecting"  # read by the loop without a lock (a str swap is atomic)
         self.store = None
         self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -298,7 +314,7 @@ class MooncakeBackend:
         return ("pull", token, out, nbytes, seconds)
 
     def _verify(self, it: TierItem, header: bytes) -> str:
-        magic, version, _, shards, digest, kdig, shard_bytes, crc = HEADER.unpack(header)
+        magic, version, flags, shards, digest, kdig, shard_bytes, crc, mac = HEADER.unpack(header)
         want = (MAGIC, VERSION, it.num_shards, it.digest, key_digest(it.key), it.shard_bytes)
         if (magic, version, shards, digest, kdig, shard_bytes) != want:
             log.warning("mooncake tier: object %s has a foreign header (layout or key differs): "
@@ -307,7 +323,18 @@ class MooncakeBackend:
         if self._crc(it) != crc:
             log.warning("mooncake tier: object %s fails its checksum: a miss", it.name)
             return "corrupt"
+        if self._mac_key is not None and not (
+                flags & FLAG_MAC and hmac.compare_digest(mac, self._mac(it, header[:SIGNED]))):
+            log.warning("mooncake tier: object %s is not signed with this cluster's secret: a "
+                        "miss", it.name)
+            return "corrupt"
         return "ok"
+
+    def _mac(self, it: TierItem, signed: bytes) -> bytes:
+        h = hashlib.blake2b(signed, digest_size=16, key=self._mac_key)
+        for off in it.offsets:
+            h.update(self._view[off:off + it.shard_bytes])  # releases the GIL
+        return h.digest()
 
     def _crc(self, it: TierItem) -> int:
         crc, view = 0, self._view
@@ -337,8 +364,11 @@ class MooncakeBackend:
         hdr, base = self._hdr["push"], _address(self._hdr["push"])
         ptrs, sizes = [], []
         for i, it in enumerate(items):
-            hdr[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = pack_header(
-                it.digest, it.key, it.num_shards, it.shard_bytes, self._crc(it))
+            head = pack_header(it.digest, it.key, it.num_shards, it.shard_bytes, self._crc(it),
+                               FLAG_MAC if self._mac_key else 0)
+            if self._mac_key is not None:
+                head = head[:SIGNED] + self._mac(it, head[:SIGNED])
+            hdr[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = head
             ptrs.append([base + i * HEADER_BYTES] + [self._card_addr + o for o in it.offsets])
             sizes.append([HEADER_BYTES] + [it.shard_bytes] * it.num_shards)
         res = self.store.batch_put_from_multi_buffers([it.name for it in items], ptrs, sizes)
