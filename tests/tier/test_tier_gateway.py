@@ -86,7 +86,7 @@ def test_master_killed_then_restarted(master, tmp_path):
         b.wait(lambda t: t["tier_up"] == 0, what="tier down")
         t0 = time.monotonic()
         assert b.client.lookup([(lb, ks)]).num_chunks == 3
-        assert time.monotonic() - t0 < 0.5  # down: not even asked
+        assert time.monotonic() - t0 < 1.0  # down: not even asked (0.3 ms when idle)
         fresh = store(a, la, keys(1), SHARDS, SHARD_BYTES)  # A keeps storing into its card
         assert len(fresh) == SHARDS
         master.start()

@@ -192,6 +192,12 @@ def _mooncake(args) -> dict:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SystemExit(f"xkv-gateway: --mooncake-master must be HOST:PORT, got "
                          f"{args.mooncake_master!r}")
+    try:  # before the card exists: a missing library is a start-up error, not a crash later
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"xkv-gateway: --mooncake-master needs Mooncake Store: pip install "
+                         f"'xkv[mooncake]' ('xkv[mooncake-cpu]' without CUDA) and, on "
+                         f"Debian/Ubuntu, apt-get install libibverbs1 librdmacm1: {e}") from None
     if args.mooncake_wait_ms < 0 or args.mooncake_backlog < 0:
         raise SystemExit("xkv-gateway: --mooncake-wait-ms and --mooncake-backlog must be >= 0")
     if args.mooncake_segment_size < 1 << 20:

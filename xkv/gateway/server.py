@@ -366,11 +366,6 @@ def _start_tier(gw: Gateway):
     from xkv.gateway.tier_store import MooncakeBackend, MooncakeSettings
 
     c = gw.config
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"xkv-gateway: --mooncake-master needs Mooncake Store: pip install "
-                         f"'xkv[mooncake]' (and libibverbs1 on Debian/Ubuntu): {e}") from None
     settings = MooncakeSettings(c.mooncake_master, c.mooncake_metadata, c.mooncake_protocol,
                                 c.mooncake_device, c.mooncake_local_hostname,
                                 c.mooncake_segment_bytes, secret=c.mooncake_secret)
