@@ -14,6 +14,12 @@ restore on A is a LOOKUP that hits A's card; the restore on B is a LOOKUP that m
 waits for the tier (existence + pull of N objects) and hits. The page copy that follows a lookup
 (card -> KV pages) is the same on both hosts and is measured once (memcpy of the chunk bytes).
 
+Part 3 (``--engines``, real vLLM CPU engines on the tiny test Llama, tests/e2e's driver): time of
+one ``generate`` (prefill + 1 token) of a 960-token prompt with no connector (recompute), with
+the connector storing it on A, on a fresh engine of host A restoring from A's card, and on a fresh
+engine of host B restoring through the tier; each engine's first prompt is a warm-up, left out. The tiny model's KV is 1 KiB per token, so this shows the fixed costs of each path, not
+bandwidth.
+
 Needs Mooncake Store (pip install 'xkv[mooncake-cpu]', libibverbs1). Numbers from a loaded
 2-core machine are lower bounds; loopback TCP is not a network.
 """
@@ -175,6 +181,57 @@ def bench_gateways(master, chunk_bytes, chunks, repeat, log_dir):
             h.stop()
 
 
+def bench_engines(master, repeat, log_dir):
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    from e2e_harness import run_engine
+    from tier_hosts import Host
+    from tiny_models import ensure_model
+
+    models = {"llama": str(ensure_model("llama"))}
+    extra = ["--mooncake-wait-ms", "1500"]
+    hosts = [Host(master, os.path.join(log_dir, f"bench_engine_gateway_{n}.log"),
+                  capacity="256M", extra=extra) for n in "AB"]
+    a, b = hosts
+    try:
+        for h in hosts:
+            h.wait(lambda t: t["tier_up"] == 1, what="tier up")
+        # prompt 0 warms each engine up (first-call costs) and is left out of the figures
+        prompts = [[(7 + 31 * i + 101 * r) % 1000 + 4 for i in range(960)]
+                   for r in range(repeat + 1)]
+        gen = [{"op": "generate", "name": f"p{r}", "max_tokens": 1, "prompts": [{"tokens": p}]}
+               for r, p in enumerate(prompts)]
+
+        def on(h):
+            return {"op": "engine", "extra": {"xkv_gateway_port": h.port}}
+
+        steps = ([{"op": "engine", "connector": False}] + _named(gen, "recompute")
+                 + [on(a)] + _named(gen, "store_a") + [on(a)] + _named(gen, "restore_a")
+                 + [on(b)] + _named(gen, "restore_b"))
+        res, _ = run_engine(models, "llama", (master.proc, b.port), steps,
+                            extra={"chunk_size": 64}, timeout=900)
+    finally:
+        for h in hosts:
+            h.stop()
+    rows = {}
+    for run in res["runs"]:
+        kind, name = run["name"].split(":")
+        if name == "p0":
+            continue
+        rows.setdefault(kind, {"seconds": [], "cached": []})
+        rows[kind]["seconds"].append(run["seconds"])
+        rows[kind]["cached"].append(run["cached"][0])
+    out = [{"case": k, "generate_ms": 1e3 * _med(v["seconds"]), "cached_tokens": v["cached"],
+            "runs": len(v["seconds"])} for k, v in rows.items()]
+    for row in out:
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _named(gen, prefix):
+    return [{**g, "name": f"{prefix}:{g['name']}"} for g in gen]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="64K,256K,1M,4M,16M",
@@ -185,6 +242,8 @@ def main() -> None:
                    help="one chunk object in part 2 (Llama-3-8B: 128 KiB/token, 16 tokens = 2M)")
     p.add_argument("--chunks", type=int, default=16, help="chunks of the prompt in part 2")
     p.add_argument("--card", type=parse_size, default="512M", help="card of each host, part 1")
+    p.add_argument("--engines", action="store_true",
+                   help="part 3: real vLLM CPU engines on hosts A and B (about 2 minutes)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--log-dir", default="/tmp")
     args = p.parse_args()
@@ -200,10 +259,11 @@ def main() -> None:
     try:
         store_rows = bench_store(master, sizes, batches, args.repeat, args.card)
         gw_rows = bench_gateways(master, args.chunk_bytes, args.chunks, args.repeat, args.log_dir)
+        engine_rows = bench_engines(master, min(args.repeat, 5), args.log_dir) if args.engines else []
     finally:
         master.stop()
     info["loadavg_after"] = os.getloadavg()
-    out = {"info": info, "store": store_rows, "gateways": gw_rows}
+    out = {"info": info, "store": store_rows, "gateways": gw_rows, "engines": engine_rows}
     print("\n| object | batch | put ms | exists ms | pull call ms | pull job ms | pull MB/s (call / job) |")
     print("|---|---|---|---|---|---|---|")
     for r in store_rows:
@@ -216,6 +276,9 @@ def main() -> None:
               f"({r['b_tier_MBps']:.0f} MB/s), B again {r['b_second_lookup_ms']:.2f} ms; page copy "
               f"{r['page_copy_ms']:.2f} ms -> restore A {r['a_restore_ms']:.2f} ms, "
               f"B {r['b_restore_ms']:.2f} ms")
+    for r in engine_rows:
+        print(f"engines, {r['case']}: generate {r['generate_ms']:.1f} ms (median of {r['runs']}), "
+              f"cached tokens {r['cached_tokens']}")
     print(json.dumps(info))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
