@@ -14,7 +14,7 @@ restore on A is a LOOKUP that hits A's card; the restore on B is a LOOKUP that m
 waits for the tier (existence + pull of N objects) and hits. The page copy that follows a lookup
 (card -> KV pages) is the same on both hosts and is measured once (memcpy of the chunk bytes).
 
-Part 3 (``--engines``, real vLLM CPU engines on the tiny test Llama, tests/e2e's driver): time of
+Part 3 (``--parts engines``, real vLLM CPU engines on the tiny test Llama, tests/e2e's driver): time of
 one ``generate`` (prefill + 1 token) of a 960-token prompt with no connector (recompute), with
 the connector storing it on A, on a fresh engine of host A restoring from A's card, and on a fresh
 engine of host B restoring through the tier; each engine's first prompt is a warm-up, left out. The tiny model's KV is 1 KiB per token, so this shows the fixed costs of each path, not
@@ -210,6 +210,7 @@ def bench_engines(master, repeat, log_dir):
                  + [on(b)] + _named(gen, "restore_b"))
         res, _ = run_engine(models, "llama", (master.proc, b.port), steps,
                             extra={"chunk_size": 64}, timeout=900)
+        tier_b = b.tier()  # where B's lookups spent their time
     finally:
         for h in hosts:
             h.stop()
@@ -223,6 +224,9 @@ def bench_engines(master, repeat, log_dir):
         rows[kind]["cached"].append(run["cached"][0])
     out = [{"case": k, "generate_ms": 1e3 * _med(v["seconds"]), "cached_tokens": v["cached"],
             "runs": len(v["seconds"])} for k, v in rows.items()]
+    out.append({"case": "gateway_b_tier", **{k: tier_b[k] for k in (
+        "tier_lookups", "tier_hits", "tier_served_chunks", "tier_deadline", "tier_pull_bytes",
+        "tier_pull_seconds")}})
     for row in out:
         print(json.dumps(row), flush=True)
     return out
@@ -242,8 +246,9 @@ def main() -> None:
                    help="one chunk object in part 2 (Llama-3-8B: 128 KiB/token, 16 tokens = 2M)")
     p.add_argument("--chunks", type=int, default=16, help="chunks of the prompt in part 2")
     p.add_argument("--card", type=parse_size, default="512M", help="card of each host, part 1")
-    p.add_argument("--engines", action="store_true",
-                   help="part 3: real vLLM CPU engines on hosts A and B (about 2 minutes)")
+    p.add_argument("--parts", default="store,gateways",
+                   help="which parts to run: store,gateways,engines (engines: real vLLM CPU "
+                        "engines on hosts A and B, about 2 minutes)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--log-dir", default="/tmp")
     args = p.parse_args()
@@ -257,9 +262,13 @@ def main() -> None:
     master = Master(os.path.join(args.log_dir, "bench_mooncake_master.log"),
                     lease_ttl_ms=5000).start()
     try:
-        store_rows = bench_store(master, sizes, batches, args.repeat, args.card)
-        gw_rows = bench_gateways(master, args.chunk_bytes, args.chunks, args.repeat, args.log_dir)
-        engine_rows = bench_engines(master, min(args.repeat, 5), args.log_dir) if args.engines else []
+        parts = set(args.parts.split(","))
+        store_rows = (bench_store(master, sizes, batches, args.repeat, args.card)
+                      if "store" in parts else [])
+        gw_rows = (bench_gateways(master, args.chunk_bytes, args.chunks, args.repeat,
+                                  args.log_dir) if "gateways" in parts else [])
+        engine_rows = (bench_engines(master, min(args.repeat, 5), args.log_dir)
+                       if "engines" in parts else [])
     finally:
         master.stop()
     info["loadavg_after"] = os.getloadavg()
@@ -277,6 +286,9 @@ def main() -> None:
               f"{r['page_copy_ms']:.2f} ms -> restore A {r['a_restore_ms']:.2f} ms, "
               f"B {r['b_restore_ms']:.2f} ms")
     for r in engine_rows:
+        if "generate_ms" not in r:
+            print(f"engines, {r}")
+            continue
         print(f"engines, {r['case']}: generate {r['generate_ms']:.1f} ms (median of {r['runs']}), "
               f"cached tokens {r['cached_tokens']}")
     print(json.dumps(info))
