@@ -89,3 +89,15 @@ def test_tier_flags():
                       "at least 1M, got 4096")):
         with pytest.raises(SystemExit, match=msg):
             parse_args(bad)
+
+
+def test_remote_master_needs_a_reachable_local_hostname(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    with pytest.raises(SystemExit, match="resolves to 127.0.0.1, which other hosts cannot reach"):
+        parse_args(["--mooncake-master", "10.1.2.3:50051"])
+    cfg = parse_args(["--mooncake-master", "10.1.2.3:50051", "--mooncake-local-hostname",
+                      "10.1.2.4"])
+    assert cfg.mooncake_local_hostname == "10.1.2.4"
+    assert cfg.mooncake_metadata == "http://10.1.2.3:8080/metadata"

@@ -211,6 +211,10 @@ def _mooncake(args) -> dict:
         except OSError as e:
             raise SystemExit(f"xkv-gateway: cannot resolve the --mooncake-master host {host!r} "
                              f"or this host's name (give --mooncake-local-hostname): {e}") from None
+        if not loopback and ipaddress.ip_address(local).is_loopback:
+            raise SystemExit(f"xkv-gateway: this host's name resolves to {local}, which other "
+                             f"hosts cannot reach; give --mooncake-local-hostname ADDR (the "
+                             f"address the master and the other gateways reach this host at)")
     return dict(mooncake_master=args.mooncake_master,
                 mooncake_metadata=args.mooncake_metadata or f"http://{host}:8080/metadata",
                 mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
