@@ -19,7 +19,9 @@ that :meth:`Tier.poll` drains on every turn of the loop.
   next lookup of that prefix hits. Why wait at all instead of always answering "miss, prefetch":
   vLLM asks once per scheduling of a request and recomputes on a miss, so a pure prefetch would
   never serve the first request of a prefix on a new host — the common case of a router spreading
-  one long system prompt over hosts. A pull of a few chunks over TCP takes single-digit ms.
+  one long system prompt over hosts. A pull of a few chunks over TCP takes single-digit ms. The cost:
+  vLLM's scheduler waits for that lookup, and its whole step with it; ``wait_s`` 0 is the pure
+  prefetch policy for deployments that value decode latency over first-request hits.
 * Failure. Tier down (master gone, setup failing), or too many deferred lookups already: the
   lookup is answered at once from the card. A pulled object that is lost, truncated or fails its
   checksum is aborted (a miss), counted, and logged by the backend.
