@@ -240,3 +240,50 @@ def test_secret_file_signs_and_checks_through_the_gateways(master, tmp_path):
             assert s.client.lookup([(ls, ks)]).num_chunks == 0
             assert s.tier()["tier_corrupt"] == 2
             assert "not signed with this cluster's secret" in s.log()
+
+
+def _flat(x):
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat(y)
+    else:
+        yield x
+
+
+def test_pulled_objects_are_announced_as_stored_kv_events(master, tmp_path):
+    import msgspec
+    import zmq
+
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000", "--kv-events-port", "0"]
+               ) as (a, b):
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{b.client.stats()['kv_events_port']}")
+        try:
+            def received(timeout_s):
+                out, deadline = [], time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    if sub.poll(50):
+                        out += list(_flat(msgspec.msgpack.decode(sub.recv_multipart()[2])))
+                return out
+            lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+            for _ in range(100):  # ZMQ's slow joiner: until B's own stores are seen
+                store(b, lb, keys(1), SHARDS, SHARD_BYTES)
+                if received(0.1):
+                    break
+            received(0.3)
+            la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+            ks = keys(3)
+            store(a, la, ks, SHARDS, SHARD_BYTES)
+            a.wait(lambda t: t["tier_written"] == 3, what="written")
+            assert b.client.lookup([(lb, ks)]).num_chunks == 3
+            seen = received(1.0)
+            for k in ks:  # under the card key (its low 64 bits, vLLM's int block hashes)
+                assert int.from_bytes(k, "big") & (2**64 - 1) in seen
+            assert "BlockStored" in seen
+        finally:
+            sub.close(linger=0)
+            ctx.term()
