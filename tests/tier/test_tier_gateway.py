@@ -9,6 +9,7 @@ import os
 import time
 import urllib.request
 
+import pytest
 from tier_hosts import check, hosts, store
 
 SHARDS, SHARD_BYTES = 2, 20000
@@ -151,6 +152,20 @@ def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path)
                      "xkv_gateway_tier_write_backlog 0", "xkv_gateway_tier_pull_bytes_total "):
             assert line in text, line
         assert "xkv_gateway_tier_pull_seconds_total" in text
+        # `xkv-gateway stats` shows the same numbers, named by their series
+        import json
+        import subprocess
+        import sys
+
+        table = json.loads(subprocess.run(
+            [sys.executable, "-m", "xkv.gateway", "stats", "--port", str(b.port), "--json"],
+            capture_output=True, text=True, check=True, timeout=60).stdout)
+        assert table['xkv_gateway_tier_bad_objects_total{reason="corrupt"}'] == 1
+        assert table["xkv_gateway_tier_hits_total"] == 2 and table["xkv_gateway_tier_up"] == 1
+        for series, raw in table.items():
+            if series.startswith("xkv_gateway_tier_"):
+                line = next(ln for ln in text.splitlines() if ln.startswith(series + " "))
+                assert float(line.split()[-1]) == pytest.approx(raw, abs=1e-6), series
 
 
 def test_write_through_off_and_backlog_full(master, tmp_path):
