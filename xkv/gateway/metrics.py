@@ -84,6 +84,44 @@ _GAUGES = (
      "KV-event messages (batches) sent.", ""),
 )
 
+# The scale-out tier (xkv/gateway/tier.py), rendered only when the gateway runs one.
+_TIER = (
+    ("xkv_gateway_tier_up", "tier_up", "gauge", "1 while the Mooncake tier is connected.", ""),
+    ("xkv_gateway_tier_lookups_total", "tier_lookups", "counter",
+     "Lookups that missed in the card and asked Mooncake.", ""),
+    ("xkv_gateway_tier_skipped_lookups_total", "tier_skipped", "counter",
+     "Lookups that missed in the card and did not ask (tier down or busy).", ""),
+    ("xkv_gateway_tier_deadline_total", "tier_deadline", "counter",
+     "Lookups answered at --mooncake-wait-ms before Mooncake finished.", ""),
+    ("xkv_gateway_tier_hits_total", "tier_hits", "counter",
+     "Objects pulled from Mooncake into the card and verified.", ""),
+    ("xkv_gateway_tier_misses_total", "tier_misses", "counter",
+     "Chunks asked of Mooncake and not served: absent, or failed in the pull.", ""),
+    ("xkv_gateway_tier_served_chunks_total", "tier_served_chunks", "counter",
+     "Hit chunks that lookups got from Mooncake within their wait.", ""),
+    ("xkv_gateway_tier_late_objects_total", "tier_late_objects", "counter",
+     "Objects pulled after their lookup was answered (prefetched for the next one).", ""),
+    ("xkv_gateway_tier_bad_objects_total", "tier_lost", "counter",
+     "Pulls that were a miss, by reason.", 'reason="lost"'),
+    ("xkv_gateway_tier_bad_objects_total", "tier_corrupt", "counter", "", 'reason="corrupt"'),
+    ("xkv_gateway_tier_bad_objects_total", "tier_truncated", "counter", "",
+     'reason="truncated"'),
+    ("xkv_gateway_tier_bad_objects_total", "tier_pull_errors", "counter", "", 'reason="error"'),
+    ("xkv_gateway_tier_pull_bytes_total", "tier_pull_bytes", "counter",
+     "Bytes pulled from Mooncake (verified objects, headers included).", ""),
+    ("xkv_gateway_tier_pull_seconds_total", "tier_pull_seconds", "counter",
+     "Seconds spent in Mooncake pull calls.", ""),
+    ("xkv_gateway_tier_write_backlog", "tier_inflight", "gauge",
+     "Objects queued or being written through to Mooncake.", ""),
+    ("xkv_gateway_tier_written_total", "tier_written", "counter",
+     "Write-through results, by outcome.", 'result="ok"'),
+    ("xkv_gateway_tier_written_total", "tier_write_errors", "counter", "", 'result="error"'),
+    ("xkv_gateway_tier_written_total", "tier_write_dropped", "counter", "",
+     'result="dropped"'),
+    ("xkv_gateway_tier_write_bytes_total", "tier_write_bytes", "counter",
+     "Bytes written through to Mooncake.", ""),
+)
+
 
 def derived(snapshot: dict) -> dict:
     """The snapshot plus the numbers computed from it (O(1)): misses, LRU-only evictions, fill,
@@ -108,7 +146,7 @@ def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], his
     out += ["# HELP xkv_gateway_info Gateway identity (value is always 1).",
             "# TYPE xkv_gateway_info gauge", f"xkv_gateway_info{{{labels}}} 1"]
     seen: set[str] = set()
-    for name, key, kind, help_, lab in _GAUGES:
+    for name, key, kind, help_, lab in _GAUGES + (_TIER if "tier_up" in snapshot else ()):
         if name not in seen:
             seen.add(name)
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]

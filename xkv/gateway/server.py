@@ -25,6 +25,7 @@ from xkv.gateway.config import GatewayConfig, parse_args
 from xkv.gateway.events import EventPublisher
 from xkv.gateway.index import Index, RequestError
 from xkv.gateway.metrics import Histogram, render, serve_metrics
+from xkv.gateway.tier import DEFERRED
 
 log = logging.getLogger("xkv.gateway")
 
@@ -42,6 +43,7 @@ class Gateway:
                            lease_ttl_s=config.lease_ttl_s, write_ttl_s=config.write_ttl_s,
                            default_quota_bytes=config.namespace_quota_bytes,
                            quotas=config.quotas, generations=self.card.generations)
+        self.tier = _start_tier(self) if config.mooncake_master else None
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
@@ -137,12 +139,16 @@ class Gateway:
         events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
         while not self._stop:
             try:
-                send(self._serve_one(recv()))
+                out = self._serve_one(recv())
+                if out is not None:  # None: a lookup the tier answers later
+                    send(out)
                 # Drain what is queued before looking at the clock (EVENTS: no exception per miss)
                 for _ in range(256):
                     if not sock.getsockopt(events) & pollin:
                         break
-                    send(self._serve_one(recv()))
+                    out = self._serve_one(recv())
+                    if out is not None:
+                        send(out)
             except zmq.Again:
                 pass
             now = time.monotonic()
@@ -150,12 +156,19 @@ class Gateway:
             if self.events is not None:
                 self.events.flush()
                 self.events.serve_replay()
+            if self.tier is not None:
+                for out in self.tier.poll(now):
+                    send(out)
+                wait = self.tier.timeout_ms()
+                if wait != sock.getsockopt(zmq.RCVTIMEO):
+                    sock.setsockopt(zmq.RCVTIMEO, wait)
             if now >= next_stats:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
 
-    def _serve_one(self, frames: list[bytes]) -> list[bytes]:
-        """[identity, request_id, body] -> [identity, request_id, reply body]."""
+    def _serve_one(self, frames: list[bytes]) -> list[bytes] | None:
+        """[identity, request_id, body] -> [identity, request_id, reply body], or None when the
+        scale-out tier took the request over (it sends the reply from ``Tier.poll``)."""
         ident = frames[0]
         rid = frames[1] if len(frames) > 1 and len(frames[1]) == 8 else P.pack_id(0)
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -174,8 +187,11 @@ class Gateway:
             return [ident, rid, self._error(P.ErrorCode.MALFORMED, f"undecodable request: {e}")]
         kind = _TYPE_NAME[type(req)]
         self.requests[kind] = self.requests.get(kind, 0) + 1
+        self._frames = (ident, rid)
         try:
             reply = self._handlers[type(req)](req)
+            if reply is DEFERRED:
+                return None
         except RequestError as e:
             return [ident, rid, self._error(e.code, str(e))]
         except Exception as e:  # the loop must survive a bug in one handler
@@ -219,8 +235,24 @@ class Gateway:
         if total > P.MAX_KEYS:
             raise RequestError(P.ErrorCode.TOO_LARGE,
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
+        now = time.monotonic()
         num, lease_id, hits = self.index.lookup(
-            [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease)
+            [(g.layout_id, g.keys) for g in req.groups], now, req.lease)
+        if self.tier is not None and self.tier.wants(req, num):
+            return self.tier.defer(self._frames, req, num, lease_id, now)
+        return self._lookup_reply(num, lease_id, hits)
+
+    def _answer_lookup(self, req: P.Lookup) -> bytes:
+        """The tier's second pass of a deferred lookup: the card as it is now, encoded."""
+        try:
+            self._check_epoch(req.epoch)
+            num, lease_id, hits = self.index.lookup(
+                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease)
+            return P.encoder.encode(self._lookup_reply(num, lease_id, hits))
+        except RequestError as e:
+            return self._error(e.code, str(e))
+
+    def _lookup_reply(self, num: int, lease_id: int, hits: list) -> P.LookupReply:
         offsets = [b"".join([obj.packed[0] for obj in row]) for row in hits]
         gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
         return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
@@ -288,6 +320,8 @@ class Gateway:
             snap.update(self.events.counters, kv_events_port=self.events.port)
             if self.events.replay_port is not None:
                 snap["kv_events_replay_port"] = self.events.replay_port
+        if self.tier is not None:
+            snap.update(self.tier.snapshot())
         return snap
 
     def metrics_text(self) -> str:
@@ -313,6 +347,9 @@ class Gateway:
         if events is not None:
             events.cleared()
             events.close()
+        if self.tier is not None:  # before the card: its threads move bytes in and out of it
+            self.tier.close()
+            self.tier = None
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
@@ -321,6 +358,20 @@ class Gateway:
         self.sock.close(linger=0)
         self.ctx.term()
         self.card.close()
+
+
+def _start_tier(gw: Gateway):
+    """The Mooncake tier (config.mooncake_master set); its threads connect in the background."""
+    from xkv.gateway.tier import Tier
+    from xkv.gateway.tier_store import MooncakeBackend, MooncakeSettings
+
+    c = gw.config
+    settings = MooncakeSettings(c.mooncake_master, c.mooncake_metadata, c.mooncake_protocol,
+                                c.mooncake_device, c.mooncake_local_hostname,
+                                c.mooncake_segment_bytes, secret=c.mooncake_secret)
+    return Tier(gw.index, MooncakeBackend(settings, gw.card.arena), gw._answer_lookup,
+                write_through=c.mooncake_write_through, wait_s=c.mooncake_wait_ms / 1000,
+                backlog_objects=c.mooncake_backlog)
 
 
 def main(argv: list[str] | None = None) -> int:

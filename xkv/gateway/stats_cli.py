@@ -54,10 +54,39 @@ ROWS = (
     ("events", "batches sent", "kv_event_batches", "count", "xkv_gateway_kv_event_batches_total"),
 )
 
+# Shown only by a gateway that runs the scale-out tier (--mooncake-master): xkv/gateway/tier.py
+TIER_ROWS = (
+    ("tier", "connected", "tier_up", "count", "xkv_gateway_tier_up"),
+    ("tier", "lookups that asked", "tier_lookups", "count", "xkv_gateway_tier_lookups_total"),
+    ("tier", "lookups that could not ask", "tier_skipped", "count",
+     "xkv_gateway_tier_skipped_lookups_total"),
+    ("tier", "objects pulled", "tier_hits", "count", "xkv_gateway_tier_hits_total"),
+    ("tier", "chunks missed", "tier_misses", "count", "xkv_gateway_tier_misses_total"),
+    ("tier", "chunks served in time", "tier_served_chunks", "count",
+     "xkv_gateway_tier_served_chunks_total"),
+    ("tier", "objects prefetched", "tier_late_objects", "count",
+     "xkv_gateway_tier_late_objects_total"),
+    ("tier", "bad: lost", "tier_lost", "count", 'xkv_gateway_tier_bad_objects_total{reason="lost"}'),
+    ("tier", "bad: corrupt", "tier_corrupt", "count",
+     'xkv_gateway_tier_bad_objects_total{reason="corrupt"}'),
+    ("tier", "bad: truncated", "tier_truncated", "count",
+     'xkv_gateway_tier_bad_objects_total{reason="truncated"}'),
+    ("tier", "bytes pulled", "tier_pull_bytes", "bytes", "xkv_gateway_tier_pull_bytes_total"),
+    ("tier", "time pulling", "tier_pull_seconds", "seconds", "xkv_gateway_tier_pull_seconds_total"),
+    ("tier", "write-through backlog", "tier_inflight", "count", "xkv_gateway_tier_write_backlog"),
+    ("tier", "written", "tier_written", "count", 'xkv_gateway_tier_written_total{result="ok"}'),
+    ("tier", "write errors", "tier_write_errors", "count",
+     'xkv_gateway_tier_written_total{result="error"}'),
+    ("tier", "writes dropped", "tier_write_dropped", "count",
+     'xkv_gateway_tier_written_total{result="dropped"}'),
+)
+
 
 def _human(value: float, unit: str) -> str:
     if unit == "ratio":
         return f"{100.0 * value:.1f} %"
+    if unit == "seconds":
+        return f"{value:.3f} s"
     if unit == "bytes":
         for div, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
             if value >= div:
@@ -70,7 +99,7 @@ def rows(stats: dict) -> list[tuple[str, str, str, float, str]]:
     """(section, what, shown value, raw value, series) for a STATS reply's ``stats``."""
     s = derived(stats)
     out = [(sec, what, _human(s.get(key, 0), unit), s.get(key, 0), series)
-           for sec, what, key, unit, series in ROWS]
+           for sec, what, key, unit, series in ROWS + (TIER_ROWS if "tier_up" in s else ())]
     for prefix, sec, series in (("requests_", "requests", "xkv_gateway_requests_total"),
                                 ("errors_", "errors", "xkv_gateway_errors_total")):
         for k in sorted(k for k in s if k.startswith(prefix)):
