@@ -15,7 +15,7 @@ run() {  # name seconds e2e-args...
 }
 run mla_graphs 210 --model bench/models/dsv2_mla16 --backend TRITON_MLA --mode graphs \
   --lens 4096,16384 --reps 3 --cold-reps 3 --kinds none,xkv,verify --verify-lens 4096 --multi 0 \
-  --card-gib 16 --child-timeout 100
+  --card-gib 16 --child-timeout 100 --vocab 100000
 run llama_eager 160 --model bench/models/llama8b --mode eager --lens 4096,16384,32768 --reps 3 \
   --cold-reps 3 --kinds none,xkv,offload --multi 8 --card-gib 40 --child-timeout 75
 run qwen3_graphs 170 --model bench/models/qwen3_8b --backend TRITON_ATTN --chunk-size 128 \
