@@ -185,3 +185,18 @@ def test_fingerprint_record(llama_dir):
                "features": compat.features()}
         with open(os.path.join(out, f"fingerprint-{vllm.__version__}.json"), "w") as f:
             json.dump(rec, f, indent=1, sort_keys=True, default=str)
+
+
+def test_runtime_fp8_scales_refused(llama_dir):
+    """fp8 pages stored under one engine's run-time k/v scales must never be read by another:
+    refused at start, naming the setting; static scales and bf16 caches start as before."""
+    vc = V.make_vllm_config(llama_dir, block_size=32)
+    assert not compat.runtime_kv_scales(vc)
+    vc.cache_config.cache_dtype = "fp8"
+    assert not compat.runtime_kv_scales(vc)  # checkpoint (or default 1.0) scales
+    object.__setattr__(vc.cache_config, "calculate_kv_scales", True)
+    assert compat.runtime_kv_scales(vc)
+    with pytest.raises(ConfigError, match="calculate_kv_scales"):
+        compat.require_supported(vc)
+    vc.cache_config.cache_dtype = "auto"
+    assert not compat.runtime_kv_scales(vc)  # bf16 pages carry no scales

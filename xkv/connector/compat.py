@@ -116,11 +116,30 @@ def require_supported(vllm_config: Any = None) -> None:
             "(its restores rely on the V1 runner's step order); start vLLM with "
             "VLLM_USE_V2_MODEL_RUNNER=0"
         )
+    if vllm_config is not None and runtime_kv_scales(vllm_config):
+        raise ConfigError(
+            f"xkv: --kv-cache-dtype {vllm_config.cache_config.cache_dtype} with "
+            "calculate_kv_scales: vLLM computes the k/v scales from the first batch, so every "
+            "engine start may use other scales and a restored fp8 page would be read with scales "
+            "it was not written with (a wrong token, not a miss); use the checkpoint's scales "
+            "(calculate_kv_scales off) or a bf16 KV cache"
+        )
     if none_hash_seed() == "random":
         raise ConfigError(
             "xkv: this vLLM seeds its block hashes randomly in every process unless "
             "PYTHONHASHSEED is set; start vLLM with PYTHONHASHSEED=0"
         )
+
+
+def runtime_kv_scales(vllm_config: Any) -> bool:
+    """An fp8 KV cache whose k/v scales vLLM computes at run time (``calculate_kv_scales``, on the
+    cache or model config of the versions that have it). Static scales (the checkpoint's, else
+    1.0) follow from the model, its revision and its quantization, which the fingerprint holds."""
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    if not str(getattr(cc, "cache_dtype", "auto")).startswith("fp8"):
+        return False
+    return bool(getattr(cc, "calculate_kv_scales", False) or
+                getattr(mc, "calculate_kv_scales", False))
 
 
 def none_hash_seed(env: Mapping[str, str] | None = None) -> str:
@@ -283,6 +302,9 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         "revision": getattr(mc, "revision", None),
         "kv_dtype": str(getattr(spec, "dtype", None)),
         "cache_dtype": str(cc.cache_dtype),
+        # fp8 pages decode with the layers' k/v scales: static ones come with the checkpoint
+        # (model, revision, quantization method); run-time ones are refused (require_supported)
+        "quantization": str(getattr(mc, "quantization", None)),
         "block_size": plan.group.block_size,
         "chunk_size": plan.chunk_size,
         "tp_size": tp,
