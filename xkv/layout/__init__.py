@@ -1,6 +1,7 @@
 """Byte-page views of the KV cache tensors vLLM hands a connector.
 
-Every cache form vLLM 0.26-0.33 registers (see ``shared/notes/vllm-connector-api.md`` §4) is reduced to
+Every cache form vLLM 0.26-0.33 registers (each one built by that version's own allocation code in
+``tests/compat``, and by hand in ``tests/layout``) is reduced to
 one :class:`PagePool`: ``num_blocks`` scheduler blocks, each ``block_bytes`` long, made of the same
 contiguous byte ``runs`` at a fixed ``block_stride``. Kernels copy those bytes without knowing heads,
 tokens or dtypes, so one kernel serves every backend and layout.
