@@ -9,6 +9,11 @@ Prints, as a markdown table:
 
 Targets (issue 3): p99 <= 1 ms for 256 keys, >= 20,000 lookups/s.
 
+``--fairness`` (issue 14): lookup p50/p99/max of one client (16 stored keys, no lease) while a
+second process floods RESERVE+COMMIT of ``--flood-batch`` (and of MAX_KEYS) new keys on a full
+64 MiB card holding ``--leased`` leased objects, and a third thread runs STATS and /metrics every
+100 ms; target p99 <= 5 ms on the 2-core machine. Soaks: bench/gateway_soak.py.
+
 For scale, the same run measures the *floor*: a bare pyzmq ROUTER that echoes every message
 (no decoding, no index), driven by the same clients. The gateway cannot beat it; on a small,
 shared CPU the floor itself can be far from the targets. The gateway's own handling time per
@@ -40,7 +45,7 @@ KEYS = [b"bench-%026d" % i for i in range(256)]  # 32-byte keys, like sha256 blo
 
 
 def _client(port: int) -> tuple[GatewayClient, int]:
-    c = GatewayClient("127.0.0.1", port, timeout_s=2.0)
+    c = GatewayClient("localhost", port, timeout_s=2.0)
     return c, c.register_layout("bench", "fp", 1, 64 << 10).layout_id
 
 
@@ -172,27 +177,113 @@ def reserve_commit(port: int, batch: int, seconds: float) -> dict:
         keys = [b"rc-%d-%d" % (batch, i + j) for j in range(batch)]
         i += batch
         res = c.reserve(lid, keys)
-        ok = [k for k, r in zip(keys, res, strict=True) if r is not None]
-        c.commit(lid, 0, ok)
-        n += len(ok)
+        n += c.commit(lid, 0, res)
     rate = n / (time.perf_counter() - t0)
     c.close()
     return dict(batch=batch, objects_per_s=rate)
 
 
+def _flood(port: int, seconds: float, batch: int, q) -> None:
+    """Reserve+commit ``batch`` new keys in a closed loop on a full card (every key evicts)."""
+    c = GatewayClient("localhost", port, timeout_s=5.0)
+    lid = c.register_layout("flood", "fp", 1, 16 << 10).layout_id
+    n, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        res = c.reserve(lid, [b"flood-%d" % (i + j) for j in range(batch)])
+        i += batch
+        n += c.commit(lid, 0, res)
+    q.put(n / (time.perf_counter() - t0))
+    c.close()
+
+
+def fairness(seconds: float, batch: int, leased: int) -> dict:
+    """Lookup latency of one client while another floods RESERVEs of ``batch`` keys on a full
+    card holding ``leased`` leased objects, and STATS + /metrics run every 100 ms (issue 14;
+    target p99 <= 5 ms on the 2-core machine)."""
+    import threading
+    import urllib.request
+
+    from xkv.gateway.testing import spawn_gateway as spawn
+
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mport = s.getsockname()[1]
+    proc, port = spawn("64M", extra_args=["--metrics-port", str(mport), "--lease-ttl", "600"])
+    try:
+        c = GatewayClient("localhost", port, timeout_s=5.0)
+        lid = c.register_layout("flood", "fp", 1, 16 << 10).layout_id
+        keys = [b"held-%d" % i for i in range(leased)]
+        for i in range(0, leased, 1024):
+            c.commit(lid, 0, c.reserve(lid, keys[i:i + 1024]))
+        for k in keys:  # one lease per object, as thousands of running requests would hold
+            c.lookup([(lid, [k])])
+        mine = keys[:16]
+        stop = threading.Event()
+
+        def scrape():
+            with GatewayClient("localhost", port, timeout_s=5.0) as s:
+                while not stop.wait(0.1):
+                    s.stats()
+                    urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
+
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        flooder = ctx.Process(target=_flood, args=(port, seconds + 1, batch, q))
+        flooder.start()
+        t = threading.Thread(target=scrape, daemon=True)
+        t.start()
+        time.sleep(1.0)  # the flood is running
+        times, t_end = [], time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter()
+            r = c.lookup([(lid, mine)], lease=False, timeout_s=1.0)
+            times.append(time.perf_counter() - t0)
+            assert r.num_chunks == 16
+            time.sleep(0.002)
+        stop.set()
+        flood_rate = q.get(timeout=60)
+        flooder.join()
+        st = c.stats()
+        c.close()
+    finally:
+        stop_gateway(proc)
+    times.sort()
+    pct = lambda p: 1e3 * times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
+    return dict(batch=batch, leased=leased, samples=len(times), p50_ms=pct(0.5),
+                p99_ms=pct(0.99), max_ms=1e3 * times[-1], over_50ms=sum(x > 0.05 for x in times),
+                flood_objects_per_s=flood_rate, evicted=st["evicted"],
+                reserve_ms_mean=1e3 * st["handling_seconds_reserve"] / st["requests_reserve"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fairness", action="store_true",
+                    help="only the fairness run: lookup latency under a RESERVE flood on a full "
+                         "card with leased objects, STATS and /metrics every 100 ms")
+    ap.add_argument("--flood-batch", type=int, default=64)
+    ap.add_argument("--leased", type=int, default=3000)
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per throughput point")
     ap.add_argument("--tput-keys", type=int, default=1)
     ap.add_argument("--capacity", default="256M")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.fairness:
+        out = [fairness(args.duration, b, args.leased) for b in (args.flood_batch, 4096)]
+        print("\n| flood batch | leased objects | lookups | p50 ms | p99 ms | max ms | > 50 ms "
+              "| flood objects/s | RESERVE handling ms (mean) |\n|---|---|---|---|---|---|---|---|---|")
+        for r in out:
+            print(f"| {r['batch']} | {r['leased']} | {r['samples']} | {r['p50_ms']:.2f} "
+                  f"| {r['p99_ms']:.2f} | {r['max_ms']:.1f} | {r['over_50ms']} "
+                  f"| {r['flood_objects_per_s']:.0f} | {r['reserve_ms_mean']:.2f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     proc, port = spawn_gateway(args.capacity)
     try:
         c, lid = _client(port)
-        c.reserve(lid, KEYS)
-        c.commit(lid, 0, KEYS)
+        c.commit(lid, 0, c.reserve(lid, KEYS))
         c.close()
         lat = [latency(port, n, args.samples) for n in (1, 64, 256)]
         tput = [throughput(port, p, args.tput_keys, args.duration) for p in (1, 4, 16)]

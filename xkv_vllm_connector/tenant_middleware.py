@@ -4,17 +4,22 @@
     python -m vllm.entrypoints.openai.api_server ... \\
         --middleware xkv_vllm_connector.tenant_middleware.TenantSaltMiddleware
 
-For every JSON POST to the generation endpoints it
+It denies by default: it does not know (or trust) vLLM's route table, so for every request that
+can carry a body — any HTTP method but GET/HEAD/OPTIONS, whatever the path and ``root_path`` —
 
-* sets ``cache_salt`` to ``base64url(HMAC-SHA256(secret, tenant))`` (43 characters), where the
-  tenant is the ``x-tenant-id`` header (``XKV_TENANT_HEADER`` to rename) — a client-supplied
-  ``cache_salt`` is always overwritten, and a request without the header loses its salt (with
-  ``require_cache_salt`` it then stays off the card);
-* keeps ``kv_transfer_params`` only as the allow-listed opt-out ``{"xkv_store": false}`` and
-  drops every other client-supplied key (also from ``vllm_xargs``).
+* a JSON object body is rewritten: ``cache_salt`` and ``kv_transfer_params`` are removed at every
+  depth (vLLM also reads them from ``vllm_xargs`` and ``sampling_params.extra_args``), then
+  ``cache_salt`` is set to ``base64url(HMAC-SHA256(secret, tenant))`` (43 characters) when the
+  ``x-tenant-id`` header names a tenant (``XKV_TENANT_HEADER`` to rename), and the allow-listed
+  opt-out ``{"kv_transfer_params": {"xkv_store": false}}`` is kept at the top level; the body is
+  handed on as ``application/json``;
+* an empty body is handed on unchanged (nothing in it to forge);
+* anything else — not JSON, not an object, multipart forms (audio uploads), bodies over 64 MiB —
+  is refused (400/413/415) before it reaches vLLM; WebSocket connections are closed (1008).
 
 The tenant header must come from an authenticating proxy in front of vLLM, which removes any
-client-supplied copy: this middleware trusts it. See docs/tenant-isolation.md.
+client-supplied copy: this middleware trusts it. A request without it loses its salt (with
+``require_cache_salt`` it then stays off the card). See docs/tenant-isolation.md.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import hmac
 import json
 import os
 
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 MAX_BODY = 64 << 20
+#: Methods that carry no body; everything else is inspected.
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS"})
+_STRIP = frozenset({"cache_salt", "kv_transfer_params"})
 
 
 def tenant_salt(secret: bytes, tenant: str) -> str:
@@ -35,19 +42,24 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
+def _strip(value):
+    """``value`` with every ``cache_salt`` / ``kv_transfer_params`` key removed, at any depth."""
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in _STRIP}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
 def rewrite(body: dict, tenant: str | None, secret: bytes) -> dict:
     """The request body as vLLM must see it (pure function, tested on its own)."""
-    body = dict(body)
-    body.pop("cache_salt", None)
+    ktp = body.get("kv_transfer_params")
+    out = _strip(body)
     if tenant:
-        body["cache_salt"] = tenant_salt(secret, tenant)
-    ktp = body.pop("kv_transfer_params", None)
+        out["cache_salt"] = tenant_salt(secret, tenant)
     if isinstance(ktp, dict) and ktp.get("xkv_store") is False:
-        body["kv_transfer_params"] = {"xkv_store": False}
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
-        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
-    return body
+        out["kv_transfer_params"] = {"xkv_store": False}
+    return out
 
 
 class TenantSaltMiddleware:
@@ -63,14 +75,16 @@ class TenantSaltMiddleware:
         self.header = (header or os.environ.get("XKV_TENANT_HEADER", "x-tenant-id")).lower()
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get(
-            "path"
-        ) not in PATHS:
+        kind = scope.get("type")
+        if kind == "websocket":  # messages we cannot vet: refuse the connection
+            await receive()  # websocket.connect
+            return await send({"type": "websocket.close", "code": 1008})
+        if kind != "http" or scope.get("method", "GET").upper() in _BODILESS:
             return await self.app(scope, receive, send)
         chunks, size = [], 0
         while True:
             msg = await receive()
-            if msg["type"] != "http.request":
+            if msg["type"] != "http.request":  # client went away before the body was complete
                 return await self.app(scope, _replay([msg], receive), send)
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
@@ -78,16 +92,25 @@ class TenantSaltMiddleware:
                 return await _reject(send, 413, "request body too large")
             if not msg.get("more_body"):
                 break
+        raw = b"".join(chunks)
+        if not raw.strip():
+            first = {"type": "http.request", "body": raw, "more_body": False}
+            return await self.app(scope, _replay([first], receive), send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if headers.get("content-type", "").lower().startswith("multipart/"):
+            return await _reject(send, 415, "multipart bodies are refused by the tenant "
+                                            "middleware (it cannot vet them)")
         try:
-            body = json.loads(b"".join(chunks) or b"{}")
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
             return await _reject(send, 400, "body is not JSON")
         if not isinstance(body, dict):
             return await _reject(send, 400, "body is not a JSON object")
         data = json.dumps(rewrite(body, headers.get(self.header), self.secret)).encode()
-        hdrs = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        hdrs.append((b"content-length", str(len(data)).encode()))
+        hdrs = [(k, v) for k, v in scope["headers"]
+                if k.lower() not in (b"content-length", b"content-type", b"transfer-encoding")]
+        hdrs += [(b"content-type", b"application/json"),
+                 (b"content-length", str(len(data)).encode())]
         scope = dict(scope, headers=hdrs)
         first = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([first], receive), send)

@@ -60,3 +60,132 @@ def test_middleware_rewrites_generation_requests():
 def test_weak_secret_refused():
     with pytest.raises(ValueError, match="XKV_TENANT_SECRET"):
         TenantSaltMiddleware(lambda *a: None, secret=b"short")
+
+
+# ------------------------------------------------------------------ deny by default (issue 14)
+
+FORGED = {"prompt": "x", "cache_salt": "victim-salt",
+          "kv_transfer_params": {"xkv_store": False, "do_remote_prefill": True},
+          "vllm_xargs": {"kv_transfer_params": {"x": 1}, "k": 1},
+          "sampling_params": {"extra_args": {"kv_transfer_params": {"y": 2}}, "cache_salt": "v"}}
+
+
+def _asgi(mw_app, scope, body: bytes, content_type=b"application/json"):
+    """Run one request through an ASGI app; (what the inner app saw, response messages)."""
+    sent = []
+
+    async def run():
+        msgs = [{"type": "http.request", "body": body[:7], "more_body": True},
+                {"type": "http.request", "body": body[7:], "more_body": False}]
+
+        async def receive():
+            return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        hdrs = [(b"x-tenant-id", b"acme"), (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode())]
+        await mw_app(dict({"type": "http", "method": "POST", "headers": hdrs}, **scope),
+                     receive, send)
+
+    asyncio.run(run())
+    return sent
+
+
+def _recording_mw():
+    seen = {}
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen["body"] = msg["body"]
+        seen["headers"] = dict(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    return TenantSaltMiddleware(app, secret=SECRET), seen
+
+
+def _keys(value):
+    if isinstance(value, dict):
+        return set(value) | {k for v in value.values() for k in _keys(v)}
+    if isinstance(value, list):
+        return {k for v in value for k in _keys(v)}
+    return set()
+
+
+@pytest.fixture(scope="module")
+def vllm_routes():
+    """(root_path, [(methods, path)]) of the app vLLM 0.29's own api_server builds (no engine)."""
+    pytest.importorskip("vllm")
+    import warnings
+
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.tasks import FRONTEND_TASKS, GENERATION_TASKS, POOLING_TASKS
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", "unused", "--root-path", "/api", "--middleware",
+         "xkv_vllm_connector.tenant_middleware.TenantSaltMiddleware"])
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
+        warnings.simplefilter("ignore")
+        mp.setenv("XKV_TENANT_SECRET", SECRET.decode())
+        app = build_app(args, GENERATION_TASKS + POOLING_TASKS + FRONTEND_TASKS)
+        app.build_middleware_stack()  # instantiates TenantSaltMiddleware as vLLM's server would
+    assert any(m.cls is TenantSaltMiddleware for m in app.user_middleware)  # --middleware
+    routes = [(set(getattr(r, "methods", None) or ()), r.path) for r in app.routes]
+    return app.root_path, routes
+
+
+@pytest.mark.vllm
+def test_every_body_route_of_vllm_is_rewritten(vllm_routes):
+    root, routes = vllm_routes
+    body_routes = [p for methods, p in routes if methods - {"GET", "HEAD", "OPTIONS"}]
+    # the generating paths the old allow-list missed are in vLLM's table
+    for p in ("/invocations", "/inference/v1/generate", "/v1/chat/completions/batch",
+              "/generative_scoring", "/v1/completions", "/v1/chat/completions"):
+        assert p in body_routes, p
+    assert root == "/api"
+    for path in body_routes:
+        full = root + path.replace("{", "").replace("}", "")
+        for scope in ({"path": full, "root_path": root, "raw_path": full.encode()},
+                      {"path": path, "root_path": ""}):
+            mw, seen = _recording_mw()
+            _asgi(mw, scope, json.dumps(FORGED).encode())
+            out = json.loads(seen["body"])
+            assert out["cache_salt"] == tenant_salt(SECRET, "acme"), path
+            assert out["kv_transfer_params"] == {"xkv_store": False}, path
+            assert "kv_transfer_params" not in _keys({k: v for k, v in out.items()
+                                                      if k != "kv_transfer_params"}), path
+            assert out["sampling_params"] == {"extra_args": {}} and out["vllm_xargs"] == {"k": 1}
+            assert seen["headers"][b"content-type"] == b"application/json"
+
+
+def test_what_cannot_be_parsed_is_refused():
+    for body, ctype, status in ((b"prompt=x&cache_salt=y", b"application/x-www-form-urlencoded",
+                                 400),
+                                (b"--b\r\ncache_salt\r\n--b--", b"multipart/form-data; boundary=b",
+                                 415),
+                                (json.dumps([FORGED]).encode(), b"application/json", 400),
+                                (b"\xff\xfe{", b"application/json", 400)):
+        mw, seen = _recording_mw()
+        sent = _asgi(mw, {"path": "/anything"}, body, ctype)
+        assert sent[0]["status"] == status and "body" not in seen, body
+    mw, seen = _recording_mw()  # empty POST (health checks): nothing to forge, handed on
+    assert _asgi(mw, {"path": "/ping"}, b"")[0]["status"] == 200 and seen["body"] == b""
+
+    closed = []
+
+    async def ws():
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        async def send(m):
+            closed.append(m)
+
+        await TenantSaltMiddleware(lambda *a: None, secret=SECRET)(
+            {"type": "websocket", "path": "/v1/realtime", "headers": []}, receive, send)
+
+    asyncio.run(ws())
+    assert closed == [{"type": "websocket.close", "code": 1008}]

@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from xkv.gateway.alloc import PageAllocator
 from xkv.gateway.index import Index, RequestError
-from xkv.gateway.protocol import MAX_LAYOUTS, ErrorCode, ReserveStatus
+from xkv.gateway.protocol import MAX_LAYOUTS, MAX_LAYOUTS_PER_CLIENT, ErrorCode, ReserveStatus
 
 A = 64  # small alignment keeps the pages few, so eviction and fragmentation happen often
 
@@ -41,10 +41,10 @@ def test_register_layout_rounds_up_and_checks_shape():
 
 def test_layout_count_is_bounded():
     ix = Index(100 * A, slot_alignment=A)
-    for i in range(MAX_LAYOUTS):
-        ix.register_layout("ns", f"fp{i}", 1, A)
+    for i in range(MAX_LAYOUTS):  # many clients (each may create MAX_LAYOUTS_PER_CLIENT)
+        ix.register_layout("ns", f"fp{i}", 1, A, owner=b"c%d" % (i // MAX_LAYOUTS_PER_CLIENT))
     with pytest.raises(RequestError) as e:
-        ix.register_layout("ns", "one-more", 1, A)
+        ix.register_layout("ns", "one-more", 1, A, owner=b"new client")
     assert e.value.code == ErrorCode.BAD_REQUEST
     assert ix.register_layout("ns", "fp0", 1, A).layout_id == 1  # known ones still resolve
 

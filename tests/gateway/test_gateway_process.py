@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from xkv.gateway import ErrorCode, GatewayClient, GatewayError, GatewayUnavailable
+from xkv.gateway import ErrorCode, GatewayClient, GatewayError, GatewayUnavailable, Reservation
 from xkv.gateway import protocol as P
 from xkv.gateway.config import parse_size
 from xkv.gateway.testing import running_gateway, spawn_gateway, stop_gateway
@@ -49,12 +49,28 @@ def test_help_documents_every_flag():
     assert "5557" in out and "XKV_GATEWAY_HOSTNAME" in out
 
 
-def test_port_in_use_names_the_kv_events_clash():
+def _curve_dirs(tmp_path, *clients: str):
+    """(gateway secret cert, allowed-clients dir, {name: (public, secret)}) for CURVE tests."""
+    zmq.auth.create_certificates(str(tmp_path), "gateway")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    keys = {}
+    for name in clients:
+        zmq.auth.create_certificates(str(tmp_path), name)
+        os.replace(tmp_path / f"{name}.key", allowed / f"{name}.key")
+        keys[name] = zmq.auth.load_certificate(str(tmp_path / f"{name}.key_secret"))
+    return str(tmp_path / "gateway.key_secret"), str(allowed), keys
+
+
+def test_port_in_use_names_the_kv_events_clash(tmp_path):
+    # Only a TCP gateway (CURVE on) can clash with vLLM's KV-events publisher.
+    secret, allowed, _ = _curve_dirs(tmp_path, "client")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([*GATEWAY, "--capacity", "1M", "--port", str(port)],
+        r = subprocess.run([*GATEWAY, "--capacity", "1M", "--port", str(port),
+                            "--curve-secret-key", secret, "--curve-allowed-clients", allowed],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "already in use" in r.stderr and "KV-events" in r.stderr and "5557" in r.stderr
@@ -109,9 +125,9 @@ def test_ttls_run_in_the_serving_loop():
     with running_gateway("1M", extra_args=["--lease-ttl", "0.3", "--write-ttl", "0.3"]) as port, \
             GatewayClient("127.0.0.1", port, timeout_s=2.0) as c:
         lid = c.register_layout("ns", "fp", 2, 100).layout_id
-        c.reserve(lid, [b"done", b"abandoned"])
-        c.commit(lid, 0, [b"done"])
-        c.commit(lid, 1, [b"done"])
+        done, _ = c.reserve(lid, [b"done", b"abandoned"])
+        c.commit(lid, 0, [done])
+        c.commit(lid, 1, [done])
         assert c.lookup([(lid, [b"done"])]).lease_id
         s = c.stats()
         assert (s["leases"], s["staged_objects"], s["ready_objects"]) == (1, 1, 1)
@@ -130,7 +146,7 @@ def test_card_is_shared_sealed_and_generations_read_only():
         a.map_card()[r.offsets[0]:r.offsets[0] + 3] = b"xyz"
         assert bytes(b.map_card()[r.offsets[0]:r.offsets[0] + 3]) == b"xyz"
         assert b.slot_generation(r.offsets[0]) == r.generations[0] == 0
-        a.abort(lid, 0, [b"k"])
+        a.abort(lid, 0, [r])
         assert b.slot_generation(r.offsets[0]) == 1  # freed: generation moved, seen without RPC
         with pytest.raises(ValueError):
             b.slot_generation(r.offsets[0] + 1)
@@ -174,8 +190,10 @@ def test_client_errors_and_deadlines():
             c.register_layout("ns", "huge", 1, 2 << 20)
         assert e.value.code == ErrorCode.NO_SPACE
         with pytest.raises(GatewayError) as e:
-            c.commit(lid, 3, [b"k"])
+            c.commit(lid, 3, [Reservation(b"k", (0,) * 4, (0,) * 4)])
         assert e.value.code == ErrorCode.BAD_REQUEST
+        with pytest.raises(TypeError, match="reservations"):
+            c.commit(lid, 0, [b"k"])  # a bare key has no token
         with pytest.raises(ValueError, match="at most"):
             c.reserve(lid, [b"k"] * (P.MAX_KEYS + 1))
         # the client stays usable after refusals
@@ -185,24 +203,29 @@ def test_client_errors_and_deadlines():
 
 
 def test_curve_encrypted_gateway(tmp_path):
-    zmq.auth.create_certificates(str(tmp_path), "gateway")
+    secret, allowed, keys = _curve_dirs(tmp_path, "client")
     server_public, _ = zmq.auth.load_certificate(str(tmp_path / "gateway.key"))
     with running_gateway("1M", extra_args=[
-            "--curve-secret-key", str(tmp_path / "gateway.key_secret")]) as port:
-        with GatewayClient("127.0.0.1", port, timeout_s=2.0,
-                           curve_server_key=server_public) as c:
+            "--curve-secret-key", secret, "--curve-allowed-clients", allowed]) as port:
+        with GatewayClient("127.0.0.1", port, timeout_s=2.0, curve_server_key=server_public,
+                           curve_client_keys=keys["client"]) as c:
+            assert c.endpoint.startswith("tcp://")
             assert c.ping().protocol_version == P.PROTOCOL_VERSION
-        with GatewayClient("127.0.0.1", port, timeout_s=0.3) as plain, \
-                pytest.raises(GatewayUnavailable):
-            plain.ping()
+        ctx = zmq.Context()
+        try:  # a plaintext TCP client gets no service
+            plain = ctx.socket(zmq.DEALER)
+            plain.setsockopt(zmq.LINGER, 0)
+            plain.connect(f"tcp://127.0.0.1:{port}")
+            plain.send_multipart([P.pack_id(1), P.encoder.encode(P.Ping())])
+            assert not plain.poll(300)
+        finally:
+            ctx.destroy(linger=0)
 
 
 def test_card_in_process_prefault_and_names():
     from xkv.gateway.card import Card, open_card
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = f"/dev/shm/xkv-{dead.pid}-0123456789abcdef"
+    stale = "/dev/shm/xkv-card-0123456789abcdef"  # nobody holds its lock: a dead gateway's
     with open(stale, "wb"):
         pass
     c = Card(1 << 20, 4096, kind="shm", prefault=True, epoch=3)
@@ -232,7 +255,7 @@ def test_client_keeps_working_in_a_forked_child():
             try:
                 [r] = c.reserve(lid, [b"from-child"])
                 card[r.offsets[0]:r.offsets[0] + 5] = b"child"
-                code = 0 if c.commit(lid, 0, [b"from-child"]) == 1 else 2
+                code = 0 if c.commit(lid, 0, [r]) == 1 else 2
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)

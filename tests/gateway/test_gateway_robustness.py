@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import threading
@@ -21,6 +20,7 @@ import zmq
 from xkv.gateway import GatewayClient, GatewayUnavailable
 from xkv.gateway import protocol as P
 from xkv.gateway.testing import spawn_gateway, stop_gateway
+from xkv.gateway.transport import control_path
 
 N_FUZZ = 10_000
 
@@ -31,7 +31,8 @@ def _valid_messages(epoch: int) -> list[bytes]:
         P.Hello(P.PROTOCOL_VERSION, "fuzz", "fp", 2, 10_000),
         P.Card(), P.Ping(), P.Stats(),
         P.Lookup(epoch, [P.LookupGroup(1, keys), P.LookupGroup(2, keys)]),
-        P.Reserve(epoch, 1, keys), P.Commit(epoch, 1, 1, keys), P.Abort(epoch, 1, 0, keys),
+        P.Reserve(epoch, 1, keys), P.Commit(epoch, 1, 1, keys, [0] * 8, [0] * 8),
+        P.Abort(epoch, 1, 0, keys, [4096] * 8, [1] * 8),
         P.Release(epoch, 7),
     ]
     return [P.encoder.encode(m) for m in msgs]
@@ -52,7 +53,7 @@ def _fuzz_message(rng: random.Random, valid: list[bytes], epoch: int) -> list[by
             b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
         body = bytes(b)
     elif kind == 3:  # wrong protocol version
-        body = P.encoder.encode(P.Hello(rng.choice([0, 2, 99, -1, 2**40]), "ns", "fp", 1, 4096))
+        body = P.encoder.encode(P.Hello(rng.choice([0, P.PROTOCOL_VERSION - 1, 99, -1, 2**40]), "ns", "fp", 1, 4096))
     elif kind == 4:  # right tags, wrong field types / ranges / unknown fields
         tag = rng.choice(["Hello", "Lookup", "Reserve", "Commit", "Abort", "Release", "Nope"])
         junk = rng.choice([None, -1, 2**64 - 1, "x" * 300, [], {}, [b"k"] * 3, 1.5, True])
@@ -65,13 +66,13 @@ def _fuzz_message(rng: random.Random, valid: list[bytes], epoch: int) -> list[by
             P.Reserve(epoch, 1, [b"x" * (P.MAX_KEY_BYTES + 1)]),
             P.Lookup(epoch, [P.LookupGroup(1, [b"k"])] * (P.MAX_GROUPS + 1)),
             P.Lookup(epoch, [P.LookupGroup(1, [b"k%d" % i for i in range(3000)])] * 2),
-            P.Commit(epoch, 1, 5000, [b"k"]),
+            P.Commit(epoch, 1, 5000, [b"k"], [0], [0]),
             P.Hello(P.PROTOCOL_VERSION, "ns", "fp", 1, 1 << 60),
         ]))
     elif kind == 6:  # stale epoch or unknown layout
         body = P.encoder.encode(rng.choice([
             P.Release(epoch ^ 1, 1), P.Lookup(epoch, [P.LookupGroup(999, [b"k"])]),
-            P.Reserve(epoch ^ 5, 1, [b"k"]), P.Commit(epoch, 12345, 0, [b"k"])]))
+            P.Reserve(epoch ^ 5, 1, [b"k"]), P.Commit(epoch, 12345, 0, [b"k"], [0], [0])]))
     elif kind == 7:  # wrong frame structure
         return rng.choice([[base], [rid, base, b"extra"], [b"short", base], [rid]])
     elif kind == 8:  # valid msgpack, not a struct
@@ -88,14 +89,13 @@ def test_fuzz_never_stops_the_gateway():
     try:
         good = GatewayClient("127.0.0.1", port, timeout_s=2.0)
         lid = good.register_layout("good", "fp", 1, 4096).layout_id
-        good.reserve(lid, [b"g"])
-        good.commit(lid, 0, [b"g"])
+        good.commit(lid, 0, good.reserve(lid, [b"g"]))
         epoch = good.epoch
         valid = _valid_messages(epoch)
         rng = random.Random(1234)
         fuzz = ctx.socket(zmq.DEALER)
         fuzz.setsockopt(zmq.LINGER, 0)
-        fuzz.connect(f"tcp://127.0.0.1:{port}")
+        fuzz.connect(f"ipc://{control_path(port)}")
         sent = answered = 0
         batch = 200
         while sent < N_FUZZ:
@@ -116,7 +116,7 @@ def test_fuzz_never_stops_the_gateway():
         for _ in range(5):
             big = ctx.socket(zmq.DEALER)
             big.setsockopt(zmq.LINGER, 0)
-            big.connect(f"tcp://127.0.0.1:{port}")
+            big.connect(f"ipc://{control_path(port)}")
             big.send_multipart([P.pack_id(1), b"\x00" * (P.MAX_MESSAGE_BYTES + 1)])
             assert not big.poll(200), "an oversized message was answered instead of dropped"
             big.close()
@@ -148,11 +148,13 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
         while not stop.is_set():
             keys = [b"t%d-%d" % (i, n + j) for j in range(4)]
             n += 4
-            for call, args in ((client.reserve, (lid, keys)), (client.commit, (lid, 0, keys)),
-                               (client.lookup, ([(lid, keys)],))):
+            res: list = []
+            for call in (lambda res=res, keys=keys: res.extend(client.reserve(lid, keys)),
+                         lambda res=res: client.commit(lid, 0, res),
+                         lambda keys=keys: client.lookup([(lid, keys)])):
                 t0 = time.monotonic()
                 try:
-                    call(*args)
+                    call()
                 except GatewayUnavailable:
                     failures.append((f"client {i} killed={killed.is_set()}",
                                      time.monotonic() - t0))
@@ -163,8 +165,7 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     old_epoch = clients[0].epoch
     old_card = clients[0]._call(P.Card(), P.CardInfo, 2.0)
     held = clients[0].lookup([(lids[0], [b"none"])])
-    clients[0].reserve(lids[0], [b"leased"])
-    clients[0].commit(lids[0], 0, [b"leased"])
+    clients[0].commit(lids[0], 0, clients[0].reserve(lids[0], [b"leased"]))
     lease = clients[0].lookup([(lids[0], [b"leased"])]).lease_id
     assert held.num_chunks == 0 and lease
     threads = [threading.Thread(target=traffic, args=(i, c, lid))
@@ -188,9 +189,12 @@ def test_sigkill_mid_traffic_then_restart_refuses_stale_state():
     proc2, port2 = spawn_gateway("8M", port=port)
     try:
         assert port2 == port
-        # the dead gateway's unix socket directory was cleaned up by the new one
-        assert old_card.kind == "memfd" and not os.path.exists(os.path.dirname(old_card.path))
         fresh = GatewayClient("127.0.0.1", port, timeout_s=2.0)
+        # the dead gateway's sockets were replaced by the new one's (same private directory;
+        # its lock, not its pid, told the new gateway it was gone)
+        new_card = fresh._call(P.Card(), P.CardInfo, 2.0)
+        assert old_card.kind == "memfd" and new_card.path == old_card.path
+        assert new_card.epoch != old_epoch and fresh.map_card() is not None
         assert fresh.ping().epoch != old_epoch
         # the old client sees the new epoch and refuses to go on with its stale state
         with pytest.raises(GatewayUnavailable, match="restarted|epoch"):
@@ -214,7 +218,7 @@ def _raw(port: int, msg) -> P.ErrorReply:
     try:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{port}")
+        s.connect(f"ipc://{control_path(port)}")
         s.send_multipart([P.pack_id(42), P.encoder.encode(msg)])
         assert s.poll(2000)
         rid, body = s.recv_multipart()
@@ -229,8 +233,7 @@ def test_stalled_gateway_times_out_then_client_recovers():
     try:
         c = GatewayClient("127.0.0.1", port, timeout_s=0.1)
         lid = c.register_layout("stall", "fp", 1, 100).layout_id
-        c.reserve(lid, [b"a"])
-        c.commit(lid, 0, [b"a"])
+        c.commit(lid, 0, c.reserve(lid, [b"a"]))
         proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(GatewayUnavailable, match="within 100 ms"):

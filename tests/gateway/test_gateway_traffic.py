@@ -42,7 +42,7 @@ def worker(port: int, wid: int, rounds: int, q) -> None:
                         continue
                     for shard, off in enumerate(r.offsets):
                         card[off:off + SHARD_BYTES] = pattern(key, shard)
-                    written.append(key)
+                    written.append(r)
                 # each shard commits separately, as each worker rank would
                 for shard in range(SHARDS):
                     c.commit(lid, shard, written)

@@ -43,7 +43,9 @@ class Option:
 #: name -> (default, accepted types, meaning). Order = order in docs/configuration.md. The
 #: ``nvlink_fanout*`` keys (``FANOUT_KEYS``) are ``xkv.fanout.FanoutConfig``'s.
 OPTIONS: dict[str, Option] = {
-    "xkv_gateway_port": Option(DEFAULT_GATEWAY_PORT, (int,), "gateway control port (TCP)"),
+    "xkv_gateway_port": Option(DEFAULT_GATEWAY_PORT, (int,), "gateway instance / TCP port"),
+    "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
+    "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
     "chunk_size": Option(None, (int,), "tokens per stored object; multiple of the block size"),
     "slot_alignment_bytes": Option(4096, (int,), "slot size rounding on the card (power of 2)"),
     "require_cache_salt": Option(False, (bool,), "unsalted requests never reach the gateway"),
@@ -60,6 +62,8 @@ class ConnectorConfig:
     """Validated settings. ``chunk_size`` None = pick from the block size (``resolve_chunk_size``)."""
 
     xkv_gateway_port: int = DEFAULT_GATEWAY_PORT
+    xkv_gateway_curve_server_key: str | None = None
+    xkv_gateway_curve_client_key: str | None = None
     chunk_size: int | None = None
     slot_alignment_bytes: int = 4096
     require_cache_salt: bool = False
@@ -104,6 +108,17 @@ class ConnectorConfig:
     def _check_ranges(self) -> None:
         if not 1 <= self.xkv_gateway_port <= 65535:
             raise ConfigError(f"xkv_gateway_port={self.xkv_gateway_port}: expected 1..65535")
+        server, client = self.xkv_gateway_curve_server_key, self.xkv_gateway_curve_client_key
+        if (server is None) != (client is None):
+            raise ConfigError(
+                "xkv_gateway_curve_server_key and xkv_gateway_curve_client_key go together (the "
+                "gateway's public certificate and this client's secret one, both listed in the "
+                f"gateway's --curve-allowed-clients); got server={server!r}, client={client!r}")
+        for name, path in (("xkv_gateway_curve_server_key", server),
+                           ("xkv_gateway_curve_client_key", client)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{name}={path!r}: expected a readable certificate file "
+                                  "(zmq.auth.create_certificates format)")
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ConfigError(f"chunk_size={self.chunk_size}: expected a positive token count")
         a = self.slot_alignment_bytes

@@ -40,7 +40,7 @@ from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import layer_offsets
-from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.gateway.client import GatewayError, GatewayUnavailable, ReservedKey
 from xkv.gateway.protocol import MAX_KEYS
 
 log = logging.getLogger("xkv.connector")
@@ -272,7 +272,7 @@ class Saver:
                 plan = self.registry.groups[gt.group]
                 if not plan.writes(self.tp_rank):
                     continue
-                keys = [c.key for c in gt.chunks]
+                keys = [ReservedKey.of(c) for c in gt.chunks]  # COMMIT/ABORT need the token
                 complete = len(saved.get(gt.group, ())) == len(plan.group.layer_names)
                 if not complete and keys:
                     # A layer without a save hook call (CUDA graph replay, a layer vLLM

@@ -76,7 +76,9 @@ def gateway_factory(cfg: ConnectorConfig, timeout_s: float) -> Callable[[], Any]
     def make():
         from xkv.gateway.client import GatewayClient
 
-        return GatewayClient(cfg.gateway_host, cfg.xkv_gateway_port, timeout_s=timeout_s)
+        return GatewayClient(cfg.gateway_host, cfg.xkv_gateway_port, timeout_s=timeout_s,
+                             curve_server_key=cfg.xkv_gateway_curve_server_key,
+                             curve_client_keys=cfg.xkv_gateway_curve_client_key)
 
     return make
 

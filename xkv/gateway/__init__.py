@@ -11,6 +11,7 @@ from xkv.gateway.client import (
     GatewayUnavailable,
     LookupResult,
     Reservation,
+    ReservedKey,
     ReserveResult,
 )
 from xkv.gateway.protocol import (
@@ -34,5 +35,6 @@ __all__ = [
     "PingReply",
     "Reservation",
     "ReserveResult",
+    "ReservedKey",
     "ReserveStatus",
 ]

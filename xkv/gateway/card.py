@@ -4,12 +4,14 @@ Two ways to share it with clients on the same host (no KV byte ever crosses the 
 
 * ``memfd`` (default on Linux): anonymous memory from ``memfd_create``, sealed against shrinking
   and growing (a peer cannot ``ftruncate`` it and SIGBUS everyone else). Clients fetch both file
-  descriptors over an AF_UNIX socket (SCM_RIGHTS) in a 0700 directory; the gateway checks the
-  peer's uid with SO_PEERCRED. The generation table is sealed with F_SEAL_FUTURE_WRITE after the
+  descriptors over an AF_UNIX socket (SCM_RIGHTS) in the gateway's 0700 directory (see
+  transport.py); the gateway checks the peer's uid with SO_PEERCRED. The generation table is sealed with F_SEAL_FUTURE_WRITE after the
   gateway mapped it, so clients can map it read-only only. Memory is freed when the last process
   that maps it exits, even after a SIGKILL.
-* ``shm`` (fallback): two files ``/dev/shm/xkv-<pid>-<random>`` and ``...-gen``, mode 0600,
-  unlinked at clean shutdown; after a SIGKILL the next gateway of the same user unlinks them.
+* ``shm`` (fallback): two files ``/dev/shm/xkv-card-<random>`` and ``...-gen``, mode 0600,
+  unlinked at clean shutdown. The gateway holds an ``flock`` on both for its life; after a
+  SIGKILL the next gateway of the same user unlinks the files nobody holds locked (a lock, not a
+  pid: a gateway in another PID namespace sharing /dev/shm keeps its card).
 
 The generation table holds one little-endian uint64 per page (``slot_alignment`` bytes) of the
 card: ``generation(offset) = table[offset // slot_alignment]``. It costs 8 bytes per page (0.2 %
@@ -29,20 +31,22 @@ import socket
 import struct
 import tempfile
 import threading
-import time
 
 log = logging.getLogger("xkv.gateway")
 
 F_SEAL_FUTURE_WRITE = 0x10  # not exported by Python 3.11's fcntl
 MADV_POPULATE_WRITE = 23
 _HANDOVER_MAGIC = b"XKVCARD1"
+_SHM_PREFIX = "xkv-card-"
 
 
 class Card:
     """Gateway side: owns the arena and the generation table for the life of the process."""
 
     def __init__(self, capacity_bytes: int, slot_alignment: int, *, kind: str = "auto",
-                 prefault: bool = False, epoch: int = 0):
+                 prefault: bool = False, epoch: int = 0, handover_path: str | None = None):
+        """``handover_path``: where the memfd hand-over socket goes (inside a 0700 directory;
+        default a fresh private temporary directory)."""
         if capacity_bytes < slot_alignment:
             raise ValueError(f"capacity {capacity_bytes} bytes is smaller than one slot alignment "
                              f"({slot_alignment} bytes)")
@@ -68,10 +72,12 @@ class Card:
         else:
             self._check_shm_space()
             _remove_stale_shm()
-            base = f"/dev/shm/xkv-{os.getpid()}-{secrets.token_hex(8)}"
+            base = f"/dev/shm/{_SHM_PREFIX}{secrets.token_hex(8)}"
             self.fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)  # "alive" for _remove_stale_shm of others
             self._paths.append(base)
             self.gen_fd = os.open(base + "-gen", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self.gen_fd, fcntl.LOCK_EX)
             self._paths.append(base + "-gen")
             self._shm_paths = (base, base + "-gen")
         os.ftruncate(self.fd, self.capacity_bytes)
@@ -85,7 +91,7 @@ class Card:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
             fcntl.fcntl(self.gen_fd, fcntl.F_ADD_SEALS,
                         seals | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-            self._start_handover()
+            self._start_handover(handover_path)
         if prefault:
             self._prefault()
 
@@ -108,15 +114,17 @@ class Card:
 
     # ------------------------------------------------------------------ handover (memfd)
 
-    def _start_handover(self) -> None:
-        base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        if not os.path.isdir(base) or len(base) > 60:
-            base = tempfile.gettempdir()
-        _remove_stale_dirs(base)
-        self._dir = tempfile.mkdtemp(prefix="xkv-gateway-", dir=base)  # mode 0700
-        self.socket_path = os.path.join(self._dir, "card.sock")
+    def _start_handover(self, path: str | None) -> None:
+        if path is None:
+            self._dir = tempfile.mkdtemp(prefix="xkv-card-")  # mode 0700
+            path = os.path.join(self._dir, "card.sock")
+        self.socket_path = path
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
+        umask = os.umask(0o177)  # 0600: only this user may connect (and SO_PEERCRED checks)
+        try:
+            self._listener.bind(self.socket_path)
+        finally:
+            os.umask(umask)
         self._listener.listen(64)
         self._listener.settimeout(0.2)
         self._thread = threading.Thread(target=self._serve, name="xkv-card-handover", daemon=True)
@@ -177,56 +185,22 @@ class Card:
         os.close(self.gen_fd)
 
 
-def _remove_stale_dirs(base: str) -> None:
-    """Remove our socket directories left by gateways that were SIGKILLed: a live gateway
-    accepts on its socket, a dead one's socket refuses."""
-    try:
-        names = [n for n in os.listdir(base) if n.startswith("xkv-gateway-")]
-    except OSError:
-        return
-    for name in names:
-        d = os.path.join(base, name)
-        sock_path = os.path.join(d, "card.sock")
-        try:
-            st = os.lstat(d)
-            if not os.path.isdir(d) or st.st_uid != os.geteuid():
-                continue
-            if not os.path.exists(sock_path):
-                if time.time() - st.st_mtime < 60:  # maybe a gateway that is starting now
-                    continue
-            else:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.settimeout(0.5)
-                    s.connect(sock_path)
-                continue  # answered: alive
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass
-        except OSError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        log.info("removed %s, left by a gateway that is gone", d)
-
-
 def _remove_stale_shm() -> None:
-    """Unlink our /dev/shm/xkv-<pid>-* files whose gateway process is gone (mappings that
+    """Unlink our /dev/shm/xkv-card-* files that no live gateway holds locked (mappings that
     clients still hold stay valid; only the names go)."""
+    from xkv.gateway.transport import is_locked
+
     try:
-        names = os.listdir("/dev/shm")
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(_SHM_PREFIX)]
     except OSError:
         return
     for name in names:
-        parts = name.split("-")
-        if len(parts) < 3 or parts[0] != "xkv" or not parts[1].isdigit():
-            continue
         path = os.path.join("/dev/shm", name)
         try:
-            if os.lstat(path).st_uid != os.geteuid():
+            if os.lstat(path).st_uid != os.geteuid() or is_locked(path):
                 continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                log.info("removed %s, left by a gateway that is gone", path)
+            os.unlink(path)
+            log.info("removed %s, left by a gateway that is gone", path)
         except OSError:
             continue
 

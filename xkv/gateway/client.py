@@ -1,5 +1,10 @@
 """The connector's side of the gateway: a DEALER socket with request ids and a deadline per call.
 
+Transport (see transport.py): without CURVE keys the client talks to the gateway of this user
+on its Unix socket (``<socket dir>/xkv-<uid>/gateway-<port>/control.sock``; the host must be
+this machine); with ``curve_server_key`` it uses TCP ``host:port`` with CURVE. The client keeps
+one random routing id for its life, so its leases stay its own across reconnects.
+
 No call ever blocks past its deadline: a dead gateway, a restarted one (new epoch) or a deadline
 miss raise :class:`GatewayUnavailable`, and the client then stays unavailable (its layout ids and
 leases belong to a gateway process that is gone); the connector turns itself off and a new
@@ -24,6 +29,7 @@ import msgspec
 import zmq
 
 from xkv.gateway import protocol as P
+from xkv.gateway import transport
 from xkv.gateway.card import open_card
 from xkv.gateway.protocol import ChunkSlots, LayoutInfo, PingReply, ReserveStatus
 
@@ -42,11 +48,32 @@ class GatewayUnavailable(GatewayError):
 
 
 class Reservation(msgspec.Struct, frozen=True, gc=False):
-    """Slots to write one key: per shard, the byte offset in the card and its generation."""
+    """Slots to write one key: per shard, the byte offset in the card and its generation. The
+    (offset, generation) of a shard is the token its COMMIT/ABORT presents: pass this object
+    (or any object with ``key``, ``offsets``, ``generations``) to ``commit``/``abort``."""
 
     key: bytes
     offsets: tuple[int, ...]
     generations: tuple[int, ...]
+
+
+class ReservedKey(bytes):
+    """A key (it compares and hashes as its bytes) that carries its reservation's token, for
+    callers that keep keys as bytes: ``ReservedKey.of(ref)`` for any object with ``key``,
+    ``offsets`` and ``generations`` (a Reservation, the connector's ChunkRef)."""
+
+    offsets: tuple[int, ...] = ()
+    generations: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, ref) -> ReservedKey:
+        k = cls(ref.key)
+        k.offsets, k.generations = tuple(ref.offsets), tuple(ref.generations)
+        return k
+
+    @property
+    def key(self) -> bytes:
+        return bytes(self)
 
 
 class LookupResult:
@@ -115,23 +142,40 @@ class GatewayClient:
                  curve_client_keys: tuple[bytes, bytes] | None = None):
         """``timeout_s``: deadline of lookup/reserve/commit/abort/release/ping (seconds);
         ``setup_timeout_s``: of register_layout, map_card and stats. ``curve_server_key``: the
-        gateway's z85 public key when it runs with CURVE; the client then uses
-        ``curve_client_keys`` (public, secret) or a fresh key pair."""
+        gateway's z85 public key (bytes), or a path to its public certificate, when it runs
+        with CURVE: the client then talks TCP and uses ``curve_client_keys`` (public, secret),
+        or a path to its secret certificate, or a fresh key pair (refused by an allow-list)."""
         self.host = host or _default_host()
         self.port = port
         self._ipv6 = ":" in self.host  # an IPv6 literal such as ::1
-        self.endpoint = f"tcp://[{self.host}]:{port}" if self._ipv6 else f"tcp://{self.host}:{port}"
+        #: Set when this client can never reach the gateway (the first call raises it).
+        self._broken: str | None = None
+        self._ipc_dir: str | None = None
+        if curve_server_key is not None:
+            self.endpoint = (f"tcp://[{self.host}]:{port}" if self._ipv6
+                             else f"tcp://{self.host}:{port}")
+        else:
+            path = transport.control_path(port)
+            self.endpoint = f"ipc://{path}"
+            self._ipc_dir = os.path.dirname(os.path.dirname(path))
+            if not transport.is_local(self.host):
+                self._broken = (
+                    f"the xkv gateway host {self.host!r} is not this machine: a remote gateway "
+                    f"is reached over TCP with CURVE only (set xkv_gateway_curve_server_key and "
+                    f"xkv_gateway_curve_client_key, and run the gateway with --curve-secret-key "
+                    f"and --curve-allowed-clients)")
         self.timeout_s = timeout_s
         self.setup_timeout_s = setup_timeout_s
         if isinstance(curve_server_key, str):
-            curve_server_key = curve_server_key.encode()
+            curve_server_key, curve_client_keys = transport.load_curve(curve_server_key,
+                                                              curve_client_keys)
         self._curve = curve_server_key
         if curve_server_key is not None and curve_client_keys is None:
             curve_client_keys = zmq.curve_keypair()
         self._curve_client = curve_client_keys
         #: The gateway's epoch, learned from the first reply (None before any).
         self.epoch: int | None = None
-        self._broken: str | None = None
+        self._identity = transport.routing_id()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._ctx = zmq.Context(io_threads=1)
@@ -141,6 +185,8 @@ class GatewayClient:
         self._gens = None
         self._gen_q: memoryview | None = None
         self._alignment = 0
+        #: Reservations commit/abort skipped because their slot generation had moved.
+        self.stale_reservations = 0
 
     # ------------------------------------------------------------------ transport
 
@@ -152,6 +198,7 @@ class GatewayClient:
         #: The gateway publishes KV events (learned at register_layout): reserve() sends blocks.
         self.events_enabled = False
         self._pid = os.getpid()
+        self._identity = transport.routing_id()  # two live processes must not share one
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -160,6 +207,15 @@ class GatewayClient:
             s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a gateway that is not there
             s.setsockopt(zmq.RECONNECT_IVL, 50)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            s.setsockopt(zmq.ROUTING_ID, self._identity)
+            if self._ipc_dir is not None:
+                try:  # never talk to a socket another user could have planted
+                    transport.check_private_dir(self._ipc_dir)
+                except FileNotFoundError:
+                    pass  # no gateway yet: the call times out like any unreachable gateway
+                except PermissionError as e:
+                    s.close(linger=0)
+                    raise GatewayUnavailable(f"xkv gateway socket refused: {e}") from None
             if self._ipv6:
                 s.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
@@ -181,6 +237,9 @@ class GatewayClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         name = type(req).__name__.upper()
         body = P.encoder.encode(req)
+        if len(body) > P.MAX_MESSAGE_BYTES:  # the gateway's transport would drop it unanswered
+            raise ValueError(f"{name} of {len(body)} bytes exceeds the gateway's message limit of "
+                             f"{P.MAX_MESSAGE_BYTES} bytes: send fewer or shorter keys")
         if self._pid != os.getpid():
             self._after_fork()
         with self._lock:
@@ -283,20 +342,49 @@ class GatewayClient:
         out.status = [ReserveStatus(s) for s in reply.status]
         return out
 
-    def commit(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+    def commit(self, layout_id: int, shard: int, reservations: Sequence, *,
                timeout_s: float | None = None) -> int:
-        """This shard of each key is written; an object is visible once all shards committed.
-        Returns how many keys were still reserved (expired/aborted ones are skipped)."""
-        _check_keys(keys)
-        return self._call(P.Commit(self._epoch(), layout_id, shard, list(keys)), P.Ack,
+        """This shard of each reservation is written; an object is visible once all shards
+        committed. ``reservations``: what ``reserve`` returned for the keys (Reservation, or any
+        object with ``key``, ``offsets``, ``generations``). If the card is mapped, a reservation
+        whose slot generation moved (it expired or was aborted: the bytes went to a quarantined
+        slot) is not sent. Returns how many the gateway applied."""
+        items = self._live_tokens(shard, reservations)
+        if not items:
+            return 0
+        return self._call(P.Commit(self._epoch(), layout_id, shard, *items), P.Ack,
                           timeout_s).count
 
-    def abort(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+    def abort(self, layout_id: int, shard: int, reservations: Sequence, *,
               timeout_s: float | None = None) -> int:
-        """Give up writing ``keys`` (frees the whole objects); returns how many were freed."""
-        _check_keys(keys)
-        return self._call(P.Abort(self._epoch(), layout_id, shard, list(keys)), P.Ack,
+        """Give up writing (frees the whole objects); returns how many were freed."""
+        items = self._live_tokens(shard, reservations)
+        if not items:
+            return 0
+        return self._call(P.Abort(self._epoch(), layout_id, shard, *items), P.Ack,
                           timeout_s).count
+
+    def _live_tokens(self, shard: int, reservations: Sequence):
+        """(keys, offsets, generations) of the reservations still live per the mapped
+        generation table (all of them when the card is not mapped); None when none is."""
+        _check_keys(reservations)
+        keys, offs, gens = [], [], []
+        table, align = self._gen_q, self._alignment
+        for r in reservations:
+            if r is None:  # a key reserve() did not reserve (EXISTS / NO_SPACE)
+                continue
+            if isinstance(r, (bytes, bytearray, memoryview, str)) and not isinstance(
+                    r, ReservedKey):
+                raise TypeError(f"commit/abort take the reservations reserve() returned, not "
+                                f"{type(r).__name__}: the gateway needs each one's token")
+            off, gen = r.offsets[shard], r.generations[shard]
+            if table is not None and table[off // align] != gen:
+                self.stale_reservations += 1
+                continue
+            keys.append(bytes(r.key))
+            offs.append(off)
+            gens.append(gen)
+        return (keys, offs, gens) if keys else None
 
     def release(self, lease_id: int, *, timeout_s: float | None = None) -> int:
         """Drop a lookup's lease; returns 0 if it had already expired. lease_id 0 is a no-op."""
@@ -370,4 +458,5 @@ def _ms(deadline: float) -> int:
 
 
 __all__ = ["ChunkSlots", "GatewayClient", "GatewayError", "GatewayUnavailable", "LayoutInfo",
-           "LookupResult", "PingReply", "Reservation", "ReserveResult", "ReserveStatus"]
+           "LookupResult", "PingReply", "Reservation", "ReserveResult", "ReserveStatus",
+           "ReservedKey"]

@@ -40,6 +40,7 @@ class GatewayConfig:
     log_level: str = "INFO"
     lease_ttl_s: float = 30.0
     write_ttl_s: float = 60.0
+    quarantine_s: float = 60.0
     namespace_quota_bytes: int = 0
     quotas: dict[str, int] = field(default_factory=dict)
     curve_secret_key: bytes | None = None
@@ -64,6 +65,7 @@ class GatewayConfig:
     mooncake_wait_ms: float = 20.0
     mooncake_backlog: int = 4096
     mooncake_secret: bytes | None = None
+    metrics_allowed_uids: tuple[int, ...] = ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,21 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="xkv-gateway",
         description="xkv gateway: owns the card (a shared-memory arena of KV slots) and its index. "
                     "vLLM workers on this host map the card; the connector talks to the gateway "
-                    "over ZMQ. Binds loopback unless CURVE keys are given.")
+                    "over ZMQ on a Unix socket only this user reaches "
+                    "($XKV_GATEWAY_SOCKET_DIR or /tmp)/xkv-<uid>/gateway-<port>/control.sock; "
+                    "TCP only with CURVE keys and an allow-list of clients.")
     p.add_argument("--capacity", type=parse_size, default="1G",
                    help="bytes of the card, e.g. 512M, 64G (default 1G); rounded down to the "
                         "slot alignment")
     p.add_argument("--host", default=os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost",
-                   help="address to bind (default $XKV_GATEWAY_HOSTNAME, else localhost); a "
-                        "non-loopback address needs --curve-secret-key")
+                   help="TCP address to bind when CURVE is on (default $XKV_GATEWAY_HOSTNAME, "
+                        "else localhost); without --curve-secret-key no TCP port is opened "
+                        "and a non-loopback address is refused")
     p.add_argument("--port", type=int, default=5557,
-                   help="control port (default 5557, the connector's xkv_gateway_port; vLLM's "
-                        "KV-events publisher defaults to 5557 too); 0 picks a free port")
+                   help="instance number (default 5557, the connector's xkv_gateway_port): "
+                        "names the socket directory gateway-<port>, and is the TCP port when "
+                        "CURVE is on (vLLM's KV-events publisher defaults to TCP 5557 too); "
+                        "0 picks a free one")
     p.add_argument("--slot-alignment", type=parse_size, default=4096,
                    help="slot sizes are rounded up to this many bytes (power of two, default 4096)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics "
-                        "(default: off; 0 picks a free port)")
+                        "(default: off; 0 picks a free port); only this user, root and "
+                        "--metrics-allow-uid get an answer")
+    p.add_argument("--metrics-allow-uid", type=int, action="append", default=[], metavar="UID",
+                   help="another local uid (e.g. the Prometheus agent's) that may scrape "
+                        "/metrics (repeatable)")
     p.add_argument("--log-level", default=os.environ.get("XKV_LOG_LEVEL", "INFO").upper(),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level (default $XKV_LOG_LEVEL, else INFO)")
@@ -95,17 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-ttl", type=float, default=60.0, metavar="SECONDS",
                    help="a reserved object not committed by every shard within this long is "
                         "freed (default 60)")
+    p.add_argument("--quarantine", type=float, default=None, metavar="SECONDS",
+                   help="pages of a reservation that expired or was aborted stay unused this "
+                        "long after its write deadline, so a late writer cannot hit a new "
+                        "object (default: the write TTL)")
     p.add_argument("--namespace-quota", type=parse_size, default=0, metavar="SIZE",
                    help="bytes of the card any one namespace may hold (default 0 = no quota)")
     p.add_argument("--quota", type=_quota, action="append", default=[], metavar="NS=SIZE",
                    help="quota for one namespace, overrides --namespace-quota (repeatable)")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="ZMQ CURVE certificate of the gateway (zmq.auth.create_certificates "
-                        "format, with its secret key); enables encryption and allows a "
-                        "non-loopback --host. Clients need its public key.")
+                        "format, with its secret key); opens TCP on --host:--port with "
+                        "encryption, needs --curve-allowed-clients. Clients need its public key.")
     p.add_argument("--curve-allowed-clients", metavar="DIR",
-                   help="directory of client public certificates; with it only those clients are "
-                        "served (default: any client that knows the gateway's public key)")
+                   help="directory of client public certificates (*.key): only those clients "
+                        "are served over TCP (required with --curve-secret-key)")
     p.add_argument("--card", dest="card_kind", choices=["auto", "memfd", "shm"], default="auto",
                    help="how the card is shared: memfd handed over a unix socket (default on "
                         "Linux) or a 0600 file in /dev/shm")
@@ -264,17 +279,32 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                              f"*.key_secret certificate)")
     if args.curve_allowed_clients and not secret:
         raise SystemExit("xkv-gateway: --curve-allowed-clients needs --curve-secret-key")
+    if secret and not args.curve_allowed_clients:
+        raise SystemExit(
+            "xkv-gateway: --curve-secret-key needs --curve-allowed-clients DIR: CURVE without an "
+            "allow-list lets in anyone who knows the gateway's public key")
+    if secret:
+        from xkv.gateway.transport import load_client_keys
+
+        try:
+            load_client_keys(args.curve_allowed_clients)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"xkv-gateway: --curve-allowed-clients: {e}") from None
+    if args.quarantine is not None and args.quarantine < 0:
+        raise SystemExit("xkv-gateway: --quarantine must be >= 0 seconds")
     if not ipaddress.ip_address(address).is_loopback and secret is None:
         raise SystemExit(
             f"xkv-gateway: refusing to bind {args.host} ({address}): it is not a loopback address "
             f"and no --curve-secret-key was given. Anyone who can reach the port could read and "
             f"fill the cache. Bind localhost, or create keys with "
             f"python -c 'import zmq.auth; zmq.auth.create_certificates(\".\", \"gateway\")' and "
-            f"pass --curve-secret-key gateway.key_secret.")
+            f"pass --curve-secret-key gateway.key_secret --curve-allowed-clients DIR.")
     return GatewayConfig(
         capacity_bytes=args.capacity, host=args.host, bind_address=address, port=args.port,
         slot_alignment=align, metrics_port=args.metrics_port, log_level=args.log_level,
         lease_ttl_s=args.lease_ttl, write_ttl_s=args.write_ttl,
+        quarantine_s=args.write_ttl if args.quarantine is None else args.quarantine,
+        metrics_allowed_uids=tuple(args.metrics_allow_uid),
         namespace_quota_bytes=args.namespace_quota, quotas=dict(args.quota),
         curve_secret_key=secret, curve_allowed_clients=args.curve_allowed_clients,
         card_kind=args.card_kind, prefault=args.prefault, stats_interval_s=args.stats_interval,

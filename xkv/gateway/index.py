@@ -10,78 +10,51 @@ Card geometry. The card is ``capacity_bytes`` of shared memory cut into *pages* 
 
 Object life: RESERVE creates it STAGED (invisible to lookups, write deadline = now + write_ttl);
 each shard's COMMIT sets its bit; when all shards committed it is READY (visible). ABORT of any
-shard, or the write deadline, frees a STAGED object. READY objects sit in an LRU (a lookup hit
-is a use); those that no lease holds are evicted, least recently used first, only when a RESERVE
-needs room (or its namespace quota).
+shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in two
+LRUs (their namespace's and a global one; a lookup hit is a use) and are evicted, least recently
+used first, only when a RESERVE needs room (or its namespace quota). A leased object is taken out
+of both LRUs while leased, so every eviction step is O(1) however many objects are leased.
 
-A STAGED object with ``leases`` > 0 is held by the gateway itself (the scale-out tier is pulling
-it into its slots, :mod:`xkv.gateway.tier`): clients' COMMIT and ABORT and the write TTL pass
-over it until the tier commits or aborts it.
+Late writers. The pages of a STAGED object that is freed (ABORT, or the write deadline) may still
+receive bytes from a writer that outlived the deadline, so they go to a *quarantine* for
+``quarantine_s`` more seconds (counted from the write deadline) before they can be reserved again;
+a COMMIT past the deadline is refused. COMMIT and ABORT name the reservation by its token (slot
+offset and generation of the shard, see protocol.py), so a stale writer's COMMIT cannot publish
+a newer reservation of the same key.
 
 Generations: ``generations[page]`` is a uint64 per page (the card's generation table). When an
 object is freed, the generation at each of its slots' first page is incremented, so a reader that
 noted the generation at lookup and finds the same value after copying knows the object it read
 was still the one stored there.
+
+Work per call is bounded: lookups, reserves, commits and aborts are O(keys) (eviction O(1) per
+victim), ``expire`` is O(expired items), ``snapshot`` O(1) (every gauge is kept incrementally).
+
+A STAGED object with ``leases`` > 0 is held by the gateway itself (the scale-out tier is pulling
+it into its slots, :mod:`xkv.gateway.tier`): clients' COMMIT and ABORT and the write TTL pass
+over it until the tier commits or aborts it. A READY object is pinned with :meth:`Index.pin`
+(never by touching ``leases``: a pinned object must leave the eviction lists).
 """
 
 from __future__ import annotations
 
+import heapq
+import secrets
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, MutableSequence, Sequence
-from dataclasses import dataclass, field
-
-import msgspec
 
 from xkv.gateway.alloc import PageAllocator
-from xkv.gateway.protocol import MAX_LAYOUTS, ChunkSlots, ErrorCode, ReserveStatus
+from xkv.gateway.objects import Layout, Lease, Obj, RequestError
+from xkv.gateway.protocol import (
+    MAX_LAYOUTS,
+    MAX_LAYOUTS_PER_CLIENT,
+    ChunkSlots,
+    ErrorCode,
+    ReserveStatus,
+)
 
-
-class RequestError(Exception):
-    """A request the index refuses; the server turns it into an ErrorReply with ``code``."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(eq=False)
-class Layout:
-    layout_id: int
-    namespace: str
-    fingerprint: str
-    num_shards: int
-    shard_bytes: int
-    slot_bytes: int
-    slot_pages: int
-    lru: OrderedDict[Obj, None]  # READY objects of the namespace, least recently used first
-    objects: dict[bytes, Obj] = field(default_factory=dict)
-
-    @property
-    def object_pages(self) -> int:
-        return self.slot_pages * self.num_shards
-
-
-class Obj(msgspec.Struct, gc=False, eq=False):
-    """One stored object. ``leases`` counts live leases; READY objects are in their namespace's
-    LRU, and eviction passes over those with a lease.
-
-    Not tracked by the cyclic GC (a card can hold millions of objects and a full collection
-    would stall the loop); that is safe because a freed object is unlinked from every dict and
-    LRU, so no cycle through it outlives it. Hashed by identity (``eq=False``)."""
-
-    layout: Layout
-    key: bytes
-    start: int  # first page of its range
-    deadline: float  # write deadline while STAGED
-    slots: ChunkSlots  # generations only move when an object is freed: fixed while it lives
-    packed: tuple[bytes, bytes]  # slots.offsets, slots.generations as little-endian uint64
-    lru: OrderedDict  # its namespace's LRU
-    ready: bool = False
-    committed: int = 0  # bit r set = shard r committed
-    leases: int = 0
-    alive: bool = True
-    stamp: int = 0  # when it last entered or moved in its LRU: orders namespaces' LRUs
+__all__ = ["Index", "Layout", "Lease", "Obj", "RequestError"]
 
 
 class Index:
@@ -92,10 +65,13 @@ class Index:
         slot_alignment: int = 4096,
         lease_ttl_s: float = 30.0,
         write_ttl_s: float = 60.0,
+        quarantine_s: float | None = None,
         default_quota_bytes: int = 0,
         quotas: dict[str, int] | None = None,
         generations: MutableSequence[int] | None = None,
     ):
+        """``quarantine_s``: how long past its write deadline a freed reservation's pages stay
+        unusable (default ``write_ttl_s``)."""
         if slot_alignment <= 0 or slot_alignment & (slot_alignment - 1):
             raise ValueError(f"slot_alignment must be a power of two, got {slot_alignment}")
         self.alignment = slot_alignment
@@ -103,6 +79,7 @@ class Index:
         self.capacity_bytes = self.num_pages * slot_alignment
         self.lease_ttl_s = lease_ttl_s
         self.write_ttl_s = write_ttl_s
+        self.quarantine_s = write_ttl_s if quarantine_s is None else quarantine_s
         self.default_quota_bytes = default_quota_bytes
         self.quotas = dict(quotas or {})
         self.generations = generations if generations is not None else [0] * self.num_pages
@@ -111,22 +88,26 @@ class Index:
         self.alloc = PageAllocator(self.num_pages)
         self.layouts: dict[int, Layout] = {}
         self._layout_by_name: dict[tuple[str, str], Layout] = {}
-        # One LRU per namespace (quota eviction stays O(1)); global eviction takes the oldest head.
+        self._layouts_of: dict[bytes, int] = {}  # client -> layouts it created
+        # One LRU per namespace (quota eviction) and one over all (global eviction); O(1) heads.
         self._lru: dict[str, OrderedDict[Obj, None]] = {}
-        self._clock = 0
+        self._all: OrderedDict[Obj, None] = OrderedDict()
         self.ns_used: dict[str, int] = {}
-        self._leases: dict[int, list[list[Obj]]] = {}  # lease id -> the lookup's hits per group
-        self._lease_q: deque[tuple[float, int]] = deque()
-        self._write_q: deque[tuple[float, Obj]] = deque()
-        self._next_lease = 1
-        #: Called with each object that becomes READY (the scale-out tier's write-through hook).
-        self.on_ready: Callable[[Obj], None] | None = None
+        # Insertion-ordered by deadline (the TTLs are fixed and ``now`` never goes back); an
+        # entry leaves as soon as it is done, so finished work holds no memory until its TTL.
+        self._leases: dict[int, Lease] = {}
+        self._staged: dict[Obj, None] = {}
+        self._quarantine: list[tuple[float, int, int]] = []  # heap of (until, start, pages)
+        self.quarantined_pages = 0
         # Gauges kept incrementally so metrics never walk the objects.
-        self.ready_objects = self.staged_objects = 0
+        self.ready_objects = self.staged_objects = self.leased_objects = 0
         self.ready_bytes = self.staged_bytes = 0
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
-             "committed", "aborted", "evicted", "write_expired", "lease_expired", "released"), 0)
+             "committed", "aborted", "evicted", "write_expired", "lease_expired", "released",
+             "refused_commits", "refused_releases", "quarantined"), 0)
+        #: Called with each object that becomes READY (the scale-out tier's write-through hook).
+        self.on_ready: Callable[[Obj], None] | None = None
         # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
         # (num_shards * shard_bytes) found by lookups / made visible by commits; the evictions a
         # namespace quota forced (``evicted`` counts them too).
@@ -138,8 +119,9 @@ class Index:
     # ------------------------------------------------------------- layouts
 
     def register_layout(self, namespace: str, fingerprint: str, num_shards: int,
-                        shard_bytes: int) -> Layout:
-        """The layout of (namespace, fingerprint); registering the same again returns it."""
+                        shard_bytes: int, owner: bytes = b"") -> Layout:
+        """The layout of (namespace, fingerprint); registering the same again returns it.
+        ``owner`` (the client) may create at most MAX_LAYOUTS_PER_CLIENT layouts."""
         old = self._layout_by_name.get((namespace, fingerprint))
         if old is not None:
             if (old.num_shards, old.shard_bytes) != (num_shards, shard_bytes):
@@ -156,6 +138,11 @@ class Index:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"{MAX_LAYOUTS} layouts are registered already; restart the "
                                f"gateway (or use fewer namespace/fingerprint pairs)")
+        mine = self._layouts_of.get(owner, 0)
+        if mine >= MAX_LAYOUTS_PER_CLIENT:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"this client created {mine} layouts already, at most "
+                               f"{MAX_LAYOUTS_PER_CLIENT} per client")
         slot_pages = -(-shard_bytes // self.alignment)
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
@@ -168,6 +155,7 @@ class Index:
                         self._lru.setdefault(namespace, OrderedDict()))
         self.layouts[layout.layout_id] = layout
         self._layout_by_name[(namespace, fingerprint)] = layout
+        self._layouts_of[owner] = mine + 1
         return layout
 
     def _layout(self, layout_id: int) -> Layout:
@@ -182,12 +170,13 @@ class Index:
     # ------------------------------------------------------------- reading
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
-               lease: bool = True) -> tuple[int, int, list[list[Obj]]]:
+               lease: bool = True, owner: bytes = b"") -> tuple[int, int, list[list[Obj]]]:
         """(num_chunks, lease_id, hits[g][c]): the longest prefix READY in every group; the
         objects' ``slots`` say where they are.
 
-        With ``lease`` the hit objects are leased (kept from eviction) until release or
-        ``lease_ttl_s``; lease_id is 0 when nothing was hit or ``lease`` is False."""
+        With ``lease`` the hit objects are leased (kept from eviction) until ``owner`` releases
+        the lease or ``lease_ttl_s`` passed; lease_id (random, 63 bits) is 0 when nothing was hit
+        or ``lease`` is False."""
         layouts = [self._layout(layout_id) for layout_id, _ in groups]
         n = len(groups[0][1]) if groups else 0
         if any(len(keys) != n for _, keys in groups):
@@ -227,42 +216,67 @@ class Index:
                                                     for lay in layouts)
         lease_id = 0
         if num:
-            clock = self._clock
-            self._clock += 1
-            # A hit is a use: most recently used end of its LRU. Two loops, no branch per object.
+            every = self._all
             if lease:
+                pin = self.pin
                 for row in hits:
                     for obj in row:
-                        obj.lru.move_to_end(obj)
-                        obj.stamp = clock
-                        obj.leases += 1
-                lease_id = self._next_lease
-                self._next_lease += 1
-                self._leases[lease_id] = hits
-                self._lease_q.append((now + self.lease_ttl_s, lease_id))
-            else:
+                        pin(obj)
+                lease_id = secrets.randbits(63)
+                while not lease_id or lease_id in self._leases:
+                    lease_id = secrets.randbits(63)
+                self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner)
+            else:  # a hit is a use: most recently used end of its LRUs
                 for row in hits:
                     for obj in row:
-                        obj.lru.move_to_end(obj)
-                        obj.stamp = clock
+                        if not obj.leases:
+                            obj.lru.move_to_end(obj)
+                            every.move_to_end(obj)
         return num, lease_id, hits
 
-    def release(self, lease_id: int) -> int:
-        """Drop a lease; returns 1, or 0 for an unknown (expired or released) lease."""
-        held = self._leases.pop(lease_id, None)
+    def release(self, lease_id: int, owner: bytes | None = None) -> int:
+        """Drop a lease; returns 1, or 0 for an unknown (expired or released) lease or one that
+        another client took (that one stays). ``owner`` None: the gateway itself (any lease)."""
+        held = self._leases.get(lease_id)
         if held is None:
             return 0
-        for row in held:
-            for obj in row:
-                obj.leases -= 1
+        if owner is not None and held.owner != owner:
+            self.counters["refused_releases"] += 1
+            return 0
+        self._drop_lease(lease_id)
         self.counters["released"] += 1
         return 1
 
+    def _drop_lease(self, lease_id: int) -> None:
+        unpin = self.unpin
+        for row in self._leases.pop(lease_id).hits:
+            for obj in row:
+                unpin(obj)
+
+    def pin(self, obj: Obj) -> None:
+        """Keep a READY ``obj`` from eviction (one more holder): out of the LRUs while held."""
+        if not obj.leases:
+            del obj.lru[obj]
+            del self._all[obj]
+            self.leased_objects += 1
+        obj.leases += 1
+
+    def unpin(self, obj: Obj) -> None:
+        """One holder less; the last one puts it back at the most recently used end."""
+        obj.leases -= 1
+        if not obj.leases:
+            obj.lru[obj] = None
+            self._all[obj] = None
+            self.leased_objects -= 1
+
     # ------------------------------------------------------------- writing
 
-    def reserve(self, layout_id: int, keys: Sequence[bytes],
-                now: float) -> list[tuple[ReserveStatus, ChunkSlots | None]]:
-        """Per key: (OK, slots to write), (EXISTS, None) or (NO_SPACE, None). First writer wins."""
+    def reserve(self, layout_id: int, keys: Sequence[bytes], now: float,
+                present: set[bytes] | None = None) -> list[tuple[ReserveStatus, ChunkSlots | None]]:
+        """Per key: (OK, slots to write), (EXISTS, None) or (NO_SPACE, None). First writer wins.
+        The slots are the reservation's token: COMMIT/ABORT must present them. ``present``: the
+        keys stored when the request arrived (default: now; a request served in slices passes
+        the set it found at its start)."""
         layout = self._layout(layout_id)
         out: list[tuple[ReserveStatus, ChunkSlots | None]] = []
         pages = layout.object_pages
@@ -271,7 +285,11 @@ class Index:
         quota = self._quota(ns)
         # Answers reflect the index as the request found it: making room for one key may evict
         # another key of the same request, which then still answers EXISTS (never a torn write).
-        present = {key for key in keys if key in layout.objects}
+        if present is None:
+            present = {key for key in keys if key in layout.objects}
+        if self._quarantine and self._quarantine[0][0] <= now:
+            self._release_quarantine(now)
+        every = self._all
         for key in keys:
             if key in present or key in layout.objects:
                 self.counters["exists"] += 1
@@ -280,11 +298,8 @@ class Index:
             start = None
             if not quota or self._make_quota_room(ns, nbytes, quota):
                 start = self.alloc.alloc(pages)
-                while start is None:
-                    victim = self._oldest()
-                    if victim is None:
-                        break
-                    self._evict(victim)
+                while start is None and every:
+                    self._evict(next(iter(every)))
                     start = self.alloc.alloc(pages)
             if start is None:
                 self.counters["no_space"] += 1
@@ -298,7 +313,7 @@ class Index:
             obj = Obj(layout, key, start, now + self.write_ttl_s, slots, packed, layout.lru)
             layout.objects[key] = obj
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
-            self._write_q.append((obj.deadline, obj))
+            self._staged[obj] = None
             self.staged_objects += 1
             self.staged_bytes += nbytes
             self.counters["reserved"] += 1
@@ -308,10 +323,9 @@ class Index:
     def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
         lru = self._lru[ns]
         while self.ns_used.get(ns, 0) + nbytes > quota:
-            victim = self._head(lru)
-            if victim is None:
+            if not lru:
                 return False
-            self._evict(victim)
+            self._evict(next(iter(lru)))
             self.counters["evicted_quota"] += 1
         return True
 
@@ -321,115 +335,142 @@ class Index:
                                f"shard {shard} out of range for layout {layout.layout_id} "
                                f"with {layout.num_shards} shards")
 
-    def commit(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
+    def _live(self, layout: Layout, shard: int, keys: Sequence[bytes],
+              tokens: Sequence[tuple[int, int]] | None, now: float | None):
+        """The STAGED objects of ``keys`` whose reservation the request may act on: token (slot
+        offset, generation of ``shard``) equal to the live reservation's, write deadline not
+        passed. ``tokens`` None: no token check (callers inside the gateway only)."""
+        if tokens is not None and len(tokens) != len(keys):
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"{len(keys)} keys but {len(tokens)} reservation tokens")
+        objects = layout.objects
+        for i, key in enumerate(keys):
+            obj = objects.get(key)
+            if obj is None or obj.ready or obj.leases:  # leases while STAGED: held by the tier
+                continue
+            if tokens is not None and tokens[i] != (obj.slots.offsets[shard],
+                                                    obj.slots.generations[shard]):
+                continue  # another (newer) reservation of the same key
+            if now is not None and now >= obj.deadline:
+                continue  # expired: its pages are about to go to quarantine
+            yield obj
+
+    def commit(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+               tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None) -> int:
         """Mark ``shard`` written for each STAGED key; returns how many keys it applied to
-        (a key whose reservation expired or was aborted is skipped)."""
+        (a key whose reservation expired, was aborted, or does not match its token is
+        skipped and counted in ``refused_commits``)."""
         layout = self._layout(layout_id)
         self._check_shard(layout, shard)
         full = (1 << layout.num_shards) - 1
         done = 0
-        for key in keys:
-            obj = layout.objects.get(key)
-            if obj is None or obj.ready or obj.leases:  # leases while STAGED: held by the tier
-                continue
+        for obj in self._live(layout, shard, keys, tokens, now):
             obj.committed |= 1 << shard
             done += 1
             if obj.committed == full:
                 obj.ready = True
                 nbytes = layout.object_pages * self.alignment
+                self._staged.pop(obj, None)  # absent if the tier held it past its deadline
                 self.staged_objects -= 1
                 self.staged_bytes -= nbytes
                 self.ready_objects += 1
                 self.ready_bytes += nbytes
                 obj.lru[obj] = None
-                obj.stamp = self._clock
-                self._clock += 1
+                self._all[obj] = None
                 self.counters["committed"] += 1
                 self.counters["stored_bytes"] += layout.num_shards * layout.shard_bytes
                 if self.listener is not None:
                     self.listener.stored(obj)
                 if self.on_ready is not None:
                     self.on_ready(obj)
+        self.counters["refused_commits"] += len(keys) - done
         return done
 
-    def abort(self, layout_id: int, shard: int, keys: Sequence[bytes]) -> int:
-        """Free the STAGED objects of ``keys`` (every shard: the object can no longer complete)."""
+    def abort(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
+              tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None) -> int:
+        """Free the STAGED objects of ``keys`` (every shard: the object can no longer complete);
+        their pages are quarantined (other shards' writers may still be writing)."""
         layout = self._layout(layout_id)
         self._check_shard(layout, shard)
         done = 0
-        for key in keys:
-            obj = layout.objects.get(key)
-            if obj is not None and not obj.ready and not obj.leases:
-                self._free(obj)
-                self.counters["aborted"] += 1
-                done += 1
+        for obj in self._live(layout, shard, keys, tokens, now):
+            self._free(obj, now if now is not None else obj.deadline)
+            self.counters["aborted"] += 1
+            done += 1
         return done
 
     # ------------------------------------------------------------- freeing
 
-    def _head(self, lru: OrderedDict[Obj, None]) -> Obj | None:
-        """The least recently used unleased object of one LRU. Leased objects met on the way
-        are in use, so they move to the recent end (each is passed over once per cycle)."""
-        for _ in range(len(lru)):
-            obj = next(iter(lru))
-            if not obj.leases:
-                return obj
-            lru.move_to_end(obj)
-            obj.stamp = self._clock
-        return None
-
-    def _oldest(self) -> Obj | None:
-        """The least recently used evictable object of any namespace."""
-        heads = [h for h in map(self._head, self._lru.values()) if h is not None]
-        return min(heads, key=lambda o: o.stamp) if heads else None
-
     def _evict(self, obj: Obj) -> None:
         del obj.lru[obj]
+        del self._all[obj]
         self._free(obj)
         self.counters["evicted"] += 1
 
-    def _free(self, obj: Obj) -> None:
+    def _free(self, obj: Obj, now: float | None = None) -> None:
+        """Unlink ``obj`` and bump its slots' generations. A READY object's pages are free at
+        once; a STAGED one's (``now`` given) are quarantined until its write deadline plus
+        ``quarantine_s``: a writer that outlived its deadline can only hit pages nobody uses."""
         if self.listener is not None:
             self.listener.freed(obj)
         layout = obj.layout
         for r in range(layout.num_shards):
             self.generations[obj.start + r * layout.slot_pages] += 1
-        self.alloc.free(obj.start, layout.object_pages)
         del layout.objects[obj.key]
         nbytes = layout.object_pages * self.alignment
         self.ns_used[layout.namespace] -= nbytes
         if obj.ready:
             self.ready_objects -= 1
             self.ready_bytes -= nbytes
+            self.alloc.free(obj.start, layout.object_pages)
         else:
+            self._staged.pop(obj, None)
             self.staged_objects -= 1
             self.staged_bytes -= nbytes
+            until = max(obj.deadline, now if now is not None else obj.deadline) + self.quarantine_s
+            heapq.heappush(self._quarantine, (until, obj.start, layout.object_pages))
+            self.quarantined_pages += layout.object_pages
+            self.counters["quarantined"] += 1
         obj.alive = False
 
-    def expire(self, now: float) -> None:
-        """Drop leases and unfinished writes whose deadline is <= now."""
-        q = self._lease_q
+    def _release_quarantine(self, now: float) -> None:
+        q = self._quarantine
         while q and q[0][0] <= now:
-            if self.release(q.popleft()[1]):
-                self.counters["released"] -= 1
-                self.counters["lease_expired"] += 1
-        w = self._write_q
-        while w and w[0][0] <= now:
-            obj = w.popleft()[1]
-            if obj.alive and not obj.ready and not obj.leases:
-                self._free(obj)
-                self.counters["write_expired"] += 1
+            _, start, pages = heapq.heappop(q)
+            self.quarantined_pages -= pages
+            self.alloc.free(start, pages)
+
+    def expire(self, now: float) -> None:
+        """Drop leases and unfinished writes whose deadline is <= now; end quarantines."""
+        leases = self._leases
+        while leases:
+            lease_id, held = next(iter(leases.items()))
+            if held.deadline > now:
+                break
+            self._drop_lease(lease_id)
+            self.counters["lease_expired"] += 1
+        staged = self._staged
+        while staged:
+            obj = next(iter(staged))
+            if obj.deadline > now:
+                break
+            if obj.leases:  # held by the tier: it commits or aborts it, no TTL applies
+                del staged[obj]
+                continue
+            self._free(obj, now)
+            self.counters["write_expired"] += 1
+        self._release_quarantine(now)
 
     # ------------------------------------------------------------- accounting
 
     @property
-    def leased_objects(self) -> int:
-        """Distinct objects held by at least one lease (walks the leases: for metrics only)."""
-        return len({id(obj) for hits in self._leases.values() for row in hits for obj in row})
+    def used_bytes(self) -> int:
+        """Bytes held by objects (quarantined pages are neither used nor free)."""
+        return (self.num_pages - self.alloc.free_pages - self.quarantined_pages) * self.alignment
 
     @property
-    def used_bytes(self) -> int:
-        return (self.num_pages - self.alloc.free_pages) * self.alignment
+    def pending_writes(self) -> int:
+        return len(self._staged)
 
     def snapshot(self) -> dict[str, int]:
         """Counters and gauges (bytes, objects); O(1), safe to call every loop."""
@@ -437,4 +478,5 @@ class Index:
                     ready_objects=self.ready_objects, staged_objects=self.staged_objects,
                     ready_bytes=self.ready_bytes, staged_bytes=self.staged_bytes,
                     leased_objects=self.leased_objects, leases=len(self._leases),
+                    quarantined_bytes=self.quarantined_pages * self.alignment,
                     layouts=len(self.layouts))

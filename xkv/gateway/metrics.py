@@ -82,6 +82,13 @@ _GAUGES = (
     ("xkv_gateway_kv_events_total", "kv_events_removed", "counter", "", 'type="removed"'),
     ("xkv_gateway_kv_event_batches_total", "kv_event_batches", "counter",
      "KV-event messages (batches) sent.", ""),
+    ("xkv_gateway_quarantined_bytes", "quarantined_bytes", "gauge",
+     "Pages of expired or aborted reservations held back from reuse (late writers).", ""),
+    ("xkv_gateway_refused_total", "refused_commits", "counter",
+     "Keys or leases a request named but did not own, by kind.", 'kind="commit"'),
+    ("xkv_gateway_refused_total", "refused_releases", "counter", "", 'kind="release"'),
+    ("xkv_gateway_refused_connections_total", "refused_connections", "counter",
+     "Connections refused by the peer check (other uid, key not allowed).", ""),
 )
 
 # The scale-out tier (xkv/gateway/tier.py), rendered only when the gateway runs one.
@@ -172,11 +179,56 @@ def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], his
     return "\n".join(out) + "\n"
 
 
-def serve_metrics(port: int, text: Callable[[], str]) -> ThreadingHTTPServer:
+class MetricsCopy:
+    """The text /metrics serves: rendered by the gateway loop (the only thread that reads the
+    index), handed to HTTP threads as a finished string."""
+
+    def __init__(self, render_text: Callable[[], str]):
+        self._render = render_text
+        self._text = ""
+        self._version = 0
+        self._cond = threading.Condition()
+        #: Set by an HTTP thread that wants a fresh copy; the loop checks it every iteration.
+        self.wanted = threading.Event()
+
+    def publish(self) -> None:
+        """Loop thread: render now and wake any waiting scrape."""
+        text = self._render()
+        with self._cond:
+            self._text = text
+            self._version += 1
+            self.wanted.clear()
+            self._cond.notify_all()
+
+    def get(self, wait_s: float = 1.0) -> str:
+        """HTTP thread: ask the loop for a fresh rendering and wait up to ``wait_s`` for it; a
+        busy loop gets the previous copy served (a scrape never touches the index)."""
+        with self._cond:
+            seen = self._version
+            self.wanted.set()
+            self._cond.wait_for(lambda: self._version != seen, wait_s)
+            return self._text
+
+
+#: Seconds an HTTP connection may sit idle or trickle bytes before the server drops it.
+HTTP_TIMEOUT_S = 5.0
+#: Most scrapes served at once; more connections wait in the listen queue.
+MAX_HTTP_THREADS = 8
+
+
+def serve_metrics(port: int, text: Callable[[], str],
+                  allowed_uids: set[int] | None = None) -> ThreadingHTTPServer:
     """Serve ``text()`` at http://127.0.0.1:port/metrics from a daemon thread; returns the server
-    (call ``shutdown()`` to stop). Port 0 picks a free port (``server.server_address[1]``)."""
+    (call ``shutdown()`` to stop). Port 0 picks a free port (``server.server_address[1]``).
+
+    ``text`` must return a ready copy (it runs on an HTTP thread). With ``allowed_uids`` a
+    connection whose peer process is another local user is closed without a reply."""
+    from xkv.gateway.transport import tcp_peer_uid
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = HTTP_TIMEOUT_S  # socket timeout: an idle client cannot hold a thread
+        protocol_version = "HTTP/1.0"  # one request per connection
+
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
@@ -191,7 +243,33 @@ def serve_metrics(port: int, text: Callable[[], str]) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 64
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self._slots = threading.BoundedSemaphore(MAX_HTTP_THREADS)
+
+        def verify_request(self, request, client_address) -> bool:
+            if allowed_uids is None:
+                return True
+            uid = tcp_peer_uid(client_address[:2], self.server_address[:2])
+            return uid is not None and uid in allowed_uids
+
+        def process_request(self, request, client_address):
+            request.settimeout(HTTP_TIMEOUT_S)
+            if not self._slots.acquire(timeout=HTTP_TIMEOUT_S):
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self._slots.release()
+
+    server = Server(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, name="xkv-metrics", daemon=True).start()
     return server

@@ -10,10 +10,24 @@ Every reply carries ``epoch``: a random 64-bit number drawn at each gateway star
 name gateway state (layout ids, leases) carry the epoch the client learned; the gateway refuses a
 stale one with ``ErrorCode.BAD_EPOCH`` because that state died with the previous process.
 
+Who may talk: see :mod:`xkv.gateway.transport` (a Unix socket only the gateway's uid reaches by
+default; TCP only with CURVE and an allow-list of client keys). Ownership inside the protocol:
+
+* a *lease* (LOOKUP) has a random 63-bit id and belongs to the client (ZMQ routing id) that took
+  it: a RELEASE from any other client does nothing;
+* a *reservation* (RESERVE) is named by its token: per shard the slot's byte offset and the slot
+  generation at reservation time (``ChunkSlots``). COMMIT/ABORT must present the token of the
+  shard they write; a token of an expired, aborted or re-made reservation matches nothing, so a
+  late writer can neither publish nor free somebody else's object. The scheduler hands tokens to
+  its workers in the connector metadata.
+
 Version history (``PROTOCOL_VERSION``, checked at HELLO):
   1 — first version: HELLO/CARD/LOOKUP/RESERVE/COMMIT/ABORT/RELEASE/PING/STATS.
       Additive, still 1: LayoutInfo.events and RESERVE's optional blocks/block_size/group_idx
       (KV events); a client sends them only to a gateway whose LayoutInfo says events.
+  2 — COMMIT/ABORT carry the reservation token (offsets, generations) of every key; lease ids
+      are random and owned; key counts derived from the message size limit
+      (RESERVE's optional blocks are bounded by the client's size check before sending).
 """
 
 from __future__ import annotations
@@ -24,22 +38,31 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 if sys.byteorder != "little":  # packed uint64 arrays are read with memoryview.cast("Q")
     raise ImportError("xkv.gateway needs a little-endian host")
 
 #: Largest message (one frame) the gateway accepts; ZMQ_MAXMSGSIZE disconnects a bigger sender.
 MAX_MESSAGE_BYTES = 1 << 20
-#: Most keys in one request (for LOOKUP: summed over all groups).
-MAX_KEYS = 4096
 #: Longest key; keys are opaque bytes derived from vLLM block hashes (32 bytes for sha256).
-MAX_KEY_BYTES = 256
+MAX_KEY_BYTES = 128
 MAX_NAME_CHARS = 256
 MAX_GROUPS = 64
 MAX_SHARDS = 1024
-#: Most layouts one gateway registers (a bound on what HELLOs can make it allocate).
+#: Worst-case encoded bytes per key of any request: the key (msgpack bin8 header + bytes), and
+#: in COMMIT/ABORT its token (offset and generation, uint64 = 9 bytes each).
+_PER_KEY_BYTES = 2 + MAX_KEY_BYTES + 9 + 9
+#: Room for everything that is not a key: tags, field names, epoch, ids, list headers, and the
+#: per-group overhead of a LOOKUP with MAX_GROUPS groups.
+_FIXED_BYTES = 1024 + MAX_GROUPS * 32
+#: Most keys in one request (for LOOKUP: summed over all groups). Derived from the message size
+#: limit so that every request the schema accepts fits in one frame (ZMQ would drop a bigger one
+#: without a reply); the client checks the encoded size too, before sending.
+MAX_KEYS = min(4096, (MAX_MESSAGE_BYTES - _FIXED_BYTES) // _PER_KEY_BYTES)
+#: Most layouts one gateway registers, and one client may create (bounds what HELLOs allocate).
 MAX_LAYOUTS = 4096
+MAX_LAYOUTS_PER_CLIENT = 64
 #: Most block hashes one chunk's BlockInfo may carry (chunk_size / hash block size).
 MAX_HASHES_PER_CHUNK = 1024
 
@@ -131,18 +154,31 @@ class Reserve(msgspec.Struct, **_S):
     group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] | None = None
 
 
+Offsets = Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)]
+
+
 class Commit(msgspec.Struct, **_S):
+    """Shard ``shard`` of each key is written. ``offsets[i]``/``generations[i]``: the token of
+    key i for this shard, as RESERVE returned it (``ChunkSlots.offsets[shard]``, ``.generations
+    [shard]``); a key whose token does not match its live reservation is skipped."""
+
     epoch: U64
     layout_id: U64
     shard: Shard
     keys: Keys
+    offsets: Offsets
+    generations: Offsets
 
 
 class Abort(msgspec.Struct, **_S):
+    """Give up the reservations of ``keys`` (tokens as in :class:`Commit`)."""
+
     epoch: U64
     layout_id: U64
     shard: Shard
     keys: Keys
+    offsets: Offsets
+    generations: Offsets
 
 
 class Release(msgspec.Struct, **_S):
@@ -216,10 +252,13 @@ class ReserveReply(msgspec.Struct, tag=True, gc=False):
 
 
 class Ack(msgspec.Struct, tag=True, gc=False):
-    """COMMIT/ABORT/RELEASE reply; ``count`` = keys (or leases) the request applied to."""
+    """COMMIT/ABORT/RELEASE reply; ``count`` = keys (or leases) the request applied to;
+    ``refused`` = keys whose token matched no live reservation (expired, aborted, someone
+    else's), or leases that are not this client's."""
 
     epoch: int
     count: int = 0
+    refused: int = 0
 
 
 class PingReply(msgspec.Struct, tag=True, gc=False):
@@ -261,6 +300,17 @@ REQUEST_TYPE: dict[type, RequestType] = {req: t for t, (req, _) in SPEC.items()}
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()
+
+
+def _check_limits() -> None:
+    # The largest request the schema accepts must fit in one frame (see MAX_KEYS).
+    key = b"k" * MAX_KEY_BYTES
+    big = Commit(2**64 - 1, 2**64 - 1, MAX_SHARDS - 1, [key] * MAX_KEYS, [2**64 - 1] * MAX_KEYS,
+                 [2**64 - 1] * MAX_KEYS)
+    assert len(encoder.encode(big)) <= MAX_MESSAGE_BYTES, "MAX_KEYS does not fit the frame limit"
+
+
+_check_limits()
 
 def pack_id(request_id: int) -> bytes:
     return request_id.to_bytes(8, "little")

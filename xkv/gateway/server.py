@@ -1,16 +1,27 @@
 """The ``xkv-gateway`` process: a ZMQ ROUTER loop in front of the index and the card.
 
-One thread owns the socket and the index (no locks on the hot path); a daemon thread hands the
-card's file descriptors to local clients, another serves /metrics on 127.0.0.1. A bad message
-gets an ErrorReply and never stops the loop.
+One thread owns the sockets and the index (no locks on the hot path); a daemon thread hands the
+card's file descriptors to local clients, one answers ZAP (who may connect, transport.py), one
+serves /metrics on 127.0.0.1 from a copy the loop renders. A bad message gets an ErrorReply and
+never stops the loop.
+
+Fairness: every request does O(keys) work with O(1) per key (eviction included), and the ROUTER
+queues each connection separately and takes one message from each in turn. A RESERVE (the one
+request whose keys cost an allocation and maybe an eviction each) of more than RESERVE_SLICE
+keys is served in slices of RESERVE_SLICE keys, with one message of every socket served between
+two slices. So a client's LOOKUP waits behind at most one slice of every RESERVE in progress
+plus one other request (dictionary work only) of every other connection; STATS and /metrics
+are O(1).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import gc
 import logging
 import os
+import random
 import secrets
 import signal
 import sys
@@ -24,12 +35,31 @@ from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
 from xkv.gateway.events import EventPublisher
 from xkv.gateway.index import Index, RequestError
-from xkv.gateway.metrics import Histogram, render, serve_metrics
+from xkv.gateway.metrics import Histogram, MetricsCopy, render, serve_metrics
 from xkv.gateway.tier import DEFERRED
+from xkv.gateway.transport import (
+    IPC_DOMAIN,
+    TCP_DOMAIN,
+    Authenticator,
+    InstanceDir,
+    load_client_keys,
+)
 
 log = logging.getLogger("xkv.gateway")
 
 _TYPE_NAME = {cls: t.name.lower() for cls, t in P.REQUEST_TYPE.items()}
+#: Keys of a RESERVE handled before other clients get a turn (see the module docstring).
+RESERVE_SLICE = 256
+
+
+class _Job:
+    """A RESERVE being served in slices: where to answer, and the answers so far."""
+
+    __slots__ = ("sock", "ident", "rid", "req", "present", "out", "pos", "t0")
+
+    def __init__(self, sock, ident, rid, req, present, t0):
+        self.sock, self.ident, self.rid, self.req = sock, ident, rid, req
+        self.present, self.out, self.pos, self.t0 = present, [], 0, t0
 
 
 class Gateway:
@@ -37,28 +67,29 @@ class Gateway:
         self.config = config
         self.epoch = secrets.randbits(64) or 1
         self.started = time.monotonic()
-        self.card = Card(config.capacity_bytes, config.slot_alignment, kind=config.card_kind,
-                         prefault=config.prefault, epoch=self.epoch)
-        self.index = Index(self.card.capacity_bytes, slot_alignment=config.slot_alignment,
-                           lease_ttl_s=config.lease_ttl_s, write_ttl_s=config.write_ttl_s,
-                           default_quota_bytes=config.namespace_quota_bytes,
-                           quotas=config.quotas, generations=self.card.generations)
-        self.tier = _start_tier(self) if config.mooncake_master else None
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
+        self._jobs: collections.deque[_Job] = collections.deque()
         self._stop = False
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         self._auth = None
+        self.tcp = None
+        self.events = None
+        self.tier = None
+        #: Lookups the tier answers later: (identity, request id) -> socket; id(req) -> client.
+        self._deferred_sock: dict[tuple[bytes, bytes], zmq.Socket] = {}
+        self._deferred_owner: dict[int, bytes] = {}
+        self._frames: tuple[bytes, bytes] = (b"", b"")
+        self._sock = None
         self.metrics_server = None
-        self.port = self._bind()
-        self.events = self._bind_events()
-        self.index.listener = self.events
-        if config.metrics_port is not None:
-            self.metrics_server = serve_metrics(config.metrics_port, self.metrics_text)
+        self.dir = None
+        self.card = None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
         self._handlers = {
             P.Hello: self._hello, P.Card: self._card, P.Lookup: self._lookup,
             P.Reserve: self._reserve, P.Commit: self._commit, P.Abort: self._abort,
@@ -67,36 +98,69 @@ class Gateway:
 
     # ------------------------------------------------------------------ setup
 
-    def _bind(self) -> int:
+    def _setup(self) -> None:
         cfg = self.config
+        curve_keys = None
         if cfg.curve_secret_key is not None:
-            self.sock.curve_server = True
-            self.sock.curve_secretkey = cfg.curve_secret_key
-            if cfg.curve_allowed_clients is not None:
-                from zmq.auth.thread import ThreadAuthenticator
-
-                self._auth = ThreadAuthenticator(self.ctx)
-                self._auth.start()
-                self._auth.configure_curve(domain="*", location=cfg.curve_allowed_clients)
-        address = cfg.bind_address
-        if ":" in address:  # IPv6 literal
-            self.sock.setsockopt(zmq.IPV6, 1)
-            address = f"[{address}]"
-        endpoint = f"tcp://{address}:{cfg.port or '*'}"
+            curve_keys = load_client_keys(cfg.curve_allowed_clients)
+        self._auth = Authenticator(self.ctx, {os.geteuid(), 0}, curve_keys)
+        port = cfg.port
+        if cfg.curve_secret_key is not None:
+            self.tcp = self._router(TCP_DOMAIN)
+            self.tcp.curve_server = True
+            self.tcp.curve_secretkey = cfg.curve_secret_key
+            port = self._bind_tcp(self.tcp)
+        self.dir = self._instance_dir(port)
+        self.port = self.dir.port
+        self.card = Card(cfg.capacity_bytes, cfg.slot_alignment, kind=cfg.card_kind,
+                         prefault=cfg.prefault, epoch=self.epoch,
+                         handover_path=self.dir.file("card.sock"))
+        self.index = Index(self.card.capacity_bytes, slot_alignment=cfg.slot_alignment,
+                           lease_ttl_s=cfg.lease_ttl_s, write_ttl_s=cfg.write_ttl_s,
+                           quarantine_s=cfg.quarantine_s,
+                           default_quota_bytes=cfg.namespace_quota_bytes,
+                           quotas=cfg.quotas, generations=self.card.generations)
+        self.tier = _start_tier(self) if cfg.mooncake_master else None
+        self.events = self._bind_events()
+        self.index.listener = self.events
+        self.ipc = self._router(IPC_DOMAIN)
+        self.control_path = self.dir.file("control.sock")
+        old = os.umask(0o177)  # the socket file itself is 0600 too
         try:
-            self.sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            self.close()
-            if e.errno == errno.EADDRINUSE:
-                raise SystemExit(
-                    f"xkv-gateway: port {cfg.port} on {cfg.bind_address} is already in use. "
-                    f"Another xkv-gateway may be running, or vLLM's KV-events publisher, which also "
-                    f"defaults to tcp://*:5557 (kv_events_config endpoint). Start the gateway with "
-                    f"--port N and set \"xkv_gateway_port\": N in kv_connector_extra_config, or move "
-                    f"vLLM's KV-events endpoint.") from None
-            raise SystemExit(f"xkv-gateway: cannot bind {endpoint}: {e}") from None
-        last = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return int(last.rsplit(":", 1)[1])
+            self.ipc.bind(f"ipc://{self.control_path}")
+        finally:
+            os.umask(old)
+        # Metrics: the loop renders, the HTTP thread serves the latest copy (never the index).
+        self.metrics = MetricsCopy(self.metrics_text)
+        if cfg.metrics_port is not None:
+            self.metrics.publish()
+            self.metrics_server = serve_metrics(cfg.metrics_port, self.metrics.get,
+                                                allowed_uids={os.geteuid(), 0,
+                                                              *cfg.metrics_allowed_uids})
+
+    def _router(self, domain: bytes) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects keeps its identity
+        sock.zap_domain = domain
+        return sock
+
+    def _instance_dir(self, port: int) -> InstanceDir:
+        if port:
+            try:
+                return InstanceDir(port)
+            except FileExistsError as e:
+                raise SystemExit(f"xkv-gateway: {e}") from None
+            except OSError as e:
+                raise SystemExit(f"xkv-gateway: cannot use the socket directory: {e}") from None
+        rng = random.Random(secrets.randbits(64))
+        for _ in range(100):  # port 0 without TCP: any free instance number
+            try:
+                return InstanceDir(rng.randrange(20000, 60000))
+            except FileExistsError:
+                continue
+        raise SystemExit("xkv-gateway: found no free instance number for --port 0")
 
     def _bind_events(self) -> EventPublisher | None:
         cfg = self.config
@@ -109,12 +173,32 @@ class Gateway:
                                   curve_secret_key=cfg.curve_secret_key,
                                   replay_port=cfg.kv_events_replay_port)
         except zmq.ZMQError as e:
-            self.close()
             raise SystemExit(
                 f"xkv-gateway: cannot bind the KV-events sockets on {cfg.bind_address} (port "
                 f"{cfg.kv_events_port}, replay port {cfg.kv_events_replay_port}): {e}. Pass "
                 f"--kv-events-port N / --kv-events-replay-port N (0 picks a free port); "
                 f"vLLM's own KV-events publisher uses 5557 (+1 per data-parallel rank).") from None
+
+    def _bind_tcp(self, sock: zmq.Socket) -> int:
+        cfg = self.config
+        address = cfg.bind_address
+        if ":" in address:  # IPv6 literal
+            sock.setsockopt(zmq.IPV6, 1)
+            address = f"[{address}]"
+        endpoint = f"tcp://{address}:{cfg.port or '*'}"
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise SystemExit(
+                    f"xkv-gateway: port {cfg.port} on {cfg.bind_address} is already in use. "
+                    f"Another xkv-gateway may be running, or vLLM's KV-events publisher, which also "
+                    f"defaults to tcp://*:5557 (kv_events_config endpoint). Start the gateway with "
+                    f"--port N and set \"xkv_gateway_port\": N in kv_connector_extra_config, or move "
+                    f"vLLM's KV-events endpoint.") from None
+            raise SystemExit(f"xkv-gateway: cannot bind {endpoint}: {e}") from None
+        last = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return int(last.rsplit(":", 1)[1])
 
     # ------------------------------------------------------------------ loop
 
@@ -122,35 +206,56 @@ class Gateway:
         self._stop = True
 
     def serve(self) -> None:
-        sock = self.sock
-        recv, send_frame = sock.recv_multipart, sock.send
+        socks = [(self.ipc, b"i")] + ([(self.tcp, b"t")] if self.tcp is not None else [])
+        poller = zmq.Poller()
+        for sock, _ in socks:
+            poller.register(sock, zmq.POLLIN)
         # plain ints: pyzmq's enum flags cost more than the send itself on a slow CPU
         more, last = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
-
-        def send(frames: list[bytes]) -> None:
-            send_frame(frames[0], more)
-            send_frame(frames[1], more)
-            send_frame(frames[2], last)
-
+        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
         expire, stats_every = self.index.expire, self.config.stats_interval_s
         next_stats = time.monotonic() + stats_every if stats_every > 0 else float("inf")
         window = self.index.snapshot()
-        sock.setsockopt(zmq.RCVTIMEO, 100)  # wake up for TTLs, stats and SIGTERM
-        events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
-        while not self._stop:
+        wanted, jobs = self.metrics.wanted, self._jobs
+
+        def send(sock, out):
             try:
-                out = self._serve_one(recv())
-                if out is not None:  # None: a lookup the tier answers later
-                    send(out)
-                # Drain what is queued before looking at the clock (EVENTS: no exception per miss)
-                for _ in range(256):
-                    if not sock.getsockopt(events) & pollin:
-                        break
-                    out = self._serve_one(recv())
-                    if out is not None:
-                        send(out)
-            except zmq.Again:
+                sock.send(out[0], more)
+                sock.send(out[1], more)
+                sock.send(out[2], last)
+            except zmq.ZMQError:  # peer gone (or HWM): its reply is dropped
                 pass
+
+        while not self._stop:
+            wait = 100 if self.tier is None else self.tier.timeout_ms()
+            poller.poll(0 if jobs else wait)  # wake up for TTLs, stats, metrics and SIGTERM
+            # Take turns between the sockets (each ROUTER between its connections) and the
+            # slices of big RESERVEs in progress.
+            for _ in range(256):
+                served = False
+                for sock, tag in socks:
+                    if not sock.getsockopt(events) & pollin:
+                        continue
+                    try:
+                        frames = sock.recv_multipart(noblock)
+                    except zmq.Again:
+                        continue
+                    served = True
+                    out = self._serve_one(frames, tag, sock)
+                    if out is not None:
+                        send(sock, out)
+                if jobs:
+                    served = True
+                    job = jobs[0]
+                    if self._step(job):
+                        jobs.popleft()
+                        send(job.sock, [job.ident, job.rid, self._reserve_reply(job)])
+                    else:
+                        jobs.rotate(-1)
+                if not served:
+                    break
+                if wanted.is_set():
+                    self.metrics.publish()
             now = time.monotonic()
             expire(now)
             if self.events is not None:
@@ -158,17 +263,17 @@ class Gateway:
                 self.events.serve_replay()
             if self.tier is not None:
                 for out in self.tier.poll(now):
-                    send(out)
-                wait = self.tier.timeout_ms()
-                if wait != sock.getsockopt(zmq.RCVTIMEO):
-                    sock.setsockopt(zmq.RCVTIMEO, wait)
+                    send(self._deferred_sock.pop((out[0], out[1]), self.ipc), out)
+            if wanted.is_set():
+                self.metrics.publish()
             if now >= next_stats:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
 
-    def _serve_one(self, frames: list[bytes]) -> list[bytes] | None:
+    def _serve_one(self, frames: list[bytes], tag: bytes = b"i", sock=None) -> list[bytes] | None:
         """[identity, request_id, body] -> [identity, request_id, reply body], or None when the
-        scale-out tier took the request over (it sends the reply from ``Tier.poll``)."""
+        request became a sliced job (answered later). ``tag`` + the ROUTER identity names the
+        client: leases and layouts belong to it."""
         ident = frames[0]
         rid = frames[1] if len(frames) > 1 and len(frames[1]) == 8 else P.pack_id(0)
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -187,10 +292,20 @@ class Gateway:
             return [ident, rid, self._error(P.ErrorCode.MALFORMED, f"undecodable request: {e}")]
         kind = _TYPE_NAME[type(req)]
         self.requests[kind] = self.requests.get(kind, 0) + 1
-        self._frames = (ident, rid)
+        if (type(req) is P.Reserve and len(req.keys) > RESERVE_SLICE and sock is not None
+                and not (req.blocks and self.events is not None)):
+            try:
+                self._check_epoch(req.epoch)
+                objects = self.index._layout(req.layout_id).objects
+            except RequestError as e:
+                return [ident, rid, self._error(e.code, str(e))]
+            present = {k for k in req.keys if k in objects}
+            self._jobs.append(_Job(sock, ident, rid, req, present, t0))
+            return None
+        self._frames, self._sock = (ident, rid), sock
         try:
-            reply = self._handlers[type(req)](req)
-            if reply is DEFERRED:
+            reply = self._handlers[type(req)](req, tag + ident)
+            if reply is DEFERRED:  # the scale-out tier answers it from Tier.poll
                 return None
         except RequestError as e:
             return [ident, rid, self._error(e.code, str(e))]
@@ -212,24 +327,24 @@ class Gateway:
 
     # ------------------------------------------------------------------ handlers
 
-    def _hello(self, req: P.Hello) -> P.LayoutInfo:
+    def _hello(self, req: P.Hello, owner: bytes) -> P.LayoutInfo:
         if req.version != P.PROTOCOL_VERSION:
             raise RequestError(P.ErrorCode.BAD_VERSION,
                                f"client speaks protocol {req.version}, gateway speaks "
                                f"{P.PROTOCOL_VERSION}: upgrade xkv on both sides together")
         lay = self.index.register_layout(req.namespace, req.fingerprint, req.num_shards,
-                                         req.shard_bytes)
+                                         req.shard_bytes, owner)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
                             self.config.lease_ttl_s, self.config.write_ttl_s,
                             self.events is not None)
 
-    def _card(self, req: P.Card) -> P.CardInfo:
+    def _card(self, req: P.Card, owner: bytes) -> P.CardInfo:
         c = self.card
         return P.CardInfo(self.epoch, c.kind, c.path, c.gen_path, c.capacity_bytes,
                           c.slot_alignment)
 
-    def _lookup(self, req: P.Lookup) -> P.LookupReply:
+    def _lookup(self, req: P.Lookup, owner: bytes) -> P.LookupReply:
         self._check_epoch(req.epoch)
         total = sum(len(g.keys) for g in req.groups)
         if total > P.MAX_KEYS:
@@ -237,17 +352,21 @@ class Gateway:
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
         now = time.monotonic()
         num, lease_id, hits = self.index.lookup(
-            [(g.layout_id, g.keys) for g in req.groups], now, req.lease)
+            [(g.layout_id, g.keys) for g in req.groups], now, req.lease, owner)
         if self.tier is not None and self.tier.wants(req, num):
+            self._deferred_sock[self._frames] = self._sock
+            self._deferred_owner[id(req)] = owner
             return self.tier.defer(self._frames, req, num, lease_id, now)
         return self._lookup_reply(num, lease_id, hits)
 
     def _answer_lookup(self, req: P.Lookup) -> bytes:
-        """The tier's second pass of a deferred lookup: the card as it is now, encoded."""
+        """The tier's second pass of a deferred lookup: the card as it is now, encoded; the
+        lease belongs to the client that asked."""
+        owner = self._deferred_owner.pop(id(req), b"")
         try:
             self._check_epoch(req.epoch)
             num, lease_id, hits = self.index.lookup(
-                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease)
+                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease, owner)
             return P.encoder.encode(self._lookup_reply(num, lease_id, hits))
         except RequestError as e:
             return self._error(e.code, str(e))
@@ -257,7 +376,23 @@ class Gateway:
         gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
         return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
 
-    def _reserve(self, req: P.Reserve) -> P.ReserveReply:
+    def _step(self, job: _Job) -> bool:
+        """Serve the next RESERVE_SLICE keys of ``job``; True when it is complete."""
+        keys = job.req.keys[job.pos:job.pos + RESERVE_SLICE]
+        try:
+            job.out += self.index.reserve(job.req.layout_id, keys, time.monotonic(), job.present)
+        except Exception:  # noqa: BLE001 (validated at start; never let the loop die)
+            log.exception("internal error in a sliced RESERVE")
+            job.out += [(P.ReserveStatus.NO_SPACE, None)] * len(keys)
+        job.pos += RESERVE_SLICE
+        return job.pos >= len(job.req.keys)
+
+    def _reserve_reply(self, job: _Job) -> bytes:
+        self.hist.observe("reserve", time.perf_counter() - job.t0)
+        return P.encoder.encode(P.ReserveReply(self.epoch, [int(s) for s, _ in job.out],
+                                               [c for _, c in job.out]))
+
+    def _reserve(self, req: P.Reserve, owner: bytes) -> P.ReserveReply:
         self._check_epoch(req.epoch)
         if req.blocks and self.events is not None:
             return self._reserve_announced(req)
@@ -288,23 +423,36 @@ class Gateway:
                                    req.group_idx)
         return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
 
-    def _commit(self, req: P.Commit) -> P.Ack:
-        self._check_epoch(req.epoch)
-        return P.Ack(self.epoch, self.index.commit(req.layout_id, req.shard, req.keys))
+    @staticmethod
+    def _tokens(req: P.Commit | P.Abort) -> list[tuple[int, int]]:
+        if not len(req.keys) == len(req.offsets) == len(req.generations):
+            raise RequestError(P.ErrorCode.BAD_REQUEST,
+                               f"{len(req.keys)} keys, {len(req.offsets)} offsets and "
+                               f"{len(req.generations)} generations: one token per key")
+        return list(zip(req.offsets, req.generations, strict=True))
 
-    def _abort(self, req: P.Abort) -> P.Ack:
+    def _commit(self, req: P.Commit, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
-        return P.Ack(self.epoch, self.index.abort(req.layout_id, req.shard, req.keys))
+        done = self.index.commit(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
+                                 now=time.monotonic())
+        return P.Ack(self.epoch, done, len(req.keys) - done)
 
-    def _release(self, req: P.Release) -> P.Ack:
+    def _abort(self, req: P.Abort, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
-        return P.Ack(self.epoch, self.index.release(req.lease_id))
+        done = self.index.abort(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
+                                now=time.monotonic())
+        return P.Ack(self.epoch, done, len(req.keys) - done)
 
-    def _ping(self, req: P.Ping) -> P.PingReply:
+    def _release(self, req: P.Release, owner: bytes) -> P.Ack:
+        self._check_epoch(req.epoch)
+        done = self.index.release(req.lease_id, owner)
+        return P.Ack(self.epoch, done, 1 - done)
+
+    def _ping(self, req: P.Ping, owner: bytes) -> P.PingReply:
         return P.PingReply(self.epoch, P.PROTOCOL_VERSION, self.index.capacity_bytes,
                            self.index.used_bytes, time.monotonic() - self.started)
 
-    def _stats(self, req: P.Stats) -> P.StatsReply:
+    def _stats(self, req: P.Stats, owner: bytes) -> P.StatsReply:
         stats = self.snapshot()
         stats.update({f"requests_{k}": v for k, v in self.requests.items()})
         stats.update({f"errors_{k}": v for k, v in self.errors.items()})
@@ -316,6 +464,7 @@ class Gateway:
     def snapshot(self) -> dict:
         snap = self.index.snapshot()
         snap["uptime_s"] = time.monotonic() - self.started
+        snap["refused_connections"] = self._auth.refused if self._auth else 0
         if self.events is not None:
             snap.update(self.events.counters, kv_events_port=self.events.port)
             if self.events.replay_port is not None:
@@ -325,9 +474,10 @@ class Gateway:
         return snap
 
     def metrics_text(self) -> str:
+        """Render the metrics (loop thread only: it reads the index)."""
         info = {"epoch": f"{self.epoch:016x}", "card": self.card.kind,
                 "protocol_version": str(P.PROTOCOL_VERSION)}
-        return render(self.snapshot(), dict(self.requests), dict(self.errors), self.hist, info)
+        return render(self.snapshot(), self.requests, self.errors, self.hist, info)
 
     def _log_stats(self, prev: dict, interval: float) -> dict:
         s = self.index.snapshot()
@@ -343,7 +493,7 @@ class Gateway:
         return s
 
     def close(self) -> None:
-        events, self.events = getattr(self, "events", None), None
+        events, self.events = self.events, None
         if events is not None:
             events.cleared()
             events.close()
@@ -353,11 +503,16 @@ class Gateway:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
+        for sock in (getattr(self, "ipc", None), self.tcp):
+            if sock is not None:
+                sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        self.sock.close(linger=0)
         self.ctx.term()
-        self.card.close()
+        if self.card is not None:
+            self.card.close()
+        if self.dir is not None:
+            self.dir.close()
 
 
 def _start_tier(gw: Gateway):
@@ -386,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gw = Gateway(config)
     except OSError as e:
-        raise SystemExit(f"xkv-gateway: cannot create the card: {e}") from None
+        raise SystemExit(f"xkv-gateway: cannot create the card or its sockets: {e}") from None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, gw.stop)
     if config.port_file:
@@ -394,14 +549,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             f.write(f"{gw.port}\n")
         os.replace(tmp, config.port_file)
-    log.info("listening on tcp://%s:%d (epoch %016x, protocol %d); card %s %d B at %s, slot "
-             "alignment %d B, lease TTL %gs, write TTL %gs%s%s%s", config.bind_address, gw.port,
-             gw.epoch, P.PROTOCOL_VERSION, gw.card.kind, gw.card.capacity_bytes, gw.card.path,
-             config.slot_alignment, config.lease_ttl_s, config.write_ttl_s,
-             ", CURVE on" if config.curve_secret_key else "",
+    tcp = (f", tcp://{config.bind_address}:{gw.port} (CURVE, allow-list)"
+           if gw.tcp is not None else "")
+    log.info("listening on ipc://%s%s (epoch %016x, protocol %d); card %s %d B at %s, slot "
+             "alignment %d B, lease TTL %gs, write TTL %gs, quarantine %gs%s", gw.control_path,
+             tcp, gw.epoch, P.PROTOCOL_VERSION, gw.card.kind, gw.card.capacity_bytes,
+             gw.card.path, config.slot_alignment, config.lease_ttl_s, config.write_ttl_s,
+             config.quarantine_s,
              f", metrics http://127.0.0.1:{gw.metrics_server.server_address[1]}/metrics"
-             if gw.metrics_server else "",
-             f", KV events tcp://{config.bind_address}:{gw.events.port}" if gw.events else "")
+             if gw.metrics_server else "")
+    if gw.events is not None:
+        log.info("KV events on tcp://%s:%d", config.bind_address, gw.events.port)
     gc.freeze()  # start-up objects never need scanning again: keeps collections short
     try:
         gw.serve()

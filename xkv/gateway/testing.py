@@ -20,8 +20,8 @@ def spawn_gateway(capacity: int | str = "256M", port: int = 0, *, host: str = "1
     """Start ``python -m xkv.gateway`` and wait until it answers PING.
 
     ``capacity``: bytes or a size string ('64M'); ``port`` 0 lets the gateway pick a free port.
-    ``extra_args``: more command-line flags (e.g. ``["--lease-ttl", "1"]``); with
-    ``--curve-secret-key`` the readiness probe uses that certificate's public key.
+    ``extra_args``: more command-line flags (e.g. ``["--lease-ttl", "1"]``). The readiness
+    probe uses the Unix socket (``GatewayClient("localhost", port)``), which is always bound.
     Returns (process, port). Stop it with :func:`stop_gateway` (SIGTERM, then SIGKILL).
     Raises RuntimeError, with the gateway's exit code, if it does not come up in ``timeout_s``.
     """
@@ -41,8 +41,8 @@ def spawn_gateway(capacity: int | str = "256M", port: int = 0, *, host: str = "1
             time.sleep(0.02)
         with open(port_file) as f:
             bound = int(f.read())
-        with GatewayClient(host, bound, timeout_s=0.5,
-                           curve_server_key=_curve_public_key(extra_args)) as probe:
+        # The Unix socket is always there (also with CURVE/TCP on): probe it.
+        with GatewayClient("localhost", bound, timeout_s=0.5) as probe:
             while True:
                 try:
                     probe.ping()
@@ -58,15 +58,6 @@ def spawn_gateway(capacity: int | str = "256M", port: int = 0, *, host: str = "1
         with contextlib.suppress(FileNotFoundError):
             os.unlink(port_file)
     return proc, bound
-
-
-def _curve_public_key(args) -> bytes | None:
-    args = list(args)
-    if "--curve-secret-key" not in args:
-        return None
-    import zmq.auth
-
-    return zmq.auth.load_certificate(args[args.index("--curve-secret-key") + 1])[0]
 
 
 def stop_gateway(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:

@@ -115,13 +115,13 @@ class Tier:
         if not self.up or self._inflight >= self.backlog_objects:
             self.counters["tier_write_dropped"] += 1
             return
-        obj.leases += 1  # pinned until the push thread is done with its slots
+        self.index.pin(obj)  # pinned until the push thread is done with its slots
         self._inflight += 1
         self.backend.offer([self._item(obj)])
 
     def _pushed(self, items: list[TierItem], ok: list[bool], nbytes: int) -> None:
         for it, good in zip(items, ok, strict=True):
-            it.ref.leases -= 1
+            self.index.unpin(it.ref)
             self.counters["tier_written" if good else "tier_write_errors"] += 1
         self._inflight -= len(items)
         self.counters["tier_write_bytes"] += nbytes
