@@ -67,8 +67,7 @@ def _connect(client: GatewayClient, sub: Sub, layout_id: int) -> None:
     """Beat ZMQ's slow joiner: store probe objects until the subscriber sees one."""
     for i in range(100):
         key = hashlib.sha256(b"probe%d" % i).digest()
-        client.reserve(layout_id, [key])
-        client.commit(layout_id, 0, [key])
+        client.commit(layout_id, 0, client.reserve(layout_id, [key]))
         if sub.events(0.1):
             sub.events(0.2)  # drain the rest of the probes
             return
@@ -101,7 +100,7 @@ def test_stored_prompt_then_eviction_then_cleared(events_gateway):
             res = c.reserve(info.layout_id, keys, blocks=blocks, block_size=16, group_idx=0)
             assert all(r is not None for r in res)
             assert sub.events(0.3) == []  # reserved is not stored: nothing visible yet
-            assert c.commit(info.layout_id, 0, keys) == 3
+            assert c.commit(info.layout_id, 0, res) == 3
             got = sub.events(until=lambda ev: len(ev) >= 3)
             assert [type(e) for e in got] == [BlockStored] * 3
             for i, e in enumerate(got):
@@ -167,11 +166,11 @@ def test_bytes_hashes_and_placeholder_without_blocks():
             try:
                 _connect(c, sub, c.register_layout("probe", "p", 1, PAGE).layout_id)
                 h = _chain(2, b"b")
-                c.reserve(info.layout_id, [h[1]], blocks=[(h, None)], block_size=8)
-                c.reserve(info.layout_id, [h[0]])
-                c.commit(info.layout_id, 0, [h[1], h[0]])
+                res = c.reserve(info.layout_id, [h[1]], blocks=[(h, None)], block_size=8)
+                res += c.reserve(info.layout_id, [h[0]])
+                c.commit(info.layout_id, 0, res)
                 assert sub.events(0.3) == []  # shard 1 has not committed: not visible
-                c.commit(info.layout_id, 1, [h[1], h[0]])
+                c.commit(info.layout_id, 1, res)
                 got = sub.events(until=lambda ev: len(ev) >= 2)
                 assert all(type(e) is BlockStored and e.medium == "CPU_PINNED" for e in got)
                 assert [(e.block_hashes, e.block_size) for e in got] == [(h, 8), ([h[0]], 0)]
@@ -216,8 +215,7 @@ def test_replay_socket_answers_like_vllms():
             info = c.register_layout("ns", "fp", 1, PAGE)
             keys = _chain(3, b"r")
             for k in keys:  # three commits: three loop passes, usually three batches
-                c.reserve(info.layout_id, [k])
-                c.commit(info.layout_id, 0, [k])
+                c.commit(info.layout_id, 0, c.reserve(info.layout_id, [k]))
             replay_port = c.stats()["kv_events_replay_port"]
         req = ctx.socket(zmq.DEALER)
         req.connect(f"tcp://127.0.0.1:{replay_port}")

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from promtext import dashboard_selectors, missing, value
 
-from xkv.gateway import GatewayClient, GatewayError
+from xkv.gateway import GatewayClient, GatewayError, Reservation
 from xkv.gateway.testing import spawn_gateway, stop_gateway
 
 PAGE = 4096
@@ -34,19 +34,19 @@ def busy_gateway():
         small = c.register_layout("small", "fp", 1, PAGE).layout_id
         keys = _keys(6, b"a")
         blocks = [([k], None) for k in keys]
-        c.reserve(lay, keys, blocks=blocks, block_size=16, group_idx=0)
-        c.commit(lay, 0, keys[:5])
-        c.abort(lay, 0, keys[5:])
+        res = c.reserve(lay, keys, blocks=blocks, block_size=16, group_idx=0)
+        c.commit(lay, 0, res[:5])
+        c.abort(lay, 0, res[5:])
         hit = c.lookup([(lay, keys[:3] + _keys(2, b"miss"))])  # 3 hits, 2 misses
         c.release(hit.lease_id)
         c.lookup([(lay, keys[:1])])  # this lease expires
         c.reserve(lay, keys[:2])  # exists
         for k in _keys(3, b"q"):  # the quota (2 objects) evicts one
-            c.reserve(small, [k])
-            c.commit(small, 0, [k])
+            c.commit(small, 0, c.reserve(small, [k]))
         c.reserve(lay, _keys(16, b"fill"))  # LRU evictions (the card holds 16 objects)
         with pytest.raises(GatewayError):
-            c.commit(lay, 5, keys)  # shard out of range: an error reply
+            c.commit(lay, 5, [Reservation(k, (0,) * 6, (0,) * 6) for k in keys])  # shard out
+            # of range: an error reply
         import time
 
         time.sleep(0.5)
@@ -94,15 +94,17 @@ def test_cli_table_equals_the_scrape(busy_gateway):
     assert value(text, "xkv_gateway_lease_expired_total") == 1
     assert value(text, 'xkv_gateway_kv_events_total{type="stored"}') == 8
     assert value(text, 'xkv_gateway_kv_events_total{type="removed"}') >= 6
-    assert value(text, "xkv_gateway_card_fill_ratio") == 1.0
+    # full, but for the aborted object's page: quarantined (late writers), neither used nor free
+    assert value(text, "xkv_gateway_quarantined_bytes") == PAGE
+    assert value(text, "xkv_gateway_card_fill_ratio") == 15 / 16
     assert value(text, 'xkv_gateway_errors_total{code="bad_request"}') == 1
 
 
 def test_cli_table_reads_like_a_table(busy_gateway):
     _, port, _ = busy_gateway
     out = _stats_cli(port)
-    assert out.startswith("xkv-gateway tcp://localhost:") and "KV events on port" in out
-    assert "100.0 %" in out and "64.00 KiB" in out
+    assert out.startswith("xkv-gateway ipc://") and "KV events on port" in out
+    assert "93.8 %" in out and "64.00 KiB" in out  # one page quarantined (see above)
     row = next(ln for ln in out.splitlines() if "chunks missed" in ln)
     assert row.split()[-2:] == ["2", "xkv_gateway_miss_chunks_total"]
     r = subprocess.run([sys.executable, "-m", "xkv.gateway", "stats", "--port", "1",

@@ -67,7 +67,7 @@ def store(host, layout_id: int, keys, shards: int, shard_bytes: int) -> dict:
             data[(k, s)] = os.urandom(shard_bytes)
             card[off:off + shard_bytes] = data[(k, s)]
     for s in range(shards):
-        assert host.client.commit(layout_id, s, keys) == len(keys)
+        assert host.client.commit(layout_id, s, res) == len(keys)
     return data
 
 

@@ -43,6 +43,11 @@ class GatewayError(Exception):
         self.code = code
 
 
+class MessageTooLarge(GatewayError, ValueError):
+    """A request that would exceed the gateway's frame limit (refused before sending: the
+    gateway's transport would drop it without a reply). The client stays usable."""
+
+
 class GatewayUnavailable(GatewayError):
     """The gateway is dead, restarted (its epoch changed) or missed a deadline."""
 
@@ -238,7 +243,7 @@ class GatewayClient:
         name = type(req).__name__.upper()
         body = P.encoder.encode(req)
         if len(body) > P.MAX_MESSAGE_BYTES:  # the gateway's transport would drop it unanswered
-            raise ValueError(f"{name} of {len(body)} bytes exceeds the gateway's message limit of "
+            raise MessageTooLarge(f"{name} of {len(body)} bytes exceeds the gateway's message limit of "
                              f"{P.MAX_MESSAGE_BYTES} bytes: send fewer or shorter keys")
         if self._pid != os.getpid():
             self._after_fork()

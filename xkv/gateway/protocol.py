@@ -157,10 +157,10 @@ class Reserve(msgspec.Struct, **_S):
 Offsets = Annotated[list[U64], msgspec.Meta(max_length=MAX_KEYS)]
 
 
-class Commit(msgspec.Struct, **_S):
-    """Shard ``shard`` of each key is written. ``offsets[i]``/``generations[i]``: the token of
-    key i for this shard, as RESERVE returned it (``ChunkSlots.offsets[shard]``, ``.generations
-    [shard]``); a key whose token does not match its live reservation is skipped."""
+class _Tokened(msgspec.Struct, **_S):
+    """Keys of one shard with their reservation tokens: ``offsets[i]``/``generations[i]`` are
+    key i's ``ChunkSlots.offsets[shard]``/``.generations[shard]`` as RESERVE returned them; a key
+    whose token does not match its live reservation is skipped (counted as refused)."""
 
     epoch: U64
     layout_id: U64
@@ -170,15 +170,12 @@ class Commit(msgspec.Struct, **_S):
     generations: Offsets
 
 
-class Abort(msgspec.Struct, **_S):
-    """Give up the reservations of ``keys`` (tokens as in :class:`Commit`)."""
+class Commit(_Tokened, **_S):
+    """Shard ``shard`` of each key is written."""
 
-    epoch: U64
-    layout_id: U64
-    shard: Shard
-    keys: Keys
-    offsets: Offsets
-    generations: Offsets
+
+class Abort(_Tokened, **_S):
+    """Give up the reservations of ``keys``."""
 
 
 class Release(msgspec.Struct, **_S):

@@ -33,7 +33,15 @@ import zmq
 from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
-from xkv.gateway.events import EventPublisher
+from xkv.gateway.hooks import (
+    RESERVE_SLICE,
+    Job,
+    bind_events,
+    reserve_announced,
+    reserve_reply,
+    start_tier,
+    step,
+)
 from xkv.gateway.index import Index, RequestError
 from xkv.gateway.metrics import Histogram, MetricsCopy, render, serve_metrics
 from xkv.gateway.tier import DEFERRED
@@ -48,18 +56,6 @@ from xkv.gateway.transport import (
 log = logging.getLogger("xkv.gateway")
 
 _TYPE_NAME = {cls: t.name.lower() for cls, t in P.REQUEST_TYPE.items()}
-#: Keys of a RESERVE handled before other clients get a turn (see the module docstring).
-RESERVE_SLICE = 256
-
-
-class _Job:
-    """A RESERVE being served in slices: where to answer, and the answers so far."""
-
-    __slots__ = ("sock", "ident", "rid", "req", "present", "out", "pos", "t0")
-
-    def __init__(self, sock, ident, rid, req, present, t0):
-        self.sock, self.ident, self.rid, self.req = sock, ident, rid, req
-        self.present, self.out, self.pos, self.t0 = present, [], 0, t0
 
 
 class Gateway:
@@ -70,7 +66,7 @@ class Gateway:
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self._jobs: collections.deque[Job] = collections.deque()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -120,8 +116,8 @@ class Gateway:
                            quarantine_s=cfg.quarantine_s,
                            default_quota_bytes=cfg.namespace_quota_bytes,
                            quotas=cfg.quotas, generations=self.card.generations)
-        self.tier = _start_tier(self) if cfg.mooncake_master else None
-        self.events = self._bind_events()
+        self.tier = start_tier(self) if cfg.mooncake_master else None
+        self.events = bind_events(self)
         self.index.listener = self.events
         self.ipc = self._router(IPC_DOMAIN)
         self.control_path = self.dir.file("control.sock")
@@ -161,23 +157,6 @@ class Gateway:
             except FileExistsError:
                 continue
         raise SystemExit("xkv-gateway: found no free instance number for --port 0")
-
-    def _bind_events(self) -> EventPublisher | None:
-        cfg = self.config
-        if cfg.kv_events_port is None:
-            return None
-        try:
-            return EventPublisher(self.ctx, cfg.bind_address, cfg.kv_events_port,
-                                  topic=cfg.kv_events_topic, medium=cfg.kv_events_medium,
-                                  int_hashes=cfg.kv_events_int_hashes,
-                                  curve_secret_key=cfg.curve_secret_key,
-                                  replay_port=cfg.kv_events_replay_port)
-        except zmq.ZMQError as e:
-            raise SystemExit(
-                f"xkv-gateway: cannot bind the KV-events sockets on {cfg.bind_address} (port "
-                f"{cfg.kv_events_port}, replay port {cfg.kv_events_replay_port}): {e}. Pass "
-                f"--kv-events-port N / --kv-events-replay-port N (0 picks a free port); "
-                f"vLLM's own KV-events publisher uses 5557 (+1 per data-parallel rank).") from None
 
     def _bind_tcp(self, sock: zmq.Socket) -> int:
         cfg = self.config
@@ -247,9 +226,9 @@ class Gateway:
                 if jobs:
                     served = True
                     job = jobs[0]
-                    if self._step(job):
+                    if step(self, job):
                         jobs.popleft()
-                        send(job.sock, [job.ident, job.rid, self._reserve_reply(job)])
+                        send(job.sock, [job.ident, job.rid, reserve_reply(self, job)])
                     else:
                         jobs.rotate(-1)
                 if not served:
@@ -300,7 +279,7 @@ class Gateway:
             except RequestError as e:
                 return [ident, rid, self._error(e.code, str(e))]
             present = {k for k in req.keys if k in objects}
-            self._jobs.append(_Job(sock, ident, rid, req, present, t0))
+            self._jobs.append(Job(sock, ident, rid, req, present, t0))
             return None
         self._frames, self._sock = (ident, rid), sock
         try:
@@ -376,51 +355,11 @@ class Gateway:
         gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
         return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
 
-    def _step(self, job: _Job) -> bool:
-        """Serve the next RESERVE_SLICE keys of ``job``; True when it is complete."""
-        keys = job.req.keys[job.pos:job.pos + RESERVE_SLICE]
-        try:
-            job.out += self.index.reserve(job.req.layout_id, keys, time.monotonic(), job.present)
-        except Exception:  # noqa: BLE001 (validated at start; never let the loop die)
-            log.exception("internal error in a sliced RESERVE")
-            job.out += [(P.ReserveStatus.NO_SPACE, None)] * len(keys)
-        job.pos += RESERVE_SLICE
-        return job.pos >= len(job.req.keys)
-
-    def _reserve_reply(self, job: _Job) -> bytes:
-        self.hist.observe("reserve", time.perf_counter() - job.t0)
-        return P.encoder.encode(P.ReserveReply(self.epoch, [int(s) for s, _ in job.out],
-                                               [c for _, c in job.out]))
-
     def _reserve(self, req: P.Reserve, owner: bytes) -> P.ReserveReply:
         self._check_epoch(req.epoch)
         if req.blocks and self.events is not None:
-            return self._reserve_announced(req)
+            return reserve_announced(self, req)
         out = self.index.reserve(req.layout_id, req.keys, time.monotonic())
-        return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
-
-    def _reserve_announced(self, req: P.Reserve) -> P.ReserveReply:
-        """RESERVE with block information for KV events: checked before anything is reserved."""
-        if len(req.blocks) != len(req.keys):
-            raise RequestError(P.ErrorCode.BAD_REQUEST,
-                               f"{len(req.blocks)} blocks for {len(req.keys)} keys: expected one "
-                               f"BlockInfo per key")
-        for key, info in zip(req.keys, req.blocks, strict=True):
-            if info.hashes[-1] != key:
-                raise RequestError(P.ErrorCode.BAD_REQUEST,
-                                   f"the last block hash of key {key.hex()[:16]}... is "
-                                   f"{info.hashes[-1].hex()[:16]}...: a chunk's key must be "
-                                   f"its last block hash")
-        if req.block_size < 1:
-            raise RequestError(P.ErrorCode.BAD_REQUEST,
-                               f"block_size {req.block_size}: expected the tokens per hash block "
-                               f"(>= 1) with blocks")
-        out = self.index.reserve(req.layout_id, req.keys, time.monotonic())
-        objects = self.index.layouts[req.layout_id].objects
-        for key, info, (status, _) in zip(req.keys, req.blocks, out, strict=True):
-            if status == P.ReserveStatus.OK:
-                self.events.staged(objects[key], info.hashes, info.parent, req.block_size,
-                                   req.group_idx)
         return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
 
     @staticmethod
@@ -513,20 +452,6 @@ class Gateway:
             self.card.close()
         if self.dir is not None:
             self.dir.close()
-
-
-def _start_tier(gw: Gateway):
-    """The Mooncake tier (config.mooncake_master set); its threads connect in the background."""
-    from xkv.gateway.tier import Tier
-    from xkv.gateway.tier_store import MooncakeBackend, MooncakeSettings
-
-    c = gw.config
-    settings = MooncakeSettings(c.mooncake_master, c.mooncake_metadata, c.mooncake_protocol,
-                                c.mooncake_device, c.mooncake_local_hostname,
-                                c.mooncake_segment_bytes, secret=c.mooncake_secret)
-    return Tier(gw.index, MooncakeBackend(settings, gw.card.arena), gw._answer_lookup,
-                write_through=c.mooncake_write_through, wait_s=c.mooncake_wait_ms / 1000,
-                backlog_objects=c.mooncake_backlog)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="gateway address (default $XKV_GATEWAY_HOSTNAME, else localhost)")
     p.add_argument("--port", type=int, default=5557, help="gateway control port (default 5557)")
     p.add_argument("--curve-server-key", metavar="FILE",
-                   help="the gateway's public certificate, when it runs with CURVE")
+                   help="the gateway's public certificate, when it runs with CURVE (TCP)")
+    p.add_argument("--curve-client-key", metavar="FILE",
+                   help="this client's secret certificate (its public half in the gateway's "
+                        "--curve-allowed-clients), with --curve-server-key")
     p.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true",
                    help="print {series: value} as JSON instead of the table")
@@ -143,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         server_key = zmq.auth.load_certificate(args.curve_server_key)[0]
     try:
         with GatewayClient(args.host, args.port, timeout_s=args.timeout,
-                           curve_server_key=server_key) as c:
+                           curve_server_key=server_key,
+                           curve_client_keys=args.curve_client_key) as c:
             stats = c.stats(timeout_s=args.timeout)
-            epoch = c.epoch or 0
+            epoch, endpoint = c.epoch or 0, c.endpoint
     except GatewayUnavailable as e:
         print(f"xkv-gateway stats: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({series: raw for _s, _w, _v, raw, series in rows(stats)}, indent=1))
     else:
-        print(render_table(stats, epoch, f"tcp://{args.host}:{args.port}"))
+        print(render_table(stats, epoch, endpoint))
     return 0
