@@ -44,8 +44,6 @@ class Option:
 #: ``nvlink_fanout*`` keys (``FANOUT_KEYS``) are ``xkv.fanout.FanoutConfig``'s.
 OPTIONS: dict[str, Option] = {
     "xkv_gateway_port": Option(DEFAULT_GATEWAY_PORT, (int,), "gateway instance / TCP port"),
-    "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
-    "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
     "chunk_size": Option(None, (int,), "tokens per stored object; multiple of the block size"),
     "slot_alignment_bytes": Option(4096, (int,), "slot size rounding on the card (power of 2)"),
     "require_cache_salt": Option(False, (bool,), "unsalted requests never reach the gateway"),
@@ -54,6 +52,8 @@ OPTIONS: dict[str, Option] = {
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
+    "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
+    "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
 }
 
 
