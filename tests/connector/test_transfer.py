@@ -42,16 +42,27 @@ def _setup(device):
     return kv, pool, card, offs, ids, bb
 
 
+
+def _load(h, card, offs, pool, ids, name="l0"):
+    """One layer through the handlers' group seam (what the worker calls)."""
+    h.load_group((name,), card, offs.reshape(1, -1), [pool], ids)
+
+
+def _save(h, pool, ids, card, offs, name="l0"):
+    prep = h.prepare_saves([pool], ids, card, offs.reshape(1, -1))
+    h.save_prepared(prep, 0, name, pool, ids, card, offs)
+
+
 def test_sync_restore_and_save_verified():
     kv, pool, card, offs, ids, bb = _setup("cpu")
     h = transfer.SyncTransferHandler(verify=True)
-    h.load_layer("l0", card, offs, pool, ids)
+    _load(h, card, offs, pool, ids)
     h.sync_loads()
     assert h.verifier.checked["restore"] == 6 and h.verifier.mismatched["restore"] == 0
     for i, b in enumerate(ids.tolist()):
         assert torch.equal(pool.block(b), card[offs[i]: offs[i] + bb])
     out = torch.zeros_like(card)
-    h.save_layer("l0", pool, ids, out, offs)
+    _save(h, pool, ids, out, offs)
     h.flush_saves()
     assert h.verifier.checked["save"] == 6 and h.verifier.mismatched["save"] == 0
 
@@ -62,8 +73,9 @@ def test_sync_skipped_restore_is_caught(monkeypatch):
     transfer.kernels.restore(card, offs, pool, ids)
     h = transfer.SyncTransferHandler(verify=True)
     # ... and the restore does nothing: only the poison can tell
-    monkeypatch.setattr(transfer.kernels, "restore", lambda *a, **k: None)
-    h.load_layer("l0", card, offs, pool, ids)
+    monkeypatch.setattr(transfer.kernels, "prepare_restore",
+                        lambda *a, **k: type("Noop", (), {"launch": lambda self, i: None})())
+    _load(h, card, offs, pool, ids)
     h.sync_loads()
     assert h.verifier.mismatched["restore"] == 6
 
@@ -71,7 +83,7 @@ def test_sync_skipped_restore_is_caught(monkeypatch):
 def test_sync_one_corrupt_byte_is_caught():
     kv, pool, card, offs, ids, bb = _setup("cpu")
     h = transfer.SyncTransferHandler(verify=True)
-    h.load_layer("l0", card, offs, pool, ids)
+    _load(h, card, offs, pool, ids)
     pool.run_view(0)[int(ids[4]), bb - 1] ^= 1  # after the copy, before the check
     h.sync_loads()
     assert (h.verifier.checked["restore"], h.verifier.mismatched["restore"]) == (6, 1)
@@ -80,7 +92,7 @@ def test_sync_one_corrupt_byte_is_caught():
 def test_empty_load_checks_nothing():
     kv, pool, card, offs, ids, bb = _setup("cpu")
     h = transfer.SyncTransferHandler(verify=True)
-    h.load_layer("l0", card, offs[:0], pool, ids[:0])
+    _load(h, card, offs[:0], pool, ids[:0])
     h.sync_loads()
     assert h.verifier.checked["restore"] == 0
 
@@ -90,18 +102,18 @@ def test_cuda_handler_restore_save_verified():
     kv, pool, card, offs, ids, bb = _setup("cuda")
     h = transfer.CudaTransferHandler(torch.device("cuda"), verify=True)
     h.begin_loads()
-    h.load_layer("l0", card, offs, pool, ids)
+    _load(h, card, offs, pool, ids)
     h.wait_layer("l0")
     h.sync_loads()
     assert h.verifier.checked["restore"] == 6 and h.verifier.mismatched["restore"] == 0
     out = torch.zeros_like(card).pin_memory()
-    h.save_layer("l0", pool, ids, out, offs)
+    _save(h, pool, ids, out, offs)
     h.flush_saves()
     assert h.verifier.mismatched["save"] == 0
     for i in range(6):
         assert torch.equal(out[offs[i]: offs[i] + bb], card[offs[i]: offs[i] + bb])
     pool.run_view(0)[int(ids[0]), 0] ^= 1
-    h.save_layer("l0", pool, ids[:1], card, offs[:1])  # save writes the flipped byte: matches
+    _save(h, pool, ids[:1], card, offs[:1])  # save writes the flipped byte: matches
     h.flush_saves()
     assert h.verifier.mismatched["save"] == 0
 

@@ -151,10 +151,6 @@ class _CheckedHandler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def load_layer(self, name, card, offsets, pool, block_ids):
-        self.inner.load_layer(name, card, offsets, pool, block_ids)
-        self.loads.setdefault(name, []).append((card, offsets.clone(), pool, block_ids.clone()))
-
     def load_group(self, names, card, offsets, pools, block_ids):
         self.inner.load_group(names, card, offsets, pools, block_ids)
         for name, offs, pool in zip(names, offsets, pools, strict=True):
@@ -170,11 +166,6 @@ class _CheckedHandler:
         for name in list(self.loads):
             for args in self.loads.pop(name):
                 self.checks.compare("load", *args)
-
-    def save_layer(self, name, pool, block_ids, card, offsets):
-        self.inner.save_layer(name, pool, block_ids, card, offsets)
-        self.inner.flush_saves()
-        self.checks.compare("save", card, offsets, pool, block_ids)
 
     def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
         self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)

@@ -1,13 +1,16 @@
 """The transfer seam: how the worker issues page copies between the paged cache and the card.
 
-``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs ``xkv.kernels`` inline — on
-CPU the kernels run their torch reference. ``CudaTransferHandler`` issues the same calls on a
-load stream (one event per layer, so a layer's attention waits for its own pages only) and a save
-stream ordered after the layer's compute. Both have the same methods; the worker never touches
-streams itself.
+Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`` prepared steps
+(validated and uploaded once, then one launch per layer): ``load_group`` for restores,
+``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
+``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
+kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
+layer, so a layer's attention waits for its own pages only) and a save stream ordered after the
+layer's compute. Both have the same methods; the worker never touches streams itself.
 
-Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` int64 [n] byte
-offsets into it (CPU); ``pool`` an ``xkv.layout.PagePool``; ``block_ids`` int64 [n] (CPU).
+Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` int64 [L, n] byte
+offsets into it (host; row ``l`` for layer ``l``, see :func:`layer_offsets`); ``pools`` the
+layers' ``xkv.layout.PagePool``; ``block_ids`` int64 [n] (host), the same for every layer.
 
 Debug (``verify_restores``): a :class:`PageVerifier` poisons the destination pages of every load
 before the copy, then, once the copies finished, compares each restored (and each saved) block of
@@ -111,12 +114,6 @@ class SyncTransferHandler:
     def begin_loads(self) -> None:
         return None
 
-    def load_layer(self, name: str, card, offsets, pool, block_ids) -> None:
-        if self.verifier is not None:
-            self.verifier.poison(pool, block_ids)
-            self.verifier.record("restore", card, offsets, pool, block_ids)
-        kernels.restore(card, offsets, pool, block_ids)
-
     def load_group(self, names, card, offsets, pools, block_ids) -> None:
         """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]`` is
         layer ``names[l]``; validated once (:func:`xkv.kernels.prepare_restore`)."""
@@ -145,11 +142,6 @@ class SyncTransferHandler:
         if self.verifier is not None:
             self.verifier.record("save", card, offsets, pool, block_ids)
 
-    def save_layer(self, name: str, pool, block_ids, card, offsets) -> None:
-        kernels.save(pool, block_ids, card, offsets)
-        if self.verifier is not None:
-            self.verifier.record("save", card, offsets, pool, block_ids)
-
     def flush_saves(self) -> None:
         if self.verifier is not None:
             self.verifier.check("save")
@@ -172,9 +164,9 @@ class CudaTransferHandler:
     Loads are ordered after everything already queued on the compute stream (vLLM zeroes newly
     allocated blocks there before the forward, and a sync load must land after that).
 
-    Index tensors stay on the host: the kernels upload them through pinned memory on the stream
-    they run on, so issuing a layer never waits for the GPU (a device index tensor would be read
-    back by the launcher's validation, a synchronisation per layer that serialised issue and copy).
+    Index tensors stay on the host: a prepared step uploads them once through pinned memory on
+    the stream its copies run on, so issuing never waits for the GPU (a device index tensor would
+    be read back by validation, a synchronisation that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
     ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
     load stream from the first copy to the last (events), host time spent issuing them.
@@ -199,23 +191,11 @@ class CudaTransferHandler:
             ev.record(self.load_stream)
             self._t = [ev, time.perf_counter(), 0.0, 0]
 
-    def load_layer(self, name: str, card, offsets, pool, block_ids) -> None:
-        with torch.cuda.stream(self.load_stream):
-            if self.verifier is not None:
-                self.verifier.poison(pool, block_ids)
-                self.verifier.record("restore", card, offsets, pool, block_ids)
-            kernels.restore(card, offsets, pool, block_ids, engine=self.load_engine)
-            ev = torch.cuda.Event()
-            ev.record(self.load_stream)
-        self._events[name] = ev
-        if self._t:
-            self._t[2] = time.perf_counter()
-            self._t[3] += int(block_ids.numel()) * pool.block_bytes
-
     def load_group(self, names, card, offsets, pools, block_ids) -> None:
-        """:meth:`load_layer` for a group's ``L`` layers at once (``offsets`` int64 ``[L, n]``,
-        host): validated and planned once, every table in one upload, then per layer only a
-        launch and its event (no host work per layer: the fixed cost of a restore step)."""
+        """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
+        validated and planned once, every table in one upload, then per layer only a launch and
+        its event, which :meth:`wait_layer` fences (no host work per layer: the fixed cost of a
+        restore step)."""
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 for i, pool in enumerate(pools):
@@ -255,14 +235,6 @@ class CudaTransferHandler:
             self.verifier.check("restore")
             torch.cuda.current_stream(self.device).synchronize()
 
-    def save_layer(self, name: str, pool, block_ids, card, offsets) -> None:
-        # The layer's new pages were written by work queued on the compute stream.
-        self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.save_stream):
-            kernels.save(pool, block_ids, card, offsets, engine=self.save_engine)
-        if self.verifier is not None:
-            self.verifier.record("save", card, offsets, pool, block_ids)
-
     def prepare_saves(self, pools, block_ids, card, offsets):
         """A group's saves for one step (``offsets`` int64 ``[L, n]``, host): validated once,
         tables uploaded once on the save stream, where every :meth:`save_prepared` launches."""
@@ -270,7 +242,8 @@ class CudaTransferHandler:
             return kernels.prepare_save(pools, block_ids, card, offsets, engine=self.save_engine)
 
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
-        """:meth:`save_layer` for layer ``layer`` of ``prep``: a stream wait and a launch."""
+        """Save layer ``layer`` of ``prep``: the save stream waits for the compute stream (the
+        layer's new pages were written there), then one launch."""
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         prep.launch(layer)  # on the save stream (prep.stream)
         if self.verifier is not None:
