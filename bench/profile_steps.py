@@ -121,7 +121,7 @@ def _engine(a, kind, mode, max_len):
     return LLM(**kw)
 
 
-def _gpu_view(trace_path: str, t0_us: float | None = None) -> dict:
+def _gpu_view(trace_path: str) -> dict:
     """GPU span, per-stream busy time and the compute stream's idle gaps from a chrome trace."""
     ev = json.loads(Path(trace_path).read_text())
     ev = ev.get("traceEvents", ev)
