@@ -81,3 +81,22 @@ def test_two_clones_one_environment(tmp_path):
     assert _imports(venv, tmp_path)[0] == str(moved.resolve() / "xkv" / "__init__.py")
     # the environment running this test was not touched
     assert [p.read_bytes() for p in shared_finders] == before
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs git and a git checkout")
+def test_relink_when_the_venv_setuptools_cannot_build(tmp_path):
+    """The matrix venvs python3.11 creates hold ensurepip's setuptools 65.5 (no bdist_wheel, no
+    SPDX license): re-pointing them at another clone must still work (CI, stop 19: the 0.26.0
+    matrix venv failed with "invalid command 'bdist_wheel'")."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    old = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import setuptools; print(setuptools.__version__)"],
+                         capture_output=True, text=True)
+    r = subprocess.run(["bash", str(clone / "scripts" / "relink.sh"), str(venv), str(clone)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"setuptools {old.stdout.strip()}: {r.stdout}{r.stderr}"
+    assert _imports(venv, tmp_path)[0] == str(clone.resolve() / "xkv" / "__init__.py")
