@@ -347,3 +347,28 @@ def test_a_big_reserve_is_served_in_slices_and_a_lookup_overtakes_it():
         assert status[100:] == [P.ReserveStatus.OK] * (P.MAX_KEYS - 100)
         offs = [s.offsets[0] for s in replies[2].slots[100:]]
         assert len(set(offs)) == len(offs)  # slices never hand out one slot twice
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_gateway_hostname_is_an_error_everywhere_not_localhost(monkeypatch, blank, capsys):
+    """XKV_GATEWAY_HOSTNAME set but blank: the gateway, its stats command, the client and the
+    connector all refuse it with the same words (one reading, xkv.gateway.transport)."""
+    from xkv.connector.config import ConfigError, ConnectorConfig
+    from xkv.gateway import stats_cli
+
+    monkeypatch.setenv("XKV_GATEWAY_HOSTNAME", blank)
+    words = "XKV_GATEWAY_HOSTNAME is set but empty"
+    with pytest.raises(SystemExit, match=words):
+        parse_args([])
+    with pytest.raises(SystemExit):
+        stats_cli.main([])
+    assert words in capsys.readouterr().err
+    with pytest.raises(ValueError, match=words):
+        GatewayClient(port=1)
+    with pytest.raises(ConfigError, match=words):
+        ConnectorConfig.from_extra({}, {"PYTHONHASHSEED": "0", "XKV_GATEWAY_HOSTNAME": blank})
+    from xkv.gateway.transport import gateway_host
+
+    assert gateway_host({"XKV_GATEWAY_HOSTNAME": " cache-host "}) == "cache-host"
+    monkeypatch.delenv("XKV_GATEWAY_HOSTNAME")
+    assert parse_args([]).host == "localhost" and parse_args([]).port == 5557

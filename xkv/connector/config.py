@@ -18,11 +18,11 @@ from typing import Any
 # The nvlink_fanout* keys are validated by xkv.fanout alone; ConnectorConfig holds the result.
 from xkv.fanout.config import KEYS as FANOUT_KEYS
 from xkv.fanout.config import FanoutConfig, FanoutConfigError
+from xkv.gateway import transport
 
-#: The gateway's control port also is vLLM's KV-events publisher default (tcp://*:5557).
-DEFAULT_GATEWAY_PORT = 5557
-#: Host of the gateway when ``XKV_GATEWAY_HOSTNAME`` is unset.
-DEFAULT_GATEWAY_HOST = "localhost"
+# The gateway's defaults have one home, the gateway's transport module (its CLI reads them too).
+DEFAULT_GATEWAY_PORT = transport.DEFAULT_PORT
+DEFAULT_GATEWAY_HOST = transport.DEFAULT_HOST
 #: chunk_size when the key is absent: the largest multiple of the block size not above this.
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -168,13 +168,11 @@ class ConnectorConfig:
 
 
 def gateway_host(env: Mapping[str, str] | None = None) -> str:
-    """The gateway's host: ``XKV_GATEWAY_HOSTNAME``, else ``DEFAULT_GATEWAY_HOST``. The one place
-    the connector reads it; an empty or blank value is an error, not the default."""
-    env = os.environ if env is None else env
-    host = env.get("XKV_GATEWAY_HOSTNAME", DEFAULT_GATEWAY_HOST).strip()
-    if not host:
-        raise ConfigError("XKV_GATEWAY_HOSTNAME is set but empty; unset it or name the host")
-    return host
+    """The gateway's host (:func:`xkv.gateway.transport.gateway_host`) as a ``ConfigError``."""
+    try:
+        return transport.gateway_host(env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_hash_seed(env: Mapping[str, str]) -> None:

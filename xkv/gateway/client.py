@@ -137,12 +137,8 @@ class ReserveResult(list):
 _MORE, _NOBLOCK, _RCVTIMEO = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK), int(zmq.RCVTIMEO)
 
 
-def _default_host() -> str:
-    return os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost"
-
-
 class GatewayClient:
-    def __init__(self, host: str | None = None, port: int = 5557, *, timeout_s: float = 0.05,
+    def __init__(self, host: str | None = None, port: int = transport.DEFAULT_PORT, *, timeout_s: float = 0.05,
                  setup_timeout_s: float = 2.0, curve_server_key: bytes | str | None = None,
                  curve_client_keys: tuple[bytes, bytes] | None = None):
         """``timeout_s``: deadline of lookup/reserve/commit/abort/release/ping (seconds);
@@ -150,7 +146,7 @@ class GatewayClient:
         gateway's z85 public key (bytes), or a path to its public certificate, when it runs
         with CURVE: the client then talks TCP and uses ``curve_client_keys`` (public, secret),
         or a path to its secret certificate, or a fresh key pair (refused by an allow-list)."""
-        self.host = host or _default_host()
+        self.host = host or transport.gateway_host()
         self.port = port
         self._ipv6 = ":" in self.host  # an IPv6 literal such as ::1
         #: Set when this client can never reach the gateway (the first call raises it).

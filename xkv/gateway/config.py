@@ -9,6 +9,8 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from xkv.gateway import transport
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -79,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=parse_size, default="1G",
                    help="bytes of the card, e.g. 512M, 64G (default 1G); rounded down to the "
                         "slot alignment")
-    p.add_argument("--host", default=os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost",
+    p.add_argument("--host", default=None,
                    help="TCP address to bind when CURVE is on (default $XKV_GATEWAY_HOSTNAME, "
                         "else localhost); without --curve-secret-key no TCP port is opened "
                         "and a non-loopback address is refused")
-    p.add_argument("--port", type=int, default=5557,
+    p.add_argument("--port", type=int, default=transport.DEFAULT_PORT,
                    help="instance number (default 5557, the connector's xkv_gateway_port): "
                         "names the socket directory gateway-<port>, and is the TCP port when "
                         "CURVE is on (vLLM's KV-events publisher defaults to TCP 5557 too); "
@@ -254,6 +256,10 @@ def _resolve(host: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     args = build_parser().parse_args(argv)
+    try:
+        args.host = args.host or transport.gateway_host()
+    except ValueError as e:
+        raise SystemExit(f"xkv-gateway: {e}") from None
     align = args.slot_alignment
     if align < 64 or align & (align - 1):
         raise SystemExit(f"xkv-gateway: --slot-alignment must be a power of two >= 64, got {align}")

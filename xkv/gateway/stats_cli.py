@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from xkv.gateway import transport
 from xkv.gateway.client import GatewayClient, GatewayUnavailable
 from xkv.gateway.metrics import derived
 
@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xkv-gateway stats",
                                 description="Print a running gateway's counters as a table "
                                             "(the same numbers as its /metrics).")
-    p.add_argument("--host", default=os.environ.get("XKV_GATEWAY_HOSTNAME") or "localhost",
+    p.add_argument("--host", default=None,
                    help="gateway address (default $XKV_GATEWAY_HOSTNAME, else localhost)")
-    p.add_argument("--port", type=int, default=5557, help="gateway control port (default 5557)")
+    p.add_argument("--port", type=int, default=transport.DEFAULT_PORT,
+                   help=f"gateway control port (default {transport.DEFAULT_PORT})")
     p.add_argument("--curve-server-key", metavar="FILE",
                    help="the gateway's public certificate, when it runs with CURVE (TCP)")
     p.add_argument("--curve-client-key", metavar="FILE",
@@ -139,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true",
                    help="print {series: value} as JSON instead of the table")
     args = p.parse_args(argv)
+    try:
+        args.host = args.host or transport.gateway_host()
+    except ValueError as e:
+        p.error(str(e))
     server_key = None
     if args.curve_server_key:
         import zmq.auth

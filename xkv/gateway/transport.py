@@ -38,8 +38,24 @@ from zmq.utils import z85
 log = logging.getLogger("xkv.gateway")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: The connector's ``xkv_gateway_port`` and the gateway's ``--port`` when not given (vLLM's
+#: KV-events publisher defaults to tcp://*:5557 too: the clash is detected and named).
+DEFAULT_PORT = 5557
+#: The gateway's host when ``XKV_GATEWAY_HOSTNAME`` is unset.
+DEFAULT_HOST = "localhost"
 IPC_DOMAIN, TCP_DOMAIN = b"xkv-ipc", b"xkv-tcp"
 _SUN_PATH_MAX = 107
+
+
+def gateway_host(env=None) -> str:
+    """``XKV_GATEWAY_HOSTNAME`` (stripped), else :data:`DEFAULT_HOST`: the one reading of it for
+    the connector, the client and the gateway's CLI. Set but blank is a ``ValueError``, never
+    quietly the default (a typo'd deployment must not talk to the wrong gateway)."""
+    env = os.environ if env is None else env
+    host = env.get("XKV_GATEWAY_HOSTNAME", DEFAULT_HOST).strip()
+    if not host:
+        raise ValueError("XKV_GATEWAY_HOSTNAME is set but empty; unset it or name the host")
+    return host
 
 
 def socket_base() -> str:
