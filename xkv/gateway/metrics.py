@@ -130,6 +130,15 @@ _TIER = (
 )
 
 
+def series(key: str) -> str:
+    """The Prometheus series (name and labels) that shows snapshot key ``key``: the one mapping
+    the scrape, ``xkv-gateway stats`` and the dashboard share. ``KeyError`` for an unknown key."""
+    for name, k, _kind, _help, lab in _GAUGES + _TIER:
+        if k == key:
+            return f"{name}{{{lab}}}" if lab else name
+    raise KeyError(f"{key!r}: no gateway metric shows this snapshot key")
+
+
 def derived(snapshot: dict) -> dict:
     """The snapshot plus the numbers computed from it (O(1)): misses, LRU-only evictions, fill,
     leases granted."""

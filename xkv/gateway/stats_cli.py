@@ -10,75 +10,59 @@ import argparse
 import json
 import sys
 
-from xkv.gateway import transport
+from xkv.gateway import metrics, transport
 from xkv.gateway.client import GatewayClient, GatewayUnavailable
-from xkv.gateway.metrics import derived
 
-# (section, what, snapshot key, unit, Prometheus series)
+# (section, what, snapshot key, unit); the Prometheus series of a key is metrics.series(key)
 ROWS = (
-    ("card", "capacity", "capacity_bytes", "bytes", "xkv_gateway_capacity_bytes"),
-    ("card", "used", "used_bytes", "bytes", "xkv_gateway_used_bytes"),
-    ("card", "fill", "fill_ratio", "ratio", "xkv_gateway_card_fill_ratio"),
-    ("card", "objects ready", "ready_objects", "count", 'xkv_gateway_objects{state="ready"}'),
-    ("card", "bytes ready", "ready_bytes", "bytes", 'xkv_gateway_object_bytes{state="ready"}'),
-    ("card", "objects being written", "staged_objects", "count",
-     'xkv_gateway_objects{state="staged"}'),
-    ("card", "layouts", "layouts", "count", "xkv_gateway_layouts"),
-    ("lookups", "lookups", "lookups", "count", "xkv_gateway_lookups_total"),
-    ("lookups", "chunks asked", "lookup_chunks", "count", "xkv_gateway_lookup_chunks_total"),
-    ("lookups", "chunks hit", "hit_chunks", "count", "xkv_gateway_hit_chunks_total"),
-    ("lookups", "chunks missed", "miss_chunks", "count", "xkv_gateway_miss_chunks_total"),
-    ("lookups", "bytes found", "hit_bytes", "bytes", "xkv_gateway_hit_bytes_total"),
-    ("stores", "reserved", "reserved", "count", 'xkv_gateway_reserve_results_total{result="ok"}'),
-    ("stores", "already stored", "exists", "count",
-     'xkv_gateway_reserve_results_total{result="exists"}'),
-    ("stores", "no space", "no_space", "count",
-     'xkv_gateway_reserve_results_total{result="no_space"}'),
-    ("stores", "committed", "committed", "count", "xkv_gateway_committed_objects_total"),
-    ("stores", "bytes stored", "stored_bytes", "bytes", "xkv_gateway_stored_bytes_total"),
-    ("freed", "evicted (LRU)", "evicted_lru", "count",
-     'xkv_gateway_freed_objects_total{reason="lru"}'),
-    ("freed", "evicted (quota)", "evicted_quota", "count",
-     'xkv_gateway_freed_objects_total{reason="quota"}'),
-    ("freed", "aborted", "aborted", "count", 'xkv_gateway_freed_objects_total{reason="abort"}'),
-    ("freed", "write TTL passed", "write_expired", "count",
-     'xkv_gateway_freed_objects_total{reason="write_ttl"}'),
-    ("leases", "live", "leases", "count", "xkv_gateway_leases"),
-    ("leases", "granted", "leases_granted", "count", "xkv_gateway_leases_granted_total"),
-    ("leases", "released", "released", "count", "xkv_gateway_leases_released_total"),
-    ("leases", "expired (TTL)", "lease_expired", "count", "xkv_gateway_lease_expired_total"),
-    ("events", "blocks stored", "kv_events_stored", "count",
-     'xkv_gateway_kv_events_total{type="stored"}'),
-    ("events", "blocks removed", "kv_events_removed", "count",
-     'xkv_gateway_kv_events_total{type="removed"}'),
-    ("events", "batches sent", "kv_event_batches", "count", "xkv_gateway_kv_event_batches_total"),
+    ("card", "capacity", "capacity_bytes", "bytes"),
+    ("card", "used", "used_bytes", "bytes"),
+    ("card", "fill", "fill_ratio", "ratio"),
+    ("card", "objects ready", "ready_objects", "count"),
+    ("card", "bytes ready", "ready_bytes", "bytes"),
+    ("card", "objects being written", "staged_objects", "count"),
+    ("card", "layouts", "layouts", "count"),
+    ("lookups", "lookups", "lookups", "count"),
+    ("lookups", "chunks asked", "lookup_chunks", "count"),
+    ("lookups", "chunks hit", "hit_chunks", "count"),
+    ("lookups", "chunks missed", "miss_chunks", "count"),
+    ("lookups", "bytes found", "hit_bytes", "bytes"),
+    ("stores", "reserved", "reserved", "count"),
+    ("stores", "already stored", "exists", "count"),
+    ("stores", "no space", "no_space", "count"),
+    ("stores", "committed", "committed", "count"),
+    ("stores", "bytes stored", "stored_bytes", "bytes"),
+    ("freed", "evicted (LRU)", "evicted_lru", "count"),
+    ("freed", "evicted (quota)", "evicted_quota", "count"),
+    ("freed", "aborted", "aborted", "count"),
+    ("freed", "write TTL passed", "write_expired", "count"),
+    ("leases", "live", "leases", "count"),
+    ("leases", "granted", "leases_granted", "count"),
+    ("leases", "released", "released", "count"),
+    ("leases", "expired (TTL)", "lease_expired", "count"),
+    ("events", "blocks stored", "kv_events_stored", "count"),
+    ("events", "blocks removed", "kv_events_removed", "count"),
+    ("events", "batches sent", "kv_event_batches", "count"),
 )
 
 # Shown only by a gateway that runs the scale-out tier (--mooncake-master): xkv/gateway/tier.py
 TIER_ROWS = (
-    ("tier", "connected", "tier_up", "count", "xkv_gateway_tier_up"),
-    ("tier", "lookups that asked", "tier_lookups", "count", "xkv_gateway_tier_lookups_total"),
-    ("tier", "lookups that could not ask", "tier_skipped", "count",
-     "xkv_gateway_tier_skipped_lookups_total"),
-    ("tier", "objects pulled", "tier_hits", "count", "xkv_gateway_tier_hits_total"),
-    ("tier", "chunks missed", "tier_misses", "count", "xkv_gateway_tier_misses_total"),
-    ("tier", "chunks served in time", "tier_served_chunks", "count",
-     "xkv_gateway_tier_served_chunks_total"),
-    ("tier", "objects prefetched", "tier_late_objects", "count",
-     "xkv_gateway_tier_late_objects_total"),
-    ("tier", "bad: lost", "tier_lost", "count", 'xkv_gateway_tier_bad_objects_total{reason="lost"}'),
-    ("tier", "bad: corrupt", "tier_corrupt", "count",
-     'xkv_gateway_tier_bad_objects_total{reason="corrupt"}'),
-    ("tier", "bad: truncated", "tier_truncated", "count",
-     'xkv_gateway_tier_bad_objects_total{reason="truncated"}'),
-    ("tier", "bytes pulled", "tier_pull_bytes", "bytes", "xkv_gateway_tier_pull_bytes_total"),
-    ("tier", "time pulling", "tier_pull_seconds", "seconds", "xkv_gateway_tier_pull_seconds_total"),
-    ("tier", "write-through backlog", "tier_inflight", "count", "xkv_gateway_tier_write_backlog"),
-    ("tier", "written", "tier_written", "count", 'xkv_gateway_tier_written_total{result="ok"}'),
-    ("tier", "write errors", "tier_write_errors", "count",
-     'xkv_gateway_tier_written_total{result="error"}'),
-    ("tier", "writes dropped", "tier_write_dropped", "count",
-     'xkv_gateway_tier_written_total{result="dropped"}'),
+    ("tier", "connected", "tier_up", "count"),
+    ("tier", "lookups that asked", "tier_lookups", "count"),
+    ("tier", "lookups that could not ask", "tier_skipped", "count"),
+    ("tier", "objects pulled", "tier_hits", "count"),
+    ("tier", "chunks missed", "tier_misses", "count"),
+    ("tier", "chunks served in time", "tier_served_chunks", "count"),
+    ("tier", "objects prefetched", "tier_late_objects", "count"),
+    ("tier", "bad: lost", "tier_lost", "count"),
+    ("tier", "bad: corrupt", "tier_corrupt", "count"),
+    ("tier", "bad: truncated", "tier_truncated", "count"),
+    ("tier", "bytes pulled", "tier_pull_bytes", "bytes"),
+    ("tier", "time pulling", "tier_pull_seconds", "seconds"),
+    ("tier", "write-through backlog", "tier_inflight", "count"),
+    ("tier", "written", "tier_written", "count"),
+    ("tier", "write errors", "tier_write_errors", "count"),
+    ("tier", "writes dropped", "tier_write_dropped", "count"),
 )
 
 
@@ -97,15 +81,15 @@ def _human(value: float, unit: str) -> str:
 
 def rows(stats: dict) -> list[tuple[str, str, str, float, str]]:
     """(section, what, shown value, raw value, series) for a STATS reply's ``stats``."""
-    s = derived(stats)
-    out = [(sec, what, _human(s.get(key, 0), unit), s.get(key, 0), series)
-           for sec, what, key, unit, series in ROWS + (TIER_ROWS if "tier_up" in s else ())]
-    for prefix, sec, series in (("requests_", "requests", "xkv_gateway_requests_total"),
-                                ("errors_", "errors", "xkv_gateway_errors_total")):
+    s = metrics.derived(stats)
+    out = [(sec, what, _human(s.get(key, 0), unit), s.get(key, 0), metrics.series(key))
+           for sec, what, key, unit in ROWS + (TIER_ROWS if "tier_up" in s else ())]
+    for prefix, sec, total in (("requests_", "requests", "xkv_gateway_requests_total"),
+                               ("errors_", "errors", "xkv_gateway_errors_total")):
         for k in sorted(k for k in s if k.startswith(prefix)):
             label = "type" if sec == "requests" else "code"
             name = k[len(prefix):]
-            out.append((sec, name, _human(s[k], "count"), s[k], f'{series}{{{label}="{name}"}}'))
+            out.append((sec, name, _human(s[k], "count"), s[k], f'{total}{{{label}="{name}"}}'))
     return out
 
 
