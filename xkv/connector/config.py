@@ -26,6 +26,9 @@ DEFAULT_GATEWAY_HOST = transport.DEFAULT_HOST
 #: chunk_size when the key is absent: the largest multiple of the block size not above this.
 DEFAULT_CHUNK_TOKENS = 256
 
+#: Values of ``load_mode`` (``xkv.connector.async_loads``); the first is the default.
+LOAD_MODES = ("sync", "async", "auto")
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -52,6 +55,7 @@ OPTIONS: dict[str, Option] = {
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
+    "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
 }
@@ -72,6 +76,7 @@ class ConnectorConfig:
     gateway_timeout_ms: float = 1000.0
     verify_restores: bool = False
     reattach: bool = False
+    load_mode: str = "sync"
     gateway_host: str = DEFAULT_GATEWAY_HOST
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -129,6 +134,11 @@ class ConnectorConfig:
                 f"key_namespace={self.key_namespace!r}: expected 1-64 characters from "
                 "[A-Za-z0-9._:-]"
             )
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(
+                f"load_mode={self.load_mode!r}: expected one of {', '.join(map(repr, LOAD_MODES))}"
+                " ('sync': layer-wise restores inside the step, the default; 'async': vLLM parks "
+                "the request until its restore landed; 'auto': async while other requests run)")
         for name in ("lookup_timeout_ms", "gateway_timeout_ms"):
             v = getattr(self, name)
             if not 0 < v <= 60_000:

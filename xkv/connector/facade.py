@@ -103,7 +103,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        n = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return n, self._scheduler.load_async(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
@@ -167,6 +168,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv()
+        self._worker.start_async_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
@@ -183,7 +185,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]):
         assert self._worker is not None
         self._worker.get_finished()
-        return None, None
+        return None, self._worker.finished_async_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -90,9 +90,11 @@ class TransferJob:
 class StepMetadata:
     """Everything workers need for one step. ``epoch``: the gateway process the offsets belong
     to; ``layout_ids[g]``: the gateway's id of group g's layout; ``turned_off``: the scheduler
-    side lost the gateway (workers turn off too, once)."""
+    side lost the gateway (workers turn off too, once). ``async_loads``: restores of parked
+    requests, issued whole and reported in ``finished_recving`` once done (async_loads.py)."""
 
     loads: tuple[TransferJob, ...] = ()
+    async_loads: tuple[TransferJob, ...] = ()
     saves: tuple[TransferJob, ...] = ()
     epoch: int = 0
     layout_ids: tuple[int, ...] = ()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xkv.connector import compat
+from xkv.connector.async_loads import AsyncLoadPlanner
 from xkv.connector.config import ConnectorConfig
 from xkv.connector.keys import chunk_keys
 from xkv.connector.metadata import (
@@ -63,6 +64,7 @@ class _Lookup:
     keys: list[bytes]
     state_lease_id: int | None = None  # state groups: the lease of the hit boundary's state
     state_slots: dict[int, Any] = field(default_factory=dict)  # {state group: ChunkSlots}
+    load_async: bool = False  # restored asynchronously (async_loads.py)
 
     def leases(self) -> list[int]:
         return [x for x in (self.lease_id, self.state_lease_id) if x is not None]
@@ -107,6 +109,7 @@ class SchedulerSide:
         self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
         self._loads_done: Counter = Counter()
         self._next_job = 1
+        self._async = AsyncLoadPlanner(cfg.load_mode, has_states=bool(self._state))
         self.session = GatewaySession(
             gateway_factory,
             [LayoutSpec(fp, p.num_shards, p.registered_bytes)
@@ -211,8 +214,15 @@ class SchedulerSide:
             keys=keys,
             state_lease_id=state_lease,
             state_slots=state_slots,
+            load_async=self._async.choose(ext, busy=len(self._states) > (req_id in self._states)),
         )
         return ext
+
+    def load_async(self, req_id: str) -> bool:
+        """Whether the tokens just offered to ``req_id`` are restored asynchronously (vLLM's
+        second return value of ``get_num_new_matched_tokens``; async_loads.py)."""
+        lk = self._lookups.get(req_id)
+        return bool(lk is not None and lk.ext and lk.load_async)
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -220,6 +230,10 @@ class SchedulerSide:
         """After vLLM allocated the request's blocks (all groups); plan the load if any."""
         req_id = request.request_id
         lk = self._lookups.pop(req_id, None)
+        if self._async.resumed(req_id, lk is not None) and req_id in self._states:
+            # the parked request is scheduled after its async load: same request, new blocks
+            self._states[req_id].block_ids = [list(b) for b in block_ids]
+            return
         old = self._states.pop(req_id, None)
         if old:  # re-admitted after preemption: its earlier leases are useless now
             for lease in old.lease_ids:
@@ -258,7 +272,7 @@ class SchedulerSide:
                 g, ids, first, last, k,
                 lambda c, g=g: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start])))
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
-        self._pending_loads.append(job)
+        (self._async.add if lk.load_async else self._pending_loads.append)(job)
         if lk.leases():
             st.lease_ids.update(lk.leases())
             self._load_leases[job.job_id] = (req_id, lk.leases())
@@ -269,8 +283,8 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> StepMetadata:
         """The step's loads and saves. ``so``: vLLM's SchedulerOutput (duck-typed)."""
         epoch = self.session.epoch
-        if not self._pending_loads and self.session.reattach_due() and self.session.reattach() \
-                and self.session.epoch != epoch:
+        if not self._pending_loads and not self._async.pending and self.session.reattach_due() \
+                and self.session.reattach() and self.session.epoch != epoch:
             self._forget_leases()
         saves: list[TransferJob] = []
         computed: dict[str, int] = {}  # tokens each request had before this step
@@ -300,6 +314,7 @@ class SchedulerSide:
             )
         return StepMetadata(
             loads=loads,
+            async_loads=self._async.take(),
             saves=tuple(saves),
             epoch=self.epoch,
             layout_ids=self.layout_ids,
@@ -313,6 +328,7 @@ class SchedulerSide:
             self._loads_done[job_id] += n
             if self._loads_done[job_id] >= self.world_size:
                 del self._loads_done[job_id]
+                self._async.done(job_id)
                 req_lease = self._load_leases.pop(job_id, None)
                 if req_lease:
                     req_id, leases = req_lease
@@ -324,11 +340,17 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         req_id = request.request_id
         self._drop_lookup(req_id)
+        # an async load still copying keeps its lease until every rank finished it
+        # (update_connector_output releases it then); vLLM keeps the blocks meanwhile
+        self._async.finished(req_id)
+        copying = self._async.in_flight(req_id)
+        held = {x for j in copying for x in self._load_leases.get(j, ("", []))[1]}
         st = self._states.pop(req_id, None)
         if st:
-            for lease in st.lease_ids:
+            for lease in st.lease_ids - held:
                 self._release(lease)
-        for job_id in [j for j, (r, _) in self._load_leases.items() if r == req_id]:
+        for job_id in [j for j, (r, _) in self._load_leases.items()
+                       if r == req_id and j not in copying]:
             del self._load_leases[job_id]
             self._loads_done.pop(job_id, None)
 
@@ -368,6 +390,7 @@ class SchedulerSide:
         self._lookups.clear()
         self._load_leases.clear()
         self._loads_done.clear()
+        self._async.forget()
 
     def _log_reattach(self, epoch: int) -> None:
         log.warning("xkv scheduler: re-attached to gateway %s:%d (epoch %d); serving hits again",
@@ -384,6 +407,10 @@ class SchedulerSide:
         )
 
     def shutdown(self) -> None:
+        for req_id, leases in self._load_leases.values():  # async loads of finished requests
+            if req_id not in self._states:
+                self._release_all(*leases)
+        self._load_leases.clear()
         for req_id in list(self._states):
             st = self._states.pop(req_id)
             for lease in st.lease_ids:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
+from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
 from xkv.connector.registry import GroupPlan, Registry
@@ -93,6 +94,10 @@ class WorkerSide:
         self._loads_done: Counter = Counter()
         self._load_errors: set[int] = set()
         self._t_load = 0.0
+        self.async_loads = AsyncLoadWorker(
+            registry, tp_rank, self.session, self.stats, fail=self._fail,
+            no_block_errors=self._no_block_errors,
+            on_done=lambda job_id: self._loads_done.update((job_id,)))
 
     # the handler is shared by loads and saves
     @property
@@ -154,6 +159,11 @@ class WorkerSide:
         device = next(iter(self.pools.values())).base.device if self.pools else torch.device("cpu")
         if self._handler_factory is not None:
             self.handler = self._handler_factory(device)
+        # async loads: a handler per in-flight step (own stream on CUDA), made the same way
+        self.async_loads.pools = self.pools
+        self.async_loads.new_handler = (
+            (lambda: self._handler_factory(device)) if self._handler_factory is not None
+            else (lambda: self.handler))
         if self._fanout_factory is not None:
             restorer = self._fanout_factory(kv_caches, device)
             if restorer is not None:
@@ -193,6 +203,7 @@ class WorkerSide:
                 ses.reattach_enabled and (ses.turned_off or meta.epoch != ses.epoch))):
             self._scheduler_off = False
             self.saver.drain(10.0)  # commits of the old session go first
+            self.async_loads.poll(wait=True)  # copies from the old card, checked against it
             if not self.session.turned_off:
                 self.session.turn_off(
                     f"gateway epoch changed ({self.session.epoch} -> {meta.epoch})")
@@ -249,6 +260,18 @@ class WorkerSide:
             self.stats.add("blocks_restored", len(blocks))
         self._t_load = time.perf_counter() - t0
 
+    def start_async_loads(self) -> None:
+        """Issue the step's async loads (after the sync ones: those feed this step)."""
+        meta = self._meta
+        if meta is not None and meta.async_loads:
+            self.async_loads.start(meta.async_loads, self.session.card,
+                                   meta.epoch == self.session.epoch)
+
+    def finished_async_loads(self) -> set[str]:
+        """Requests whose async load completed on this rank (``finished_recving``); polls."""
+        self.async_loads.poll()
+        return self.async_loads.take_finished()
+
     def _base_offsets(self, plan: GroupPlan, transfers: list[GroupTransfer]) -> torch.Tensor:
         """int64 [n]: card offset of each block of ``transfers`` for layer 0 (this rank's shard)."""
         return torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
@@ -297,7 +320,8 @@ class WorkerSide:
     def _release_card_if_unused(self) -> None:
         """Off here and on the scheduler side: no load can come any more, so the card is
         unregistered and unmapped (after the save copies still in flight finished)."""
-        if self._scheduler_off and self.session.turned_off and self.session.card is not None:
+        if self._scheduler_off and self.session.turned_off and self.session.card is not None \
+                and not self.async_loads.in_flight:
             self.saver.drain(10.0)
             self.session.release_card()
 
@@ -346,5 +370,6 @@ class WorkerSide:
         if self.fanout is not None:
             self.fanout.close()
             self.fanout = None
+        self.async_loads.poll(wait=True)
         self.saver.close(timeout_s=10.0)
         self.session.close()
