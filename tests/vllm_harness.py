@@ -253,7 +253,7 @@ def step(scheduler: Scheduler, worker=None):
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()
-        worker.get_finished(so.finished_req_ids)
+        _, kv_out.finished_recving = worker.get_finished(so.finished_req_ids)
         kv_out.invalid_block_ids = worker.get_block_ids_with_load_errors()
         kv_out.kv_connector_worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
@@ -291,8 +291,9 @@ def step_with_worker(scheduler: Scheduler, worker, caches, block_size: int, *,
         if layers_saved is None or li < layers_saved:
             worker.save_kv_layer(name, kv, None)
     worker.wait_for_save()
-    worker.get_finished(so.finished_req_ids)
-    kv_out = KVConnectorOutput(invalid_block_ids=worker.get_block_ids_with_load_errors(),
+    _, recv = worker.get_finished(so.finished_req_ids)  # async loads done (vLLM's finished_recving)
+    kv_out = KVConnectorOutput(finished_recving=recv,
+                               invalid_block_ids=worker.get_block_ids_with_load_errors(),
                                kv_connector_worker_meta=worker.build_connector_worker_meta())
     if "kv_connector_stats" in getattr(KVConnectorOutput, "__dataclass_fields__", {}):
         kv_out.kv_connector_stats = worker.get_kv_connector_stats()
