@@ -31,7 +31,8 @@ load the destination pages are compared with the card bytes they came from, and 
 the card bytes with the source pages (bit-exact), so E2's restored pages equal E1's computed
 ones; for state groups (one block per object) every restored STATE page is also compared with
 the bytes saved for the same key (sha256 taken at save time), across engines (``state_*``
-counts; ``state_blocks_per_load``: blocks written per state load, boundary + running block).
+counts; ``state_blocks_per_load``: blocks written per state load, boundary + running block);
+``load_jobs`` / ``async_load_jobs`` count the synchronous / asynchronous restores workers got.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class _Checks:
     def bind(self, worker, meta) -> None:
         """Where every block of this step's loads and saves lives: card offset -> (key, state?)."""
         reg = worker.registry
+        self.res["load_jobs"] = self.res.get("load_jobs", 0) + len(meta.loads)
+        self.res["async_load_jobs"] = self.res.get("async_load_jobs", 0) + len(meta.async_loads)
         for kind, jobs in (("load", meta.loads), ("save", meta.saves)):
             where = self.where[kind] = {}
             for job in jobs:
