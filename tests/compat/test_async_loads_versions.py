@@ -5,16 +5,22 @@ Engine 1 computes and saves a prompt (synchronous mode); engine 2, with poisoned
 ``load_mode: "async"``, must park the request (no token scheduled), restore it whole, report it
 in ``finished_recving``, and only then compute the rest; restored pages equal the saved bytes.
 Copies on the CPU run inline, so a fence that stays pending (``_Fences``) stands in for a GPU
-copy still in flight (abort mid-load, empty steps).
+copy still in flight (abort mid-load, empty steps). Runs unchanged on vLLM 0.26, 0.28, 0.29 and
+0.33 (scripts/matrix.sh): the parking, ``finished_recving`` and abort rules are each version's own
+scheduler code.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from connector_fakes import FakeGateway
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))
+from connector_fakes import FakeGateway  # noqa: E402
 
 from xkv.connector import async_loads
 from xkv.connector.async_loads import AsyncLoadPlanner
@@ -30,6 +36,16 @@ CHUNK = 64
 BS = 32
 
 
+@pytest.fixture
+def fake_gateway(monkeypatch):
+    """A FakeGateway that every FusIOnXConnector built in this test talks to."""
+    gw = FakeGateway()
+    import xkv.connector.setup as setup
+
+    monkeypatch.setattr(setup, "gateway_factory", lambda cfg, timeout_s: gw.client)
+    return gw
+
+
 def _prompt(n, base=10):
     return [(base + i) % 1000 + 4 for i in range(n)]
 
@@ -37,10 +53,11 @@ def _prompt(n, base=10):
 def _engine(llama_dir, mode="sync"):
     vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=BS,
                             extra={"chunk_size": CHUNK, "load_mode": mode})
+    layout = H.layout_name("HND")
     kcfg = H.attention_cache_config(block_size=BS)
-    kcfg.kv_cache_layout = "LBHNC"
+    kcfg.kv_cache_layout = layout
     sched = H.make_scheduler(vc, kcfg)
-    wk, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=BS), layout="LBHNC")
+    wk, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=BS), layout=layout)
     return sched, wk, caches
 
 
