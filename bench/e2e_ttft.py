@@ -25,6 +25,7 @@ leave the same single token to compute (same shapes, so logprobs must be bit-equ
 Usage (GPU machine, vLLM 0.26 importable, repo on PYTHONPATH; bench/gpu_e2e.sh does all of it):
   python bench/e2e_ttft.py --model bench/models/llama8b --out $OUT [--lens 4096,8192,16384,32768]
   python bench/e2e_ttft.py --report-only OUT/e2e_ttft.json --out DIR   # table + PNG again
+  python bench/e2e_ttft.py --kinds none,xkv --load-mode async --out $OUT/async   # restores parked
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _args(argv=None):
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--max-batched", type=int, default=16384)
     ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--load-mode", choices=("sync", "async", "auto"), default="sync",
+                    help="xkv's load_mode (restores in the step, or parked; docs/architecture.md)")
     ap.add_argument("--card-gib", type=float, default=40.0)
     ap.add_argument("--offload-gib", type=float, default=24.0)
     ap.add_argument("--port", type=int, default=5599)
@@ -90,7 +93,8 @@ def _engine(a, kind, max_len):
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size,
-                                          "verify_restores": kind == "verify"},
+                                          "verify_restores": kind == "verify",
+                                          "load_mode": a.load_mode},
         }
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
