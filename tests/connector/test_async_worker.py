@@ -1,0 +1,137 @@
+"""The worker half of asynchronous restores (``AsyncLoadWorker``) without vLLM: batches on
+handlers of their own, completion polled per batch (never a blocking wait), the slot-generation
+check after the copy, failures reported with the request, a reattach drain."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from xkv.connector import async_loads
+from xkv.connector.async_loads import AsyncLoadWorker
+from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
+from xkv.connector.registry import CacheGroup, build_registry
+from xkv.connector.stats import ConnectorStats
+
+BB = 256  # bytes per block and layer
+LAYERS = ("l0", "l1")
+
+
+class _Handler:
+    """Records what it was asked to copy; ``sync_loads`` must only come once copies landed."""
+
+    def __init__(self, fences):
+        self.fences, self.loads, self.synced = fences, [], 0
+
+    def begin_loads(self):
+        self.fence = self.fences.new()
+
+    def load_group(self, names, card, offsets, pools, block_ids):
+        assert offsets.shape == (len(names), len(block_ids)) and offsets.dtype == torch.int64
+        self.loads.append((tuple(names), offsets.clone(), block_ids.tolist()))
+
+    def sync_loads(self):
+        assert self.fence["landed"], "synced a batch whose copies had not finished"
+        self.synced += 1
+
+
+class _Fences:
+    def __init__(self, monkeypatch):
+        self.all = []
+        monkeypatch.setattr(async_loads, "load_fence", lambda h: NS(
+            query=lambda: h.fence["landed"], synchronize=lambda: h.fence.update(landed=True)))
+
+    def new(self):
+        self.all.append({"landed": False})
+        return self.all[-1]
+
+
+def _job(job_id, req, blocks, offsets, gens=(1,)):
+    refs = tuple(ChunkRef(bytes([job_id]) * 32, (o,), gens) for o in offsets)
+    k = len(blocks) // len(offsets)
+    gt = GroupTransfer(0, tuple(blocks), tuple(i // k for i in range(len(blocks))),
+                       tuple(i % k for i in range(len(blocks))), refs)
+    return TransferJob(job_id, req, (gt,), len(blocks) * 32)
+
+
+@pytest.fixture
+def side(monkeypatch):
+    fences = _Fences(monkeypatch)
+    reg = build_registry([CacheGroup(0, "attention", LAYERS, 32, BB)], tp_size=1, pp_size=1,
+                         chunk_size=64)
+    gens: dict[int, int] = {}
+    session = NS(slot_generation=lambda off: gens.get(off, 1))
+    done: Counter = Counter()
+    errors: set[int] = set()
+    handlers: list[_Handler] = []
+
+    def no_block_errors(why):
+        if reg.multi_group:
+            raise RuntimeError(why)
+
+    w = AsyncLoadWorker(reg, 0, session, ConnectorStats(), fail=errors.update,
+                        no_block_errors=no_block_errors, on_done=lambda j: done.update((j,)))
+    w.pools = dict.fromkeys(LAYERS, object())
+
+    def new_handler():
+        handlers.append(_Handler(fences))
+        return handlers[-1]
+
+    w.new_handler = new_handler
+    return NS(w=w, fences=fences, gens=gens, done=done, errors=errors, handlers=handlers)
+
+
+CARD = torch.zeros(1 << 16, dtype=torch.uint8)
+
+
+def test_batches_complete_independently_and_handlers_are_reused(side):
+    w = side.w
+    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD, True)
+    w.start([_job(2, "b", [9, 10], [8192])], CARD, True)
+    assert len(side.handlers) == 2 and w.in_flight
+    (names, offs, ids), = side.handlers[0].loads
+    # one call for both layers of the group: layer l at slot + (l * k + j) * block bytes
+    assert names == LAYERS and ids == [5, 6, 7, 8]
+    assert offs.tolist() == [[0, BB, 4096, 4096 + BB], [2 * BB, 3 * BB, 4096 + 2 * BB, 4096 + 3 * BB]]
+    w.poll()
+    assert w.take_finished() == set() and not side.done  # nothing landed: nothing reported
+    side.fences.all[1]["landed"] = True  # the later batch lands first
+    w.poll()
+    assert w.take_finished() == {"b"} and side.done == Counter({2: 1})
+    assert w.take_finished() == set()  # reported once
+    assert side.handlers[1].synced == 1 and side.handlers[0].synced == 0 and w.in_flight
+    w.start([_job(3, "c", [11, 12], [12288])], CARD, True)
+    assert len(side.handlers) == 2  # the idle handler of batch 2 is reused
+    w.poll(wait=True)  # drain (before the card is let go)
+    assert w.take_finished() == {"a", "c"} and not w.in_flight and not side.errors
+    st = w.stats.data
+    assert st["blocks_restored"] == 8 and st["bytes_restored"] == 8 * BB * len(LAYERS)
+
+
+def test_reused_slot_fails_only_its_blocks(side):
+    w = side.w
+    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD, True)
+    side.gens[4096] = 2  # chunk 1's slot was reused while the copy ran
+    w.poll(wait=True)
+    assert side.errors == {7, 8} and w.take_finished() == {"a"} and side.done == Counter({1: 1})
+
+
+def test_no_card_fails_every_block_and_reports_at_once(side):
+    w = side.w
+    w.start([_job(1, "a", [5, 6], [0]), _job(2, "b", [9, 10], [4096])], None, True)
+    assert side.errors == {5, 6, 9, 10} and w.take_finished() == {"a", "b"}
+    assert not side.handlers and not w.in_flight
+    w.start([_job(3, "c", [11, 12], [8192])], CARD, False)  # offsets of another gateway epoch
+    assert side.errors >= {11, 12} and w.take_finished() == {"c"}
+    w.start([], CARD, True)  # an empty step: nothing issued
+    assert not side.handlers and not w.in_flight
+
+
+def test_inline_handler_needs_no_fence():
+    from xkv.connector.transfer import SyncTransferHandler
+
+    # the CPU handler copies inline: its batches are complete when issued
+    assert async_loads.load_fence(SyncTransferHandler()) is None
