@@ -12,7 +12,8 @@ One request's life (see docs/architecture.md):
 3. ``build_connector_meta`` — the step's loads, plus saves: prompt chunks that become complete in
    this step are reserved on the gateway (first writer wins) and handed to workers.
 4. Workers report finished loads (``update_connector_output``); the lease is released once every
-   rank finished, and in any case when the request finishes.
+   rank finished, and in any case when the request finishes (unless its asynchronous load is
+   still copying: ``load_mode``, ``async_loads.AsyncLoadPlanner``).
 
 Failure (``session.GatewaySession``): ``MAX_FAILURES`` consecutive calls without an answer
 (dead, restarted, or deadlines missed; a single slow answer only costs that request its hit) turn

@@ -11,7 +11,8 @@ docs/fanout.md): each rank copies 1/N of a layer and the group all-gathers the r
 ``wait_for_layer_load``.
 ``save_kv_layer``/``wait_for_save`` are the :class:`~xkv.connector.saves.Saver`'s;
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
-error, never wrong bytes) and collects the step's load errors. The gateway connection (HELLO,
+error, never wrong bytes) and collects the step's load errors. Restores of parked requests
+(``load_mode`` async) are issued whole and polled by an ``async_loads.AsyncLoadWorker``. The gateway connection (HELLO,
 card, failures, turn-off) is a :class:`~xkv.connector.session.GatewaySession`.
 """
 
