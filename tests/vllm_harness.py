@@ -232,7 +232,7 @@ def pattern(tokens, layer: str, nbytes: int) -> torch.Tensor:
 LAST_STATS = None  # SchedulerStats of the last step()
 
 
-def _finish_step(scheduler: Scheduler, so, kv_out) -> None:
+def finish_step(scheduler: Scheduler, so, kv_out) -> None:
     """Feed back a fake model output: one sampled token per request past its prompt."""
     global LAST_STATS
     reqs = list(so.num_scheduled_tokens)
@@ -257,7 +257,7 @@ def step(scheduler: Scheduler, worker=None):
         kv_out.invalid_block_ids = worker.get_block_ids_with_load_errors()
         kv_out.kv_connector_worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
-    _finish_step(scheduler, so, kv_out)
+    finish_step(scheduler, so, kv_out)
     return so, meta.step
 
 
@@ -272,22 +272,11 @@ def step_with_worker(scheduler: Scheduler, worker, caches, block_size: int, *,
     meta = so.kv_connector_metadata
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
-    work = []  # (block id, token prefix) computed this step
-    for rid, n in so.num_scheduled_tokens.items():
-        req = scheduler.requests[rid]
-        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
-        end = req.num_computed_tokens  # schedule() already counted this step's tokens
-        toks = list(req.all_token_ids)
-        for b in range((end - n) // block_size, -(-end // block_size)):
-            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
+    work = step_work(scheduler, so, block_size)
     tensors = caches.tensors if isinstance(caches, Caches) else caches
     for li, (name, kv) in enumerate(tensors.items()):
         worker.wait_for_layer_load(name)
-        for bid, toks in work:
-            if isinstance(caches, Caches):
-                raw_page(caches, name, bid).copy_(pattern(toks, name, caches.page_bytes))
-            else:
-                write_page(kv, bid, pattern(toks, name, page(kv, 0).numel()))
+        compute_layer(caches, name, work)
         if layers_saved is None or li < layers_saved:
             worker.save_kv_layer(name, kv, None)
     worker.wait_for_save()
@@ -298,8 +287,33 @@ def step_with_worker(scheduler: Scheduler, worker, caches, block_size: int, *,
     if "kv_connector_stats" in getattr(KVConnectorOutput, "__dataclass_fields__", {}):
         kv_out.kv_connector_stats = worker.get_kv_connector_stats()
     worker.clear_connector_metadata()
-    _finish_step(scheduler, so, kv_out)
+    finish_step(scheduler, so, kv_out)
     return so, meta.step, kv_out
+
+
+def step_work(scheduler: Scheduler, so, block_size: int) -> list[tuple[int, list[int]]]:
+    """(block id, token prefix) of every block step ``so`` computes (first KV cache group)."""
+    work = []
+    for rid, n in so.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        end = req.num_computed_tokens  # schedule() already counted this step's tokens
+        toks = list(req.all_token_ids)
+        for b in range((end - n) // block_size, -(-end // block_size)):
+            work.append((ids[b], toks[: min(end, (b + 1) * block_size)]))
+    return work
+
+
+def compute_layer(caches, name: str, work) -> None:
+    """'Compute' layer ``name`` for ``work`` (:func:`step_work`): write each block's ``pattern``
+    bytes, through the oracle for a ``Caches``, into the block of a ``{layer: tensor}`` view
+    otherwise."""
+    for bid, toks in work:
+        if isinstance(caches, Caches):
+            raw_page(caches, name, bid).copy_(pattern(toks, name, caches.page_bytes))
+        else:
+            kv = caches[name]
+            write_page(kv, bid, pattern(toks, name, page(kv, 0).numel()))
 
 
 def page(kv: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Per-version tests: run unchanged under vLLM 0.26, 0.28, 0.29 and 0.33 (scripts/matrix.sh).
 
-The V2 model runner is switched off as a user must (the connector refuses it); on vLLM 0.33 it
-is the default even on a CPU-only machine.
+``VLLM_USE_V2_MODEL_RUNNER=0``: VllmConfig refuses the V2 runner without Triton, and the CUDA
+wheels (0.26/0.33) would pick it on this CPU-only machine; test_v2_runner.py marks its configs V2
+after construction and drives V2's own connector wrapper.
 """
 
 import os

@@ -13,7 +13,6 @@ import itertools
 
 import pytest
 import vllm_harness as V
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from xkv.connector import compat, vllm_specs
 from xkv.connector.config import ConfigError
@@ -124,21 +123,6 @@ def test_none_hash_seed_rule(monkeypatch):
         monkeypatch.setenv("PYTHONHASHSEED", "0")
         ku.init_none_hash(sha256)
     assert compat.none_hash_seed() == "env:0"
-
-
-def test_v2_model_runner_refused(llama_dir, monkeypatch):
-    from vllm.config import VllmConfig
-
-    from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
-
-    kvc = V.make_kv_cache_config("attention", block_size=32, num_blocks=8)
-    vc = V.make_vllm_config(llama_dir, block_size=32)
-    assert not vc.use_v2_model_runner  # VLLM_USE_V2_MODEL_RUNNER=0 (conftest) turns it off
-    assert not compat.model_runner_v2(vc)
-    # What vLLM selects on a GPU by default (29+: every model; 33: even here).
-    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
-    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        FusIOnXConnector(vc, KVConnectorRole.SCHEDULER, kvc)
 
 
 def test_layout_mismatch_refused_before_any_byte(llama_dir, gateway_port):

@@ -27,7 +27,9 @@ the capability, never for a version string. What each probe means for xkv:
   :func:`block_hash_scheme`: both decide which tokens a block hash stands for, so both enter
   every fingerprint (:func:`fingerprint_fields`): two vLLMs that hash differently never share
   objects on one gateway.
-* ``v2_model_runner`` switch (all): :func:`require_supported` refuses the V2 runner.
+* V2 model runner (26/28: default for dense models on GPU; 29+: for every model where vLLM has
+  Triton): :func:`v2_connector_wrapper` finds the wrapper through which that runner drives a
+  connector; :func:`require_supported` refuses V2 only where the installed vLLM has none.
 """
 
 from __future__ import annotations
@@ -85,13 +87,33 @@ def model_runner_v2(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
+# The V2 runner's connector wrapper (its call order: tests/compat/test_v2_runner.py).
+V2_WRAPPER_METHODS = ("pre_forward", "post_forward", "no_forward", "set_disabled")
+
+
+def v2_connector_wrapper() -> Any:
+    """The class through which the V2 model runner drives a KV connector
+    (``ActiveKVConnector`` in 0.26-0.33), or None where this vLLM's V2 runner has none."""
+    import importlib
+
+    try:
+        mod = importlib.import_module("vllm.v1.worker.gpu.kv_connector")
+    except ImportError:
+        return None
+    cls = getattr(mod, "ActiveKVConnector", None)
+    if cls is None or not all(callable(getattr(cls, m, None)) for m in V2_WRAPPER_METHODS):
+        return None
+    return cls
+
+
 def require_supported(vllm_config: Any = None) -> None:
     """Refuse vLLM set-ups this connector cannot work with (raises ``ConfigError``).
 
-    * The V2 model runner: it calls ``handle_preemptions``/``start_load_kv`` after its own
-      pre-step copies and keeps request state on the device; xkv is built and tested on the V1
-      order (the only runner vLLM's CPU build has), so V2 is refused with the switch that turns
-      it off, rather than trusted blind.
+    * The V2 model runner where this vLLM has no connector wrapper for it
+      (:func:`v2_connector_wrapper`): nobody would call the connector's worker hooks. Where it
+      has one (0.26-0.33) V2 is fine: xkv implements no ``handle_preemptions`` (whose place
+      differs), waits for state loads inside ``start_load_kv`` (after V2's Mamba pre-copy, as
+      after V1's), reads no runner internals, and takes the keyword arguments 0.33 adds.
     * A per-process random NONE_HASH (26/28 without ``PYTHONHASHSEED``): no key would ever be
       found again. ``ConnectorConfig`` already insists on ``PYTHONHASHSEED=0``; this is the
       same rule seen from vLLM's side.
@@ -110,11 +132,12 @@ def require_supported(vllm_config: Any = None) -> None:
             f"xkv: this vLLM's KVConnectorBase_V1 lacks {missing}; FusIOnXConnector needs "
             "vLLM 0.26 or later"
         )
-    if vllm_config is not None and model_runner_v2(vllm_config):
+    if vllm_config is not None and model_runner_v2(vllm_config) and v2_connector_wrapper() is None:
         raise ConfigError(
-            "xkv: vLLM selected its V2 model runner, which FusIOnXConnector does not support "
-            "(its restores rely on the V1 runner's step order); start vLLM with "
-            "VLLM_USE_V2_MODEL_RUNNER=0"
+            "xkv: vLLM selected its V2 model runner, and this vLLM has no KV connector wrapper "
+            "for it (vllm.v1.worker.gpu.kv_connector.ActiveKVConnector with "
+            f"{', '.join(V2_WRAPPER_METHODS)}): the connector's hooks would never be called; "
+            "start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
         )
     if vllm_config is not None and runtime_kv_scales(vllm_config):
         raise ConfigError(

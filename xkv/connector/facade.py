@@ -11,6 +11,7 @@ those start only in ``__init__`` / ``register_kv_caches``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -83,6 +84,13 @@ def _route_logs() -> None:
         xl.propagate = False
 
 
+def runner_line(vllm_config: Any) -> str:
+    """The start-up log line (rank 0) naming the model runner this engine uses."""
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    why = f"VLLM_USE_V2_MODEL_RUNNER={env}" if env is not None else "vLLM's choice"
+    return f"XKV: vLLM model runner {'V2' if compat.model_runner_v2(vllm_config) else 'V1'} ({why})"
+
+
 class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
     """External prefix cache on the xkv gateway's card. See docs/architecture.md."""
 
@@ -98,6 +106,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._tp_rank = compat.tp_rank()
             self._worker = setup.worker_side(s, vllm_config, kv_cache_config, self._tp_rank)
+            self._runner_line = runner_line(vllm_config)
 
     # ================================================================ scheduler role
 
@@ -148,7 +157,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         except LayoutError as e:
             raise LayoutError(f"{e} ({compat.layout_hint(self._kv_layout)})") from e
         if self._tp_rank == 0:
-            for line in lines:
+            for line in [*lines, self._runner_line]:
                 log.info(line)
             for line in self._registry.describe_layout():
                 log.debug(line)
@@ -166,9 +175,23 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.clear()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """``kwargs``: what 0.33's V2 runner adds (``scheduler_output``, ``request_state_indices``,
+        ``request_ids``, ``num_tokens``, ``attn_metadata``); the step's metadata has all we use.
+
+        vLLM runs the per-layer hooks only under a forward context with attention metadata
+        (``maybe_transfer_kv_layer``). A context without it here (V2's full-CUDA-graph step, which
+        ``requires_piecewise_for_cudagraph`` should rule out, and no-forward steps, which have no
+        sync loads) means no ``wait_for_layer_load`` will come: every layer's sync load is
+        fenced now, before the forward can read a page (async loads complete on their own). ``None`` (tests driving the hooks by hand) fences nothing."""
         assert self._worker is not None
         self._worker.start_load_kv()
         self._worker.start_async_loads()
+        if forward_context is not None and getattr(forward_context, "attn_metadata", None) is None:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            if isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads:
+                for plan in self._registry.groups:
+                    for name in plan.group.layer_names:
+                        self._worker.wait_for_layer_load(name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
