@@ -165,8 +165,11 @@ def test_fingerprint_record(llama_dir):
     fp = fingerprint(fields)
     out = os.environ.get("XKV_MATRIX_DIR")
     if out:
+        # the keys of one salted prompt: versions that share a fingerprint must agree on them
+        r = V.make_request("fp", P[:64], block_size=32, salt="tenant-a")
         rec = {"vllm": vllm.__version__, "fingerprint": fp, "fields": fields,
-               "features": compat.features()}
+               "features": compat.features(),
+               "block_hashes": [bytes(h).hex() for h in r.block_hashes]}
         with open(os.path.join(out, f"fingerprint-{vllm.__version__}.json"), "w") as f:
             json.dump(rec, f, indent=1, sort_keys=True, default=str)
 

