@@ -43,6 +43,14 @@ import time
 from pathlib import Path
 
 KINDS = ("none", "xkv", "offload", "verify")
+# --runner: VLLM_USE_V2_MODEL_RUNNER in every engine child (None: unset, vLLM's own choice)
+RUNNERS = {"v1": "0", "v2": "1", "default": None}
+
+
+def _runner_env(env: dict, runner: str) -> dict:
+    """``env`` with ``VLLM_USE_V2_MODEL_RUNNER`` set (or removed) for ``runner``."""
+    env = {k: v for k, v in env.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    return env if RUNNERS[runner] is None else {**env, "VLLM_USE_V2_MODEL_RUNNER": RUNNERS[runner]}
 
 
 def _args(argv=None):
@@ -57,6 +65,8 @@ def _args(argv=None):
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--mode", choices=("graphs", "eager"), default="graphs",
                     help="graphs: vLLM's default (CUDA graphs, torch.compile); eager: enforce_eager")
+    ap.add_argument("--runner", choices=RUNNERS, default="v1",
+                    help="engine children's VLLM_USE_V2_MODEL_RUNNER: v1 =0, v2 =1, default unset")
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--max-batched", type=int, default=16384)
     ap.add_argument("--chunk-size", type=int, default=256)
@@ -281,8 +291,8 @@ def _parent(a):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
         if gw is not None:
             cmd += ["--gateway-pid", str(gw.pid)]
-        env = dict(os.environ, PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0",
-                   XKV_GATEWAY_HOSTNAME="127.0.0.1")
+        env = _runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),
+                          a.runner)
         t = time.perf_counter()
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(a.child_timeout, p.kill)  # a hung child prints nothing

