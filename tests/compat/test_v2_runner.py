@@ -114,8 +114,8 @@ class Engine:
     """A scheduler + a worker connector inside V2's wrapper, over vLLM's own CPU allocation
     (poisoned) of a two-layer attention cache."""
 
-    def __init__(self, llama_dir, port, ns, policy=None):
-        kvc = V.make_kv_cache_config("attention", block_size=BS, num_blocks=64)
+    def __init__(self, llama_dir, port, ns, policy=None, num_blocks=64):
+        kvc = V.make_kv_cache_config("attention", block_size=BS, num_blocks=num_blocks)
         self.caches = V.allocate(kvc, "attention", layout=V.layout_name("HND"))
         self.vc = V.make_vllm_config(llama_dir, block_size=BS, policy=policy, extra={
             "xkv_gateway_port": port, "chunk_size": CHUNK, "key_namespace": ns})
@@ -309,6 +309,37 @@ def test_load_error_reported_through_v2_wrapper(engines):
     meta = so.kv_connector_metadata.step
     assert out.invalid_block_ids == set(meta.loads[0].groups[0].block_ids)
     assert e.sched.requests["e"].num_computed_tokens == 0  # rewound: vLLM recomputes
+
+
+def test_preempted_request_resumes_through_v2(engines):
+    """V2's scheduler hands a preempted request back as a new one (its whole new block table,
+    not a resumed entry): its restore lands in its new blocks, byte-exact. 19 usable blocks:
+    "a" (10) and "b" (9) fill them, "b"'s 10th block (token 288) preempts "b"; once "a" finished
+    the local prefix cache is reset, so "b"'s prefix can only come back from the gateway."""
+    from vllm.v1.request import RequestStatus
+
+    e = engines(f"v2-preempt-{next(_ns)}", num_blocks=20)
+    pb = [(5 + 13 * i) % 1000 + 4 for i in range(280)]
+    e.sched.add_request(V.make_request("a", P, block_size=BS, max_tokens=12))
+    e.sched.add_request(V.make_request("b", pb, block_size=BS, max_tokens=12))
+    preempted = resumed = False
+    for _ in range(80):
+        if not e.sched.requests:
+            break
+        if preempted and "a" not in e.sched.requests and not resumed:
+            assert e.sched.reset_prefix_cache()  # nothing runs now: every block is free
+        so, out = e.step()
+        assert not out.invalid_block_ids
+        if preempted and not resumed and "b" in so.num_scheduled_tokens:
+            resumed = True
+            assert [r.req_id for r in so.scheduled_new_reqs] == ["b"]  # V2: resumed as new
+            assert "b" not in so.scheduled_cached_reqs.req_ids
+            assert so.scheduled_new_reqs[0].num_computed_tokens == 256  # all from the gateway
+            assert out.kv_connector_stats.data["blocks_restored"] == 256 // BS
+            e.assert_restored("b", pb, 256)
+        b = e.sched.requests.get("b")
+        preempted |= b is not None and b.status == RequestStatus.PREEMPTED
+    assert preempted and resumed and not e.sched.requests
 
 
 def test_no_forward_and_disabled_warmup(engines):
