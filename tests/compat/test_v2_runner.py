@@ -364,20 +364,3 @@ def test_no_forward_and_disabled_warmup(engines):
     assert kv_transfer_state.get_kv_transfer_group() is e.conn
     e.run("x", P[:100])  # and it serves again
 
-
-def test_bench_runner_option():
-    """``bench/e2e_ttft.py --runner`` (the GPU runs on both runners) sets the engine children's
-    ``VLLM_USE_V2_MODEL_RUNNER``."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "e2e_ttft.py"
-    spec = importlib.util.spec_from_file_location("e2e_ttft", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0"}
-    assert bench._runner_env(env, "v2") == {**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}
-    assert bench._runner_env(env, "v1") == env
-    assert bench._runner_env(env, "default") == {"PYTHONHASHSEED": "0"}
-    assert bench._args(["--runner", "v2"]).runner == "v2"
-    assert bench._args([]).runner == "v1"  # as before the option: results stay comparable
