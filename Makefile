@@ -26,5 +26,5 @@ lint: install  # ruff, then the import layering (also a test: tests/test_structu
 	$(VENV)/bin/ruff check xkv xkv_vllm_connector tests bench
 	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 
-matrix:  # vLLM 0.28/0.26/0.33, venvs in ~/.cache/xkv (stamped); `make test` covers 0.29
+matrix:  # vLLM 0.28/0.32/0.26/0.33, venvs in ~/.cache/xkv (stamped); `make test` covers 0.29
 	bash scripts/matrix.sh
