@@ -102,6 +102,7 @@ def expected(so, *, hooks=True, forward=True, defer=False) -> list[str]:
     (29+ starts it after the forward only for steps without sync loads), each layer's wait
     before its save, wait_for_save after the last save, then end-of-step reads, clear last."""
     late = compat.features()["sync_load_flag"] and not so.has_sync_kv_loads
+    assert not (late and so.kv_connector_metadata.step.loads), "a load step without sync loads"
     seq = ["bind_connector_metadata"] + ([] if late else ["start_load_kv"])
     if hooks:
         seq += [f"{h}:{n}" for n in LAYERS for h in ("wait_for_layer_load", "save_kv_layer")]
