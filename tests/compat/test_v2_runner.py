@@ -115,11 +115,12 @@ class Engine:
     """A scheduler + a worker connector inside V2's wrapper, over vLLM's own CPU allocation
     (poisoned) of a two-layer attention cache."""
 
-    def __init__(self, llama_dir, port, ns, policy=None, num_blocks=64):
+    def __init__(self, llama_dir, port, ns, policy=None, num_blocks=64, load_mode="sync"):
         kvc = V.make_kv_cache_config("attention", block_size=BS, num_blocks=num_blocks)
         self.caches = V.allocate(kvc, "attention", layout=V.layout_name("HND"))
         self.vc = V.make_vllm_config(llama_dir, block_size=BS, policy=policy, extra={
-            "xkv_gateway_port": port, "chunk_size": CHUNK, "key_namespace": ns})
+            "xkv_gateway_port": port, "chunk_size": CHUNK, "key_namespace": ns,
+            "load_mode": load_mode})
         _V2.add(id(self.vc))
         self.sched = V.make_scheduler(self.vc, kvc)
         self.conn = FusIOnXConnector(self.vc, KVConnectorRole.WORKER, kvc)
@@ -165,6 +166,17 @@ class Engine:
         if defer:
             self.akv.finalize_step()  # after the drafter ran
             assert self.spy.take() == ["wait_for_save", "clear_connector_metadata"]
+        V.finish_step(self.sched, so, out)
+        return so, out
+
+    def idle(self):
+        """A step that schedules no token: V2 runs ``no_forward``; returns (scheduler output,
+        KVConnectorOutput or None)."""
+        self._agent()
+        so = self.sched.schedule()
+        assert so.total_num_scheduled_tokens == 0
+        out = self.akv.no_forward(so).kv_connector_output
+        assert self.spy.take() == expected(so, hooks=False, forward=False)
         V.finish_step(self.sched, so, out)
         return so, out
 
@@ -343,14 +355,28 @@ def test_preempted_request_resumes_through_v2(engines):
     assert preempted and resumed and not e.sched.requests
 
 
+def test_async_restore_through_v2_no_forward(engines):
+    """``load_mode: async``: the parked request's step schedules no token, so V2 runs
+    ``no_forward`` (29+: its start_load_kv after the empty forward); the restore is reported in
+    ``finished_recving`` and the next step computes only the rest, on byte-exact pages."""
+    ns = f"v2-async-{next(_ns)}"
+    a = engines(ns)
+    a.run("a", P)
+    a.close()
+    b = engines(ns, load_mode="async")
+    b.sched.add_request(V.make_request("b", P, block_size=BS, max_tokens=2))
+    so, out = b.idle()
+    assert len(so.kv_connector_metadata.step.async_loads) == 1
+    assert out.finished_recving == {"b"} and not out.invalid_block_ids
+    b.assert_restored("b", P, 256)
+    so, out = b.step()
+    assert so.num_scheduled_tokens == {"b": 300 - 256} and not out.invalid_block_ids
+    b.assert_restored("b", P, 256)  # the forward left the restored blocks alone
+
+
 def test_no_forward_and_disabled_warmup(engines):
     e = engines(f"v2-idle-{next(_ns)}")
-    so = e.sched.schedule()  # nothing to run: V2 calls no_forward
-    assert so.total_num_scheduled_tokens == 0
-    out = e.akv.no_forward(so)
-    assert out is not None
-    assert e.spy.take() == expected(so, hooks=False, forward=False)
-    V.finish_step(e.sched, so, out.kv_connector_output)
+    so, _ = e.idle()  # nothing to run: V2 calls no_forward
     # warm-up / dummy runs: V2 disables the connector; no hook may reach it
     e.akv.set_disabled(True)
     assert not has_kv_transfer_group()
