@@ -350,17 +350,17 @@ def make_worker_caches(vllm_config: VllmConfig, kvc: KVCacheConfig, *, layout: s
 HYBRID_LAYERS = ("model.layers.0.mixer", "model.layers.1.self_attn.attn")
 
 
-def make_hybrid(block_size: int, num_blocks: int):
-    """A hybrid model's cache as vLLM lays it out: an attention group and a Mamba ``align`` group
-    whose padded state page equals the attention page, both overlaying one buffer, allocated by
-    this vLLM's own code. Returns (KVCacheConfig, tensors, raw uint8 buffer, page bytes,
-    state content bytes)."""
+def make_hybrid(block_size: int, num_blocks: int, mode: str = "align"):
+    """A hybrid model's cache as vLLM lays it out: an attention group and a Mamba group (cache
+    mode ``mode``) whose padded state page equals the attention page, both overlaying one
+    buffer, allocated by this vLLM's own code. Returns (KVCacheConfig, tensors, raw uint8
+    buffer, page bytes, state content bytes)."""
     mamba, attn = HYBRID_LAYERS
     a = spec_for("attention", block_size)
     page = a.page_size_bytes
     m = MambaSpec(block_size=block_size, shapes=((3, 40), (2, 4, 8)),
                   dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
-                  mamba_cache_mode="align")
+                  mamba_cache_mode=mode)
     groups = [KVCacheGroupSpec([mamba], m), KVCacheGroupSpec([attn], a)]
     if compat.features()["layer_stride_tensors"]:
         tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=page * num_blocks,

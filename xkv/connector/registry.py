@@ -9,7 +9,8 @@ all layers of the group, layer-major):
 * ``mla`` — one latent replicated on every TP rank: one shard, written by TP rank 0, read by
   every rank.
 * ``mamba`` — recurrent state pages (Mamba2 conv + SSM state, gated-delta-net state) of a hybrid
-  model in vLLM's ``align`` cache mode: heads are split by TP, so one shard per rank, each rank
+  model in vLLM's ``align`` or ``all`` cache mode (``CacheGroup.state_mode``, see
+  ``xkv.connector.states``): heads are split by TP, so one shard per rank, each rank
   writes and reads its own. A state is not a per-token cache: the object of chunk ``c`` holds
   ONE block per layer, the state after token ``(c + 1) * chunk_size`` (``blocks_per_object`` 1),
   and exists only where vLLM materialised that state (see docs/architecture.md).
@@ -51,6 +52,7 @@ class CacheGroup:
     block_size: int
     block_bytes: int
     spec: str = ""
+    state_mode: str = ""  # state groups: vLLM's mamba_cache_mode ("align" | "all")
 
 
 @dataclass(frozen=True)
@@ -212,14 +214,20 @@ def build_registry(
     return Registry(groups=tuple(plans), tp_size=tp_size)
 
 
-def state_group(g: CacheGroup, content_bytes: int) -> CacheGroup:
+def state_group(g: CacheGroup, content_bytes: int, mode: str = "align") -> CacheGroup:
     """``g`` (a vLLM ``MambaSpec`` group) as a ``mamba`` state group whose block is the state's
-    ``content_bytes`` (conv + SSM state), not the padded page vLLM allocates."""
+    ``content_bytes`` (conv + SSM state), not the padded page vLLM allocates; ``mode``: vLLM's
+    ``mamba_cache_mode`` (where its states live, ``xkv.connector.states.STATE_MODES``)."""
     if content_bytes <= 0:
         raise RegistryError(
             f"KV cache group {g.index} ({g.spec}): state content of {content_bytes} bytes"
         )
-    return replace(g, kind="mamba", block_bytes=int(content_bytes))
+    if mode not in ("align", "all"):
+        raise RegistryError(
+            f"KV cache group {g.index} ({g.spec}): Mamba cache mode {mode!r}, expected 'align' "
+            "or 'all'"
+        )
+    return replace(g, kind="mamba", block_bytes=int(content_bytes), state_mode=mode)
 
 
 def _ranks(ranks: tuple[int, ...], tp_size: int, what: str) -> str:

@@ -2,9 +2,10 @@
 
 A chunk is saved once, by the first request that computes it (the gateway's RESERVE is first
 writer wins: a key stored already, being written by another engine, or without room answers no
-slot). Attention groups save every chunk completed in the step; a state group saves the state
-at the chunk boundary the step ended on, if any (``states.saved_boundary``): vLLM keeps no state
-anywhere else. No vLLM types; only :meth:`SavePlanner._reserve` talks to the gateway.
+slot). Attention groups save every chunk completed in the step; a state group saves the states
+vLLM left at chunk boundaries in this step (``states.saved_boundaries``: ``align`` mode the
+boundary the step ended on, if any; ``all`` mode every boundary the step crossed). No vLLM
+types; only :meth:`SavePlanner._reserve` talks to the gateway.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from xkv.connector.keys import chunk_keys, event_fields
 from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
-from xkv.connector.states import saved_boundary
+from xkv.connector.states import saved_boundaries
 from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
@@ -67,13 +68,17 @@ class SavePlanner:
                 req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
             ):
                 return None
-        c = saved_boundary(computed, n_sched, req.num_prompt_tokens, self.chunk_size, hashed)
-        for g in self._state if c is not None else ():
+        for g in self._state:
             plan = self.registry.groups[g]
-            ids, i = st.block_ids[plan.group.index], (c + 1) * plan.blocks_per_chunk - 1
-            ok = i >= len(ids) or ids[i] == 0 or self._reserve(  # ids[i]: the running block
-                req, g, [c], lambda _c, b=ids[i]: [b], groups)
-            if not ok:
+            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
+            # the state after chunk c is in block (c + 1) * k - 1 (align: the step's running
+            # block; all: also every boundary the step crossed); a null block holds none
+            todo = [c for c in saved_boundaries(plan.group.state_mode or "align", computed,
+                                                n_sched, req.num_prompt_tokens,
+                                                self.chunk_size, hashed)
+                    if (c + 1) * k <= len(ids) and ids[(c + 1) * k - 1] != 0]
+            if todo and not self._reserve(
+                    req, g, todo, lambda c, k=k, ids=ids: [ids[(c + 1) * k - 1]], groups):
                 return None
         if not groups:
             return None

@@ -4,9 +4,10 @@ Mamba state policy, and the facts fan-out decides on. Split from ``compat`` (one
 Like ``compat``, vLLM is imported lazily inside functions and differences between versions are
 read by attribute name, never by version string.
 
-Mamba / linear-attention groups become ``mamba`` state groups only in vLLM's ``align`` cache
-mode (prefix caching on): there vLLM keeps a state per block boundary; otherwise nothing
-restorable would exist and the model is refused at start with the switch that fixes it.
+Mamba / linear-attention groups become ``mamba`` state groups in vLLM's ``align`` and ``all``
+cache modes (prefix caching on; ``xkv.connector.states`` says where each keeps its states); in
+``none`` (prefix caching off) vLLM keeps no state at any block boundary, nothing restorable
+would exist, and the model is refused at start with the switch that fixes it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from xkv.connector.config import ConfigError
 from xkv.connector.registry import CacheGroup, state_group
+from xkv.connector.states import STATE_MODES
 from xkv.fanout import eligibility as el
 from xkv.fanout.eligibility import CacheFacts
 
@@ -64,9 +66,18 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
     return out
 
 
+def _mamba_mode(vllm_config: Any, spec: Any) -> str:
+    """vLLM's Mamba cache mode for a ``MambaSpec`` group (the spec's field, else the config's)."""
+    mode = getattr(spec, "mamba_cache_mode", None)
+    if not mode or mode == "none":
+        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None) or mode
+    return str(mode or "none")
+
+
 def state_groups(vllm_config: Any, kv_cache_config: Any, groups: list[CacheGroup]) -> list[CacheGroup]:
     """Mamba / linear-attention groups become ``mamba`` state groups, after checking that vLLM
-    keeps a state per block (``mamba_cache_mode == "align"``, which prefix caching turns on).
+    keeps a state per block boundary: ``mamba_cache_mode`` ``"align"`` or ``"all"``, the modes
+    prefix caching turns on (``states.STATE_MODES``).
 
     Without prefix caching vLLM runs Mamba models with ``mamba_cache_mode="none"``: one state
     block per request, no state at any block boundary, so nothing restorable would ever exist
@@ -81,7 +92,7 @@ def state_groups(vllm_config: Any, kv_cache_config: Any, groups: list[CacheGroup
             out.append(g)
             continue
         cc = vllm_config.cache_config
-        mode = str(getattr(spec, "mamba_cache_mode", None) or getattr(cc, "mamba_cache_mode", ""))
+        mode = _mamba_mode(vllm_config, spec)
         if not getattr(cc, "enable_prefix_caching", False) or mode == "none":
             raise ConfigError(
                 f"xkv: hybrid model with a {getattr(spec, 'mamba_type', 'Mamba')} state cache "
@@ -90,11 +101,20 @@ def state_groups(vllm_config: Any, kv_cache_config: Any, groups: list[CacheGroup
                 "--enable-prefix-caching (LLM(enable_prefix_caching=True)) to use "
                 "FusIOnXConnector with this model"
             )
-        if mode != "align":
+        if mode not in STATE_MODES:
             raise ConfigError(
                 f"xkv: mamba_cache_mode={mode!r}: FusIOnXConnector restores Mamba states in "
-                "vLLM's 'align' mode only (the default with --enable-prefix-caching); remove "
-                "--mamba-cache-mode or set it to 'align'"
+                f"vLLM's {' and '.join(repr(m) for m in STATE_MODES)} modes only; remove "
+                "--mamba-cache-mode (vLLM then picks one of them with --enable-prefix-caching)"
+            )
+        if mode == "all" and int(spec.block_size) != int(cc.block_size):
+            # 0.26: 'all' sets mamba_block_size from the Mamba chunk size; a larger --block-size
+            # leaves the attention groups on another block size than the state groups.
+            raise ConfigError(
+                f"xkv: mamba_cache_mode='all' with Mamba block size {spec.block_size} but "
+                f"attention block size {cc.block_size}: FusIOnXConnector needs one block size "
+                f"for every KV cache group; start vLLM with --block-size {spec.block_size} "
+                "(or without --block-size), or with --mamba-cache-mode align"
             )
         if getattr(spec, "num_speculative_blocks", 0):
             raise ConfigError(
@@ -107,21 +127,29 @@ def state_groups(vllm_config: Any, kv_cache_config: Any, groups: list[CacheGroup
                 math.prod(shape) * dt.itemsize
                 for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
             )
-        out.append(state_group(g, content))
+        out.append(state_group(g, content, mode))
     return out
 
 
 def state_fields(kv_cache_config: Any, plan: Any) -> dict[str, Any]:
-    """What else must match to share a state group's objects: the state tensors' shapes and
-    dtypes (two SSM cache dtypes of one size, fp16 vs bf16, would otherwise share a layout)."""
+    """What else must match to share a group's objects. State groups: the state tensors' shapes
+    and dtypes (two SSM cache dtypes of one size, fp16 vs bf16, would otherwise share a layout)
+    and the Mamba cache mode. Every group of a hybrid model carries the mode: the two modes run
+    other kernels' chunkings, so neither a state nor the attention pages computed after it are
+    mixed between engines of different modes. Models without state groups: nothing."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    modes = sorted({str(getattr(g.kv_cache_spec, "mamba_cache_mode", ""))
+                    for g in kv_cache_config.kv_cache_groups
+                    if isinstance(g.kv_cache_spec, MambaSpec)})
     if not plan.is_state:
-        return {}
+        return {"mamba_cache_mode": modes} if modes else {}
     spec = kv_cache_config.kv_cache_groups[plan.group.index].kv_cache_spec
     return {
         "state_shapes": [list(s) for s in spec.shapes],
         "state_dtypes": [str(d) for d in spec.dtypes],
         "mamba_type": str(getattr(spec, "mamba_type", "")),
-        "mamba_cache_mode": str(getattr(spec, "mamba_cache_mode", "")),
+        "mamba_cache_mode": plan.group.state_mode or str(getattr(spec, "mamba_cache_mode", "")),
     }
 
 
