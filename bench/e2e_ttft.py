@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+import e2e_models
+
 KINDS = ("none", "xkv", "offload", "verify")
 # --runner: VLLM_USE_V2_MODEL_RUNNER in every engine child (None: unset, vLLM's own choice)
 RUNNERS = {"v1": "0", "v2": "1", "default": None}
@@ -69,7 +71,8 @@ def _args(argv=None):
                     help="engine children's VLLM_USE_V2_MODEL_RUNNER: v1 =0, v2 =1, default unset")
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--max-batched", type=int, default=16384)
-    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--chunk-size", type=int, default=256,
+                    help="xkv chunk tokens; 0: one block of a hybrid model (bench/e2e_models.py)")
     ap.add_argument("--load-mode", choices=("sync", "async", "auto"), default="sync",
                     help="xkv's load_mode (restores in the step, or parked; docs/architecture.md)")
     ap.add_argument("--card-gib", type=float, default=40.0)
@@ -81,6 +84,7 @@ def _args(argv=None):
     ap.add_argument("--ref-chunks", type=int, default=12, help="ref prompt = this many chunks + 1")
     ap.add_argument("--child-timeout", type=float, default=400.0, help="seconds per engine child")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
+    e2e_models.add_args(ap)
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -96,13 +100,15 @@ def _engine(a, kind, max_len):
               disable_log_stats=False)
     if a.backend:
         kw["attention_backend"] = a.backend
+    kw.update(e2e_models.engine_kwargs(a))
     if kind in ("xkv", "verify"):
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size,
+            "kv_connector_extra_config": {"xkv_gateway_port": a.port,
+                                          "chunk_size": e2e_models.chunk_tokens(a),
                                           "verify_restores": kind == "verify",
                                           "load_mode": a.load_mode},
         }
@@ -155,7 +161,11 @@ def _child(a):
     def prompt(n):
         return [rng.randrange(1000, a.vocab) for _ in range(n)]
 
-    ref_prompt = random.Random(99).choices(range(1000, a.vocab), k=a.ref_chunks * a.chunk_size + 1)
+    ref_prompt = random.Random(99).choices(range(1000, a.vocab),
+                                           k=a.ref_chunks * e2e_models.chunk_tokens(a) + 1)
+    if kind == "verify":  # state pages checked in-process, before the forward (e2e_models)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        e2e_models.install_state_check()
     t0 = time.perf_counter()
     llm = _engine(a, kind, max(lens + [a.multi_len, len(ref_prompt)]))
     _emit("E2E_INFO", dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1)))
@@ -231,6 +241,8 @@ def _child(a):
         killed = _run(llm, [ref_prompt], logprobs=5)[0]
         _emit("E2E_REF", {"gateway_killed": killed})
         row("after_kill_cold", 4096, _run(llm, [prompt(4096)])[0])
+    if kind == "verify":
+        _emit("E2E_INFO", dict(kind="verify_states", **e2e_models.COUNTS))
     _emit("E2E_DONE", {"kind": kind})
 
 
@@ -415,6 +427,7 @@ def _report(res, out):
     vt = _verify_totals(res.get("verify", []))
     for k, (c, m) in vt.items():
         lines.append(f"byte-exact check ({k}): {c} block-layers compared with the card, {m} differ")
+    lines += e2e_models.report_lines(res)
     lines += _targets(res, lens)
     lines.append(f"child exit codes: {res.get('rc')}")
     table = "\n".join(lines)

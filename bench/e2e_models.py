@@ -1,0 +1,148 @@
+"""bench/e2e_ttft.py's per-model engine options (fp8 KV cache, hybrid Mamba cache mode) and the
+verify child's state-page check. Split from e2e_ttft.py (its line budget); no vLLM import here.
+
+* ``add_args`` / ``engine_kwargs``: ``--kv-cache-dtype`` (passed to the engine),
+  ``--calculate-kv-scales`` (run-time fp8 scales: the connector must refuse the engine at start
+  with its message), ``--mamba-cache-mode`` (hybrids: force ``align`` or ``all``; default: vLLM's
+  choice, which on 0.26 is ``all`` for Nemotron-H).
+* ``chunk_tokens``: ``--chunk-size 0`` = one attention block of the model as vLLM 0.26 sizes it
+  for a hybrid on the GPU (an attention page must hold a Mamba state page, see
+  ``hybrid_block_size``), else 256 (the connector's default).
+* ``StateCheck``: wraps the worker's transfer handler in the verify child (engine in-process):
+  every restored STATE page is compared with its card bytes right after its copy, before the
+  forward (which advances an ``align``-mode running block in place, so the handler's own
+  ``verify_restores`` check, which runs after the forward, must not see state pages), and every
+  saved state page right after its copy. Counts come back as ``E2E_INFO verify_states``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+STATE_KIND = "mamba"  # the PagePool label of a state group (xkv.connector.registry.STATE_KINDS)
+COUNTS: dict[str, int] = {"state_restores": 0, "state_restores_differ": 0,
+                          "state_saves": 0, "state_saves_differ": 0}
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--kv-cache-dtype", default="auto", help="engine KV cache dtype (e.g. fp8)")
+    ap.add_argument("--calculate-kv-scales", action="store_true",
+                    help="fp8 scales computed at run time (the connector refuses this at start)")
+    ap.add_argument("--mamba-cache-mode", choices=("align", "all"), default=None,
+                    help="hybrid models: force vLLM's Mamba cache mode (default: vLLM's choice)")
+
+
+def engine_kwargs(a) -> dict[str, Any]:
+    """Extra ``LLM(...)`` arguments of these options (none when left at their defaults)."""
+    kw: dict[str, Any] = {}
+    if a.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.calculate_kv_scales:
+        kw["calculate_kv_scales"] = True
+    if a.mamba_cache_mode:
+        kw["mamba_cache_mode"] = a.mamba_cache_mode
+    return kw
+
+
+def is_hybrid(model_dir: str) -> bool:
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return "M" in str(c.get("hybrid_override_pattern", "")) or "mamba" in str(
+        c.get("layers_block_type", ""))
+
+
+def hybrid_block_size(model_dir: str, mode: str, kernel_alignment: int = 16) -> int:
+    """Tokens per block vLLM 0.26-0.29 gives a Nemotron-H-style hybrid (``Platform.
+    update_block_size_for_backend``): an attention page must hold one Mamba2 state page (conv
+    state in the model dtype + SSM state in fp32, Nemotron-H's default). ``all``: a multiple of
+    lcm(Mamba chunk size, kernel alignment); ``align``: of the kernel alignment (FlashAttention:
+    16 on CUDA; the CPU engine's attention: 32)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    inner = c["mamba_num_heads"] * c["mamba_head_dim"]
+    conv = (c.get("conv_kernel", 4) - 1) * (inner + 2 * c["n_groups"] * c["ssm_state_size"]) * 2
+    ssm = c["mamba_num_heads"] * c["mamba_head_dim"] * c["ssm_state_size"] * 4
+    per_token = 2 * c["num_key_value_heads"] * c["head_dim"] * 2  # K and V, bf16, one layer
+    tokens = _cdiv(conv + ssm, per_token)  # attention tokens one state page needs
+    step = math.lcm(c.get("chunk_size", 128), kernel_alignment) if mode == "all" else kernel_alignment
+    return step * _cdiv(tokens, step)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_tokens(a) -> int:
+    """xkv chunk size for this run: ``--chunk-size``, or (0) one block of a hybrid model in the
+    Mamba mode vLLM 0.26 uses (``all`` unless forced), else 256."""
+    if a.chunk_size:
+        return a.chunk_size
+    if is_hybrid(a.model):
+        return hybrid_block_size(a.model, a.mamba_cache_mode or "all")
+    return 256
+
+
+def _sync(inner, stream_name: str) -> None:
+    s = getattr(inner, stream_name, None)
+    if s is not None:
+        s.synchronize()
+
+
+def _compare(kind: str, card, offsets, pool, block_ids) -> None:
+    for off, b in zip(offsets.tolist(), block_ids.tolist(), strict=True):
+        page = pool.block(b).cpu()
+        COUNTS[kind] += 1
+        COUNTS[kind + "_differ"] += int(not bool((page == card[off:off + page.numel()].cpu()).all()))
+
+
+class StateCheck:
+    """A transfer handler (``xkv.connector.transfer``) that also checks state pages (above)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.loads = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load_group(self, names, card, offsets, pools, block_ids):
+        self.inner.load_group(names, card, offsets, pools, block_ids)
+        for name, offs, pool in zip(names, offsets, pools, strict=True):
+            if pool.kind == STATE_KIND:
+                self.loads[name] = (card, offs.clone(), pool, block_ids.clone())
+        v = getattr(self.inner, "verifier", None)
+        if v is not None:  # checked here, before the forward, not after it
+            v.pending["restore"] = [x for x in v.pending["restore"] if x[2].kind != STATE_KIND]
+
+    def wait_layer(self, name):
+        self.inner.wait_layer(name)
+        if name in self.loads:
+            _sync(self.inner, "load_stream")
+            _compare("state_restores", *self.loads.pop(name))
+
+    def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
+        self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)
+        if pool.kind == STATE_KIND:
+            _sync(self.inner, "save_stream")
+            _compare("state_saves", card, offsets, pool, block_ids)
+
+
+def install_state_check() -> None:
+    """Wrap every transfer handler this process's connector creates (call before the engine)."""
+    from xkv.connector import setup
+
+    make = setup.make_handler
+
+    def checked(device, verify=False):
+        return StateCheck(make(device, verify=verify))
+
+    setup.make_handler = checked
+
+
+def report_lines(res: dict) -> list[str]:
+    s = res.get("info", {}).get("verify_states")
+    if not s:
+        return []
+    return [f"byte-exact check (state pages, before the forward): {s['state_restores']} restored "
+            f"block-layers compared with the card, {s['state_restores_differ']} differ; "
+            f"{s['state_saves']} saved, {s['state_saves_differ']} differ"]
