@@ -8,6 +8,8 @@ verify child's state-page check. Split from e2e_ttft.py (its line budget); no vL
 * ``chunk_tokens``: ``--chunk-size 0`` = one attention block of the model as vLLM 0.26 sizes it
   for a hybrid on the GPU (an attention page must hold a Mamba state page, see
   ``hybrid_block_size``), else 256 (the connector's default).
+* ``fresh_engine`` (``--verify-fresh-engine``): the verify child restores its ref prompt in a
+  second engine, so the restored objects were written by another engine (a restart).
 * ``StateCheck``: wraps the worker's transfer handler in the verify child (engine in-process):
   every restored STATE page is compared with its card bytes right after its copy, before the
   forward (which advances an ``align``-mode running block in place, so the handler's own
@@ -33,6 +35,9 @@ def add_args(ap) -> None:
                     help="fp8 scales computed at run time (the connector refuses this at start)")
     ap.add_argument("--mamba-cache-mode", choices=("align", "all"), default=None,
                     help="hybrid models: force vLLM's Mamba cache mode (default: vLLM's choice)")
+    ap.add_argument("--verify-fresh-engine", action="store_true",
+                    help="verify: restore the ref prompt in a second engine of the same child "
+                         "(objects written by the first: an engine restart)")
 
 
 def engine_kwargs(a) -> dict[str, Any]:
@@ -47,10 +52,26 @@ def engine_kwargs(a) -> dict[str, Any]:
     return kw
 
 
+def _layer_types(c: dict) -> list[str] | None:
+    """Nemotron-H layer kinds as "M"/"*"/"-"/"E" (``hybrid_override_pattern``, or transformers 5's
+    ``layers_block_type`` names), None for other models."""
+    if c.get("hybrid_override_pattern"):
+        return list(c["hybrid_override_pattern"])
+    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*",
+             "mlp": "-", "moe": "E"}
+    types = c.get("layers_block_type")
+    return [names.get(t, "?") for t in types] if isinstance(types, list) else None
+
+
 def is_hybrid(model_dir: str) -> bool:
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    return "M" in str(c.get("hybrid_override_pattern", "")) or "mamba" in str(
-        c.get("layers_block_type", ""))
+    t = _layer_types(json.loads((Path(model_dir) / "config.json").read_text()))
+    return bool(t) and "M" in t
+
+
+def attention_layers(c: dict) -> int:
+    """Layers with a KV cache page per token (a hybrid's attention layers; else all layers)."""
+    t = _layer_types(c)
+    return t.count("*") if t else c["num_hidden_layers"]
 
 
 def hybrid_block_size(model_dir: str, mode: str, kernel_alignment: int = 16) -> int:
@@ -81,6 +102,26 @@ def chunk_tokens(a) -> int:
     if is_hybrid(a.model):
         return hybrid_block_size(a.model, a.mamba_cache_mode or "all")
     return 256
+
+
+def fresh_engine(box: list, build):
+    """Shut the in-process engine in ``box`` (its only reference) down, free what it held, and
+    return ``build()``."""
+    import gc
+
+    llm = box.pop()
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm, core
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except ImportError:
+        pass
+    return build()
 
 
 def _sync(inner, stream_name: str) -> None:

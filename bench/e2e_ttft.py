@@ -167,7 +167,8 @@ def _child(a):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         e2e_models.install_state_check()
     t0 = time.perf_counter()
-    llm = _engine(a, kind, max(lens + [a.multi_len, len(ref_prompt)]))
+    max_len = max(lens + [a.multi_len, len(ref_prompt)])
+    llm = _engine(a, kind, max_len)
     _emit("E2E_INFO", dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1)))
 
     def row(phase, n, r):
@@ -191,7 +192,11 @@ def _child(a):
     if kind == "none":
         ref["hit"] = _run(llm, [ref_prompt], logprobs=5)[0]
     elif kind in ("xkv", "verify"):
-        reset()
+        if kind == "verify" and a.verify_fresh_engine:  # restored by a new engine: a restart
+            box, llm = [llm], None  # no reference left here while the new engine starts
+            llm = e2e_models.fresh_engine(box, lambda: _engine(a, kind, max_len))
+        else:
+            reset()
         ref["restored"] = _run(llm, [ref_prompt], logprobs=5)[0]
     _emit("E2E_REF", ref)
 
@@ -269,7 +274,7 @@ def kv_bytes_per_token(model_dir: str) -> int:
     """Bytes of KV cache one token occupies in all layers (bf16), from the model's config.json:
     MLA: layers x (kv_lora_rank + qk_rope_head_dim) x 2; else layers x 2 x kv_heads x head_dim x 2."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = c["num_hidden_layers"]
+    layers = e2e_models.attention_layers(c)  # a hybrid's Mamba layers have no per-token page
     if c.get("kv_lora_rank"):
         return layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -345,12 +350,14 @@ def _parent(a):
 
 
 def _verify_totals(lines):
+    """Sum of every XKV_VERIFY line's counts (a line's totals restart with a fresh engine)."""
     tot = {}
     for ln in lines:
         parts = dict(x.split("=", 1) for x in ln.split() if "=" in x)
         kind = "restore" if "XKV_VERIFY restore" in ln else "save"
-        if "total_checked" in parts:
-            tot[kind] = (int(parts["total_checked"]), int(parts["total_mismatched"]))
+        if "checked" in parts:
+            c, m = tot.get(kind, (0, 0))
+            tot[kind] = (c + int(parts["checked"]), m + int(parts["mismatched"]))
     return tot
 
 

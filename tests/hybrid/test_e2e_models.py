@@ -137,3 +137,42 @@ def test_e2e_ttft_options_and_report(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "state pages, before the forward): 12 restored block-layers" in p.stdout
     assert "byte-exact check (restore): 8 block-layers compared with the card, 0 differ" in p.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_e2e_ttft_verify_child_on_the_cpu_engine(hybrid_models, tmp_path):
+    """bench/e2e_ttft.py's verify kind end to end on vLLM's CPU engine with the tiny Nemotron-H
+    ('align' mode; the CPU engine cannot run 'all'), a fresh second engine restoring the ref
+    prompt: state pages checked before the forward, every other page by verify_restores."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "o"
+    cmd = [sys.executable, str(ROOT / "bench" / "e2e_ttft.py"), "--model", hybrid_models["nemotron_h"],
+           "--out", str(out), "--kinds", "verify", "--backend", "", "--mode", "eager",
+           "--lens", "300", "--verify-lens", "300", "--multi", "0", "--multi-len", "300",
+           "--ref-chunks", "2", "--chunk-size", "128", "--mamba-cache-mode", "align",
+           "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--port", str(port),
+           "--child-timeout", "400", "--verify-fresh-engine"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "e2e_ttft.json").read_text())
+    assert res["rc"] == {"verify": 0}
+    st = res["info"]["verify_states"]
+    # restores into boundary + running block ('align'), 2 state layers, 2 restores at least
+    assert st["state_restores"] >= 8 and st["state_restores_differ"] == 0
+    assert st["state_saves"] > 0 and st["state_saves_differ"] == 0
+    assert res["ref"]["verify"]["restored"]["cached"] == 256  # by the second engine
+    tot = {"restore": None, "save": None}
+    for line in p.stdout.splitlines():
+        if line.startswith("byte-exact check (restore)") or line.startswith("byte-exact check (save)"):
+            tot[line.split("(")[1].split(")")[0]] = line
+    assert tot["restore"] and tot["restore"].endswith(", 0 differ") and " 0 block-layers" not in tot["restore"]
+    assert tot["save"] and tot["save"].endswith(", 0 differ")
