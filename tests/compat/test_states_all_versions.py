@@ -180,3 +180,40 @@ def test_refusals(llama_dir, mode, prefix, block, match):
     vc.cache_config.enable_prefix_caching = prefix
     with pytest.raises(ConfigError, match=match):
         setup.build(vc, kvc, vc.kv_transfer_config)
+
+
+def test_state_pages_move_with_the_gpu_kernel():
+    """State pages in this vLLM's register form (26: a list of typed states; 28: an int8 padded
+    page; 29+: an int8 content view) move bit-exactly through the Triton page-copy kernel, the
+    one the CUDA handler runs (here under TRITON_INTERPRET), via the prepared entry points the
+    worker uses; the page padding is never touched."""
+    import torch
+
+    import xkv.kernels as K
+    from xkv.connector import compat
+    from xkv.layout import describe_cache
+
+    nb = 8
+    _, caches, buf, page, state = H.make_hybrid(BS, nb, mode="align")
+    mamba, _ = H.HYBRID_LAYERS
+    pool = describe_cache(compat.state_views(caches, {mamba: state})[mamba], num_blocks=nb,
+                          kind="mamba")
+    assert pool.block_bytes == state
+    g = torch.Generator().manual_seed(5)
+    buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+    card = torch.full((4 * state,), 0x5A, dtype=torch.uint8)
+    offs = torch.tensor([[state, 3 * state]])
+    K.prepare_save([pool], torch.tensor([5, 2]), card, offs, engine="triton").launch(0)
+    for b, o in ((5, state), (2, 3 * state)):
+        assert card[o:o + state].equal(buf[b * page:b * page + state])
+    assert (card[:state] == 0x5A).all() and (card[2 * state:3 * state] == 0x5A).all()
+    before = buf.clone()
+    for b in (1, 6):
+        buf[b * page:(b + 1) * page] = 0xA5
+    K.prepare_restore(card, offs, [pool], torch.tensor([1, 6]), engine="triton").launch(0)
+    for b, src in ((1, 5), (6, 2)):
+        assert buf[b * page:b * page + state].equal(before[src * page:src * page + state])
+        assert (buf[b * page + state:(b + 1) * page] == 0xA5).all()  # padding untouched
+    others = [b for b in range(nb) if b not in (1, 6)]
+    for b in others:
+        assert buf[b * page:(b + 1) * page].equal(before[b * page:(b + 1) * page])
