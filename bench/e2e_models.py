@@ -35,6 +35,9 @@ def add_args(ap) -> None:
                     help="fp8 scales computed at run time (the connector refuses this at start)")
     ap.add_argument("--mamba-cache-mode", choices=("align", "all"), default=None,
                     help="hybrid models: force vLLM's Mamba cache mode (default: vLLM's choice)")
+    ap.add_argument("--lookup-timeout-ms", type=int, default=None,
+                    help="connector LOOKUP deadline (default: the connector's; a loaded CPU box "
+                         "needs more)")
     ap.add_argument("--verify-fresh-engine", action="store_true",
                     help="verify: restore the ref prompt in a second engine of the same child "
                          "(objects written by the first: an engine restart)")
@@ -61,6 +64,11 @@ def _layer_types(c: dict) -> list[str] | None:
              "mlp": "-", "moe": "E"}
     types = c.get("layers_block_type")
     return [names.get(t, "?") for t in types] if isinstance(types, list) else None
+
+
+def connector_extra(a) -> dict[str, Any]:
+    """Extra ``kv_connector_extra_config`` keys of these options."""
+    return {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
 
 
 def is_hybrid(model_dir: str) -> bool:

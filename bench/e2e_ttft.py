@@ -110,7 +110,8 @@ def _engine(a, kind, max_len):
             "kv_connector_extra_config": {"xkv_gateway_port": a.port,
                                           "chunk_size": e2e_models.chunk_tokens(a),
                                           "verify_restores": kind == "verify",
-                                          "load_mode": a.load_mode},
+                                          "load_mode": a.load_mode,
+                                          **e2e_models.connector_extra(a)},
         }
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -27,7 +27,8 @@ def _args(*argv):
 
 
 def test_engine_kwargs_and_chunk():
-    assert M.engine_kwargs(_args()) == {}
+    assert M.engine_kwargs(_args()) == {} and M.connector_extra(_args()) == {}
+    assert M.connector_extra(_args("--lookup-timeout-ms", "900")) == {"lookup_timeout_ms": 900}
     a = _args("--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--mamba-cache-mode", "align")
     assert M.engine_kwargs(a) == {"kv_cache_dtype": "fp8", "calculate_kv_scales": True,
                                   "mamba_cache_mode": "align"}
@@ -158,7 +159,8 @@ def test_e2e_ttft_verify_child_on_the_cpu_engine(hybrid_models, tmp_path):
            "--lens", "300", "--verify-lens", "300", "--multi", "0", "--multi-len", "300",
            "--ref-chunks", "2", "--chunk-size", "128", "--mamba-cache-mode", "align",
            "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--port", str(port),
-           "--child-timeout", "400", "--verify-fresh-engine"]
+           "--child-timeout", "400", "--verify-fresh-engine",
+           "--lookup-timeout-ms", "2000"]  # a loaded 2-core box misses the 50 ms default
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
