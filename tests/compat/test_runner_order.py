@@ -44,10 +44,11 @@ def test_runners_precopy_before_start_load_kv():
         v1_calls["self._update_states"])
 
 
-def test_bench_runner_option():
+def test_bench_runner_option(monkeypatch):
     """``bench/e2e_ttft.py --runner`` (the GPU runs on both runners) sets the engine children's
     ``VLLM_USE_V2_MODEL_RUNNER``."""
     path = Path(__file__).resolve().parents[2] / "bench" / "e2e_ttft.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its sibling bench/e2e_models.py, as when run
     spec = importlib.util.spec_from_file_location("e2e_ttft", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
