@@ -189,9 +189,19 @@ def test_shutdown_commits_what_is_still_fenced(fake_gateway, llama_dir):
 
 
 def test_incomplete_step_is_aborted_after_its_fence(fake_gateway, llama_dir):
+    """A step whose wait_for_save never came (only one layer saved when the next step binds):
+    its chunks are aborted, after the fence of the copies that were issued."""
+    from xkv.connector.metadata import StepMetadata
+
     sched, conn, w, caches = _engine(llama_dir)
     sched.add_request(H.make_request("a", _prompt(300), block_size=BS, max_tokens=1))
-    H.step_with_worker(sched, conn, caches, BS, layers_saved=1)
+    meta = sched.schedule().kv_connector_metadata
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    name = next(iter(caches))
+    conn.save_kv_layer(name, caches[name], None)
+    conn.clear_connector_metadata()
+    conn.bind_connector_metadata(type(meta)(StepMetadata()))  # the next step flushes it
     assert not any(m[0] in ("commit", "abort") for m in fake_gateway.messages)
     w.handler.fences[0].complete()
     assert w.drain_saves(10)

@@ -273,13 +273,64 @@ def tp_comms() -> tuple[Any, Any]:
     return g.cpu_group, getattr(comm, "pynccl_comm", None)
 
 
-def layerwise_load_hook(vllm_config: Any) -> bool:
-    """False for models whose attention never calls ``wait_for_layer_load``: DeepSeek-V3.2 /
-    GLM-5.x DSA (``DeepseekV32Attention`` overrides ``forward``; its config has ``index_topk``)."""
-    hf = getattr(vllm_config.model_config, "hf_config", None)
-    archs = set(getattr(hf, "architectures", None) or ())
-    dsa = {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
-    return not (archs & dsa or getattr(hf, "index_topk", None))
+def _transfers_kv(fn: Any) -> bool:
+    """``fn`` (a vLLM attention op) is wrapped by ``maybe_transfer_kv_layer``, the decorator
+    that calls ``wait_for_layer_load`` / ``save_kv_layer`` (recognised by its wrapper's code,
+    which ``functools.wraps`` leaves alone)."""
+    from vllm.model_executor.layers.attention import kv_transfer_utils as ktu
+
+    prefix = ktu.maybe_transfer_kv_layer.__code__.co_qualname + ".<locals>."
+    seen = 0
+    while fn is not None and seen < 8:
+        code = getattr(fn, "__code__", None)
+        if code is not None and getattr(code, "co_qualname", "").startswith(prefix):
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
+
+
+def layer_hooks(vllm_config: Any, layer_names: Any) -> dict[str, tuple[bool, str]]:
+    """layer -> (its forward will call the per-layer KV hooks, its class name), by feature.
+
+    vLLM calls ``wait_for_layer_load`` / ``save_kv_layer`` only from the decorator around
+    ``unified_attention_with_output`` (reached by ``Attention.forward``, through the custom op
+    or directly) and ``unified_mla_attention_with_output`` (reached by ``MLAAttention.forward``
+    through the custom op only: its direct-call branch runs ``forward_impl`` undecorated). A
+    layer fires iff its class keeps one of those two ``forward`` methods, the op it reaches
+    still carries the decorator, and (MLA) it does not take the direct call. Any other class
+    (DeepSeek-V3.2 / GLM-5.x sparse MLA, DeepSeek-V4, Kimi Linear / K3 MLA on 0.29 CUDA, a
+    custom subclass overriding ``forward``), or a layer missing from the forward context, is
+    reported as not firing: the worker fences and saves it in bulk. Never decided by model name.
+    """
+    from vllm.model_executor.layers.attention import attention as attn
+    from vllm.model_executor.layers.attention import mla_attention as mla
+
+    routes: dict[Any, bool] = {}  # forward -> only through the custom op
+    if _transfers_kv(getattr(attn, "unified_attention_with_output", None)):
+        routes[attn.Attention.forward] = False
+    if _transfers_kv(getattr(mla, "unified_mla_attention_with_output", None)):
+        routes[mla.MLAAttention.forward] = True
+    ctx = getattr(getattr(vllm_config, "compilation_config", None),
+                  "static_forward_context", None) or {}
+    out = {}
+    for name in layer_names:
+        layer = ctx.get(name)
+        if layer is None:
+            out[name] = (False, "<no layer object in vLLM's forward context>")
+            continue
+        fwd = getattr(type(layer), "forward", None)
+        op_only = routes.get(fwd)
+        fires = op_only is not None and not (op_only and getattr(layer, "use_direct_call", False))
+        out[name] = (fires, type(layer).__qualname__)
+    return out
+
+
+def layerwise_load_hook(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """Every layer of the transferable groups calls ``wait_for_layer_load`` (fan-out can then
+    exchange layer by layer; else it runs in bulk inside ``start_load_kv``)."""
+    names = [n for g in kv_cache_config.kv_cache_groups
+             if getattr(g, "enable_kv_transfer", True) for n in g.layer_names]
+    return all(fires for fires, _ in layer_hooks(vllm_config, names).values())
 
 
 def kv_events_endpoint(vllm_config: Any) -> str | None:

@@ -152,7 +152,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         kv_caches = compat.state_views(kv_caches, states)
         try:
             lines = self._worker.register_kv_caches(
-                kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout
+                kv_caches, num_blocks=self._num_blocks, layout=self._kv_layout,
+                hooks=compat.layer_hooks(self._vllm_config, kv_caches),
             )
         except LayoutError as e:
             raise LayoutError(f"{e} ({compat.layout_hint(self._kv_layout)})") from e

@@ -3,9 +3,11 @@
 engine's host thread on the save stream.
 
 Per step, ``Saver.save_layer`` copies the layer's pages of the reserved chunks to their slots
-(``save_kv_layer``; state layers, which have no hook, in ``wait_for_save``), and
-``Saver.wait_for_save`` decides commit or abort for every chunk (a chunk with a layer not
-written is aborted), fences the copies and hands the batch to the committer.
+(``save_kv_layer``); ``Saver.wait_for_save`` first saves every layer whose hook did not come
+this step (state layers, and attention classes that bypass vLLM's decorated op: the copies are
+ordered after the step's compute, the forward is done), then decides commit or abort for every
+chunk (a chunk with a layer still not written, or of a request whose restore was not fenced, is
+aborted), fences the copies and hands the batch to the committer.
 
 vLLM (0.26) calls ``wait_for_save`` after the forward and *before* it launches logits and sampling.
 Blocking the host there on the save stream, then on a COMMIT round trip, lets the GPU run dry
@@ -182,6 +184,10 @@ class Saver:
         self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
+        # requests whose saves of this step are aborted (their forward read unfenced pages)
+        self._tainted: set[str] = set()
+        # told which non-state layers were saved in bulk (the worker's HookPlan warns once)
+        self.on_bulk_saves: Callable[[list[str]], None] = lambda names: None
 
     @property
     def pending(self) -> int:
@@ -200,6 +206,11 @@ class Saver:
         self._flushed = False
         self._meta = meta
         self._plan = {}
+        self._tainted = set()
+
+    def taint(self, req_ids: set[str]) -> None:
+        """Abort this step's saves of ``req_ids`` (decided before ``wait_for_save`` flushes)."""
+        self._tainted |= req_ids
 
     def save_layer(self, layer_name: str) -> None:
         """Copy ``layer_name``'s pages of this step's reserved chunks to their slots."""
@@ -248,12 +259,19 @@ class Saver:
             return
         self._flushed = True
         t0 = time.perf_counter()
-        # State layers have no save_kv_layer hook: their end-of-step state is saved here, after
-        # the forward that wrote it.
-        for plan in self.registry.groups:
-            if plan.is_state:
-                for name in plan.group.layer_names:
-                    self.save_layer(name)
+        # Layers whose save_kv_layer did not come (state layers have no hook; some attention
+        # classes bypass vLLM's decorated op): saved here, after the forward that wrote them;
+        # the copies wait for the compute stream (save_prepared).
+        for g, plan in enumerate(self.registry.groups):
+            names = plan.group.layer_names
+            done = self._saved.get(g, ())
+            if len(done) == len(names) or not plan.writes(self.tp_rank):
+                continue
+            missing = [n for i, n in enumerate(names) if i not in done]
+            for name in missing:
+                self.save_layer(name)
+            if not plan.is_state and self._saved.get(g):
+                self.on_bulk_saves(missing)
         self._flush(meta)
         self.stats.add("seconds_saved", time.perf_counter() - t0)
 
@@ -275,10 +293,12 @@ class Saver:
                 keys = [ReservedKey.of(c) for c in gt.chunks]  # COMMIT/ABORT need the token
                 complete = len(saved.get(gt.group, ())) == len(plan.group.layer_names)
                 if not complete and keys:
-                    # A layer without a save hook call (CUDA graph replay, a layer vLLM
-                    # skipped): committing would publish bytes that were never written.
-                    log.warning("xkv: request %s group %d: not every layer was saved this step; "
-                                "aborting %d chunk(s)", job.req_id, gt.group, len(keys))
+                    # Still a layer not written (the session turned off mid-step, or the step's
+                    # wait_for_save never came): committing would publish unwritten bytes.
+                    log.debug("xkv: request %s group %d: not every layer was saved this step; "
+                              "aborting %d chunk(s)", job.req_id, gt.group, len(keys))
+                if job.req_id in self._tainted:
+                    complete = False
                 batch.add(gt.group, plan.shard_of(self.tp_rank), complete, keys, job.req_id)
         self._committer.submit(fence, batch)
 

@@ -124,7 +124,8 @@ def _fanout_factory(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: i
 
     facts = vllm_specs.fanout_facts(vllm_config, kv_cache_config,
                                     layer_views=list(kv_caches.values()),
-                                    layerwise_hook=compat.layerwise_load_hook(vllm_config),
+                                    layerwise_hook=compat.layerwise_load_hook(vllm_config,
+                                                                           kv_cache_config),
                                     cuda=device.type == "cuda")
     cpu_group, pynccl = compat.tp_comms()
     restorer, _ = build_restorer(s.cfg.fanout, facts, tp_rank, s.tp_size, device,

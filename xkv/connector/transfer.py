@@ -110,6 +110,7 @@ class SyncTransferHandler:
 
     def __init__(self, verify: bool = False) -> None:
         self.verifier = _verifier(verify)
+        self._pending: set[str] = set()  # layers loaded this step, not yet waited for
 
     def begin_loads(self) -> None:
         return None
@@ -124,11 +125,22 @@ class SyncTransferHandler:
         prep = kernels.prepare_restore(card, offsets, pools, block_ids)
         for i in range(len(pools)):
             prep.launch(i)
+        self._pending.update(names)
 
     def wait_layer(self, name: str) -> None:
-        return None
+        self._pending.discard(name)
+
+    def pending_layers(self) -> list[str]:
+        """Layers loaded this step whose :meth:`wait_layer` has not come (their copies already
+        finished here: the CPU copies run inline)."""
+        return sorted(self._pending)
+
+    def fence_loads(self) -> None:
+        """Order what runs next after every load issued (inline copies: nothing to wait for)."""
+        self._pending.clear()
 
     def sync_loads(self) -> None:
+        self._pending.clear()
         if self.verifier is not None:
             self.verifier.check("restore")
 
@@ -216,6 +228,17 @@ class CudaTransferHandler:
         ev = self._events.pop(name, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def pending_layers(self) -> list[str]:
+        """Layers whose per-layer event no :meth:`wait_layer` consumed this step (no GPU work)."""
+        return list(self._events)
+
+    def fence_loads(self) -> None:
+        """The compute stream waits (on the GPU) for every load issued so far: whatever is queued
+        next (a recompute of blocks reported as load errors, the next forward) cannot be
+        overwritten by a late copy."""
+        torch.cuda.current_stream(self.device).wait_stream(self.load_stream)
+        self._events.clear()
 
     def sync_loads(self) -> None:
         end = None

@@ -6,7 +6,9 @@ backends K and V share the last dim; byte pages are right for both.
 
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
-layer only; MLA groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``,
+layer only. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
+decorated op) are fenced in bulk inside ``start_load_kv`` instead, and a per-layer fence that
+did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk); MLA groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``,
 docs/fanout.md): each rank copies 1/N of a layer and the group all-gathers the rest at
 ``wait_for_layer_load``.
 ``save_kv_layer``/``wait_for_save`` are the :class:`~xkv.connector.saves.Saver`'s;
@@ -29,6 +31,7 @@ import torch
 from xkv import kernels
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
+from xkv.connector.fences import HookPlan
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
 from xkv.connector.registry import GroupPlan, Registry
 from xkv.connector.saves import Saver
@@ -99,6 +102,9 @@ class WorkerSide:
             registry, tp_rank, self.session, self.stats, fail=self._fail,
             no_block_errors=self._no_block_errors,
             on_done=lambda job_id: self._loads_done.update((job_id,)))
+        self.hooks = HookPlan([p.group.layer_names for p in registry.groups],
+                              [i for i, p in enumerate(registry.groups) if p.is_state])
+        self._check_fences = False  # this step issued per-layer fenced loads: check after forward
 
     # the handler is shared by loads and saves
     @property
@@ -129,10 +135,12 @@ class WorkerSide:
     # ------------------------------------------------------------------ start
 
     def register_kv_caches(
-        self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, layout: str | None = None
+        self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, layout: str | None = None,
+        hooks: Mapping[str, tuple[bool, str]] | None = None,
     ) -> list[str]:
         """Byte-page views of every cache; HELLO per group; map the card. Returns log lines
-        (the façade logs them on TP rank 0)."""
+        (the façade logs them on TP rank 0). ``hooks``: layer -> (its class calls the per-layer
+        hooks, class name), from ``compat.layer_hooks``; a layer not in it is fenced in bulk."""
         expected = {n: (p.group.index, i) for p in self.registry.groups
                     for i, n in enumerate(p.group.layer_names)}
         unknown = sorted(set(kv_caches) - set(expected))
@@ -157,6 +165,9 @@ class WorkerSide:
                 self.pools[name] = pool
         self.layer_pos = expected
         self.saver.pools, self.saver.layer_pos = self.pools, self.layer_pos
+        self.hooks = HookPlan([p.group.layer_names for p in self.registry.groups],
+                              [i for i, p in enumerate(self.registry.groups) if p.is_state], hooks)
+        self.saver.on_bulk_saves = self.hooks.note_bulk_saves
         device = next(iter(self.pools.values())).base.device if self.pools else torch.device("cpu")
         if self._handler_factory is not None:
             self.handler = self._handler_factory(device)
@@ -183,7 +194,7 @@ class WorkerSide:
             log.debug("xkv: %d copy-kernel variants compiled in %.2f s", len(variants),
                       time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
-        return lines + self.registry.log_lines()
+        return lines + self.registry.log_lines() + self.hooks.start_lines()
 
     # ------------------------------------------------------------------ loads
 
@@ -251,11 +262,13 @@ class WorkerSide:
                 names = plan.group.layer_names
                 offs = layer_offsets(plan, self._base_offsets(plan, transfers))
                 self.handler.load_group(names, card, offs, [self.pools[n] for n in names], blocks)
-            if plan.is_state:
-                # State layers get no wait_for_layer_load call: the forward must start after
-                # their pages (boundary and running block) landed.
-                for name in plan.group.layer_names:
+                # State layers and layers whose class never calls wait_for_layer_load: the
+                # forward must start after their pages (states: boundary and running block)
+                # landed. The others keep their per-layer fence, checked after the forward.
+                bulk = self.hooks.bulk_layers(g)
+                for name in bulk:
                     self.handler.wait_layer(name)
+                self._check_fences = self._check_fences or len(bulk) < len(names)
             nbytes = len(blocks) * plan.group.block_bytes * len(plan.group.layer_names)
             self.stats.add("bytes_restored", nbytes)
             self.stats.add("blocks_restored", len(blocks))
@@ -283,12 +296,37 @@ class WorkerSide:
         else:
             self.handler.wait_layer(layer_name)
 
+    def _fence_check(self) -> None:
+        """After the forward: a layer planned for a per-layer fence whose wait_for_layer_load
+        did not come may have read pages still being copied. The compute stream waits for every
+        outstanding load (a recompute is never overwritten by a late copy), the step's restored
+        blocks of the affected requests become load errors, their saves of this step are
+        aborted, and the layer is fenced in bulk from now on (``HookPlan.demote``)."""
+        if not self._check_fences:
+            return
+        self._check_fences = False
+        missed = self.handler.pending_layers()
+        if not missed:
+            return
+        self.handler.fence_loads()
+        self.hooks.demote(missed)
+        groups = {self.layer_pos[n][0] for n in missed if n in self.layer_pos}
+        jobs = [job for job in (self._meta.loads if self._meta is not None else ())
+                if any(gt.group in groups for gt in job.groups)]
+        if not jobs:
+            return
+        self._no_block_errors(f"layer(s) {missed[:4]} did not call wait_for_layer_load")
+        for job in jobs:
+            self._fail(job.block_ids())
+        self.saver.taint({job.req_id for job in jobs})
+
     # ------------------------------------------------------------------ saves
 
     def save_kv_layer(self, layer_name: str) -> None:
         self.saver.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
+        self._fence_check()  # before the step's commit decisions
         self.saver.wait_for_save()
 
     def drain_saves(self, timeout_s: float | None = None) -> bool:
@@ -302,6 +340,7 @@ class WorkerSide:
         self.saver.merge_counts()
         if self.fanout is not None:
             self.fanout.finish()
+        self._fence_check()  # a step whose wait_for_save did not run
         if not self._load_checks:
             self._release_card_if_unused()
             return
