@@ -24,12 +24,13 @@ MODEL_ARGS = {
 
 
 def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, verify=True,
-               env=None, timeout=420):
-    """Run ``steps`` (see engine_driver.py) in a child process; returns (result, log text)."""
+               env=None, timeout=420, imports=()):
+    """Run ``steps`` (see engine_driver.py) in a child process; returns (result, log text).
+    ``imports``: modules of tests/e2e the driver imports first (engine-process patches)."""
     proc, port = gateway
     sc = {"model": models[kind], **MODEL_ARGS[kind], "port": port, "gateway_pid": proc.pid,
           # a loaded 2-core CI box can miss the 50 ms production default now and then
-          "extra": {"lookup_timeout_ms": 2000, **(extra or {})}, "steps": steps, "verify": verify and not multiprocess}
+          "extra": {"lookup_timeout_ms": 2000, **(extra or {})}, "steps": steps, "verify": verify and not multiprocess, "imports": list(imports)}
     with tempfile.TemporaryDirectory() as d:
         scp, rp = Path(d, "scenario.json"), Path(d, "result.json")
         scp.write_text(json.dumps(sc))

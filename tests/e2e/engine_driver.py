@@ -20,6 +20,9 @@ each test gets a clean environment). Steps:
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
   records the message.
 
+A scenario's ``imports`` (module names next to this file) are imported before the first engine
+is built: patches of the engine process (``hook_skipping.py``).
+
 Extra-config keys for the driver only (removed before the engine sees them):
 ``xkv_test_prefix_caching: false`` builds the engine without prefix caching,
 ``xkv_test_max_batched: n`` with ``max_num_batched_tokens=n``; a prompt's
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -224,6 +228,8 @@ def main(scenario_path: str, result_path: str) -> None:
                  "saves_checked": 0, "saves_equal": 0, "timings": []}
     if sc.get("verify"):
         _install_checks(res)
+    for mod in sc.get("imports", ()):
+        importlib.import_module(mod)
     from vllm import SamplingParams
 
     llm = None
