@@ -8,6 +8,7 @@ raise GatewayUnavailable, as a killed gateway would.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from xkv.gateway.client import GatewayError, GatewayUnavailable
@@ -175,3 +176,24 @@ class FakeClient:
 
     def close(self):
         return None
+
+
+class Warnings(logging.Handler):
+    """The xkv connector's warnings, each record once (whatever other handlers exist)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("xkv.connector").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("xkv.connector").removeHandler(self)
+
+    def count(self, text):
+        return sum(text in line for line in self.lines)

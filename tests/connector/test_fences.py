@@ -8,11 +8,10 @@ layer whose pages are still poisoned there would have produced a wrong token on 
 the step's blocks are reported as load errors.
 """
 
-import logging
 
 import pytest
 import torch
-from connector_fakes import FakeGateway
+from connector_fakes import FakeGateway, Warnings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,7 +153,7 @@ def _restore_step(w, s, rid, ids, salt=7, fire=LAYERS):
     return seen, errs, meta
 
 
-def test_bulk_layer_lands_before_the_forward_and_per_layer_fences_stay(caplog):
+def test_bulk_layer_lands_before_the_forward_and_per_layer_fences_stay():
     gw = FakeGateway(capacity=1 << 22)
     reg = _registry()
     src = _store(gw, reg)
@@ -193,15 +192,14 @@ def test_start_line_names_the_class():
     assert "2 layer(s) of class KimiMLA" in line and "l1" in line
 
 
-def test_missed_fence_is_a_load_error_then_bulk(caplog):
+def test_missed_fence_is_a_load_error_then_bulk():
     gw = FakeGateway(capacity=1 << 22)
     reg = _registry()
     src = _store(gw, reg)
     dst = _caches(poison=POISON)
     w = _worker(reg, gw, dst, {n: (True, "Attention") for n in LAYERS})
     s = _sched(reg, gw)
-    logging.getLogger("xkv").propagate = True
-    with caplog.at_level(logging.WARNING, logger="xkv"):
+    with Warnings() as warned:
         ids = [9, 4, 17, 11, 2]
         seen, errs, _ = _restore_step(w, s, "b", ids, fire=("l0", "l2"))
         # l1 ran on unfinished pages: every restored block of the request is a load error
@@ -216,8 +214,8 @@ def test_missed_fence_is_a_load_error_then_bulk(caplog):
         assert not errs2
         for name in LAYERS:
             assert torch.equal(seen2[name], src[name][3].reshape(-1)), name
-    assert caplog.text.count("did not call wait_for_layer_load") == 1
-    assert "l1 (class Attention)" in caplog.text
+    assert warned.count("did not call wait_for_layer_load") == 1
+    assert warned.count("l1 (class Attention)") == 1
 
 
 def test_missed_fence_aborts_that_requests_saves():

@@ -56,7 +56,7 @@ def test_fanout_facts_shapes():
     kv4 = NS(kv_cache_groups=[NS(kv_cache_spec=_dsv4_spec()), NS(kv_cache_spec=SlidingWindowMLASpec())],
              kv_cache_layout="BLHNC")
     f4 = fanout_facts(_vllm(), kv4, cuda=True)
-    assert f4.block_outermost and f4.spec_kinds == ("mla_other", "mla_other")
+    assert f4.block_outermost and f4.spec_kinds == ("mla_compressed", "sliding_window")
     assert decide(ON, f4).reason is Reason.BLOCK_OUTERMOST
     # Kimi Linear: MLA + Mamba groups
     kvk = NS(kv_cache_groups=[NS(kv_cache_spec=MLAAttentionSpec()), NS(kv_cache_spec=MambaSpec())])

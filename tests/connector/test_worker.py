@@ -9,6 +9,9 @@ import logging
 
 import pytest
 import torch
+from connector_fakes import Warnings
+
+from xkv.connector.fences import HookPlan
 
 pytestmark = pytest.mark.vllm
 
@@ -98,22 +101,22 @@ def test_evicted_slot_is_a_load_error(fake_gateway, llama_dir):
     assert s2.requests["b"].num_computed_tokens == 64
 
 
-def test_layers_without_a_save_hook_are_saved_after_the_forward(fake_gateway, llama_dir,
-                                                                 caplog):
+def test_layers_without_a_save_hook_are_saved_after_the_forward(fake_gateway, llama_dir):
     """Only the first layer's save_kv_layer comes (the other's class bypasses vLLM's decorated
     op): the other layer is saved in wait_for_save, every chunk is committed, a fresh engine
     restores both layers bit-exact, and the miss is warned about once, not every step."""
     s1, w1, c1, bs = _engine(llama_dir)
-    w1._worker.hooks.bulk.clear()  # both layers planned per layer: the miss is unexpected
-    w1._worker.hooks._declared.clear()
-    logging.getLogger("xkv").propagate = True
+    wk = w1._worker  # both layers known to call the hooks: the miss is unexpected
+    wk.hooks = HookPlan([p.group.layer_names for p in wk.registry.groups], [],
+                        {n: (True, "Attention") for n in c1})
+    wk.saver.on_bulk_saves = wk.hooks.note_bulk_saves
     p = _prompt(300)
-    with caplog.at_level(logging.WARNING, logger="xkv"):
+    with Warnings() as warned:
         _run(s1, w1, c1, bs, H.make_request("a", p), layers_saved=1)
         _run(s1, w1, c1, bs, H.make_request("a2", _prompt(300, base=500)), layers_saved=1)
     assert len(fake_gateway.committed(1)) == 2 * (300 // CHUNK)
     assert not any(m[0] == "abort" for m in fake_gateway.messages)
-    assert caplog.text.count("did not call save_kv_layer") == 1
+    assert warned.count("did not call save_kv_layer") == 1
     s2, w2, c2, _ = _engine(llama_dir)
     s2.add_request(H.make_request("b", p, block_size=bs))
     so, meta, out = H.step_with_worker(s2, w2, c2, bs)

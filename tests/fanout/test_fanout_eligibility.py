@@ -25,9 +25,9 @@ def _fresh_report():
     (CacheFacts(use_mla=False, tp_size=8, spec_kinds=("attention",) * 4), Reason.NOT_MLA),
     (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla", "mamba"), is_hybrid=True), Reason.HYBRID),
     (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla", "mamba")), Reason.HYBRID),  # Kimi Linear/K3
-    (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla_other", "mla"), block_outermost=True),
+    (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla_compressed", "mla"), block_outermost=True),
      Reason.BLOCK_OUTERMOST),  # DeepSeek-V4
-    (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla_other",)), Reason.NOT_REPLICATED),
+    (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla_compressed",)), Reason.NOT_REPLICATED),
     (CacheFacts(use_mla=True, tp_size=8, spec_kinds=()), Reason.NOT_REPLICATED),
     (CacheFacts(use_mla=True, tp_size=8, spec_kinds=("mla",), layers_contiguous=False), Reason.LAYOUT),
     (CacheFacts(use_mla=True, tp_size=1, spec_kinds=("mla",)), Reason.TP1),

@@ -6,8 +6,10 @@ all layers of the group, layer-major):
 
 * ``attention`` — heads split by tensor parallelism: one shard per TP rank; rank r writes and
   reads shard r.
-* ``mla`` — one latent replicated on every TP rank: one shard, written by TP rank 0, read by
-  every rank.
+* ``mla`` / ``mla_compressed`` — one latent replicated on every TP rank (per token, or per
+  ``tokens_per_state`` tokens: DeepSeek-V4): one shard, written by TP rank 0, read by every rank.
+  A group's layers may differ in page size (an MLA latent and its indexer cache in one vLLM
+  group): ``CacheGroup.layer_bytes``.
 * ``mamba`` — recurrent state pages (Mamba2 conv + SSM state, gated-delta-net state) of a hybrid
   model in vLLM's ``align`` or ``all`` cache mode (``CacheGroup.state_mode``, see
   ``xkv.connector.states``): heads are split by TP, so one shard per rank, each rank
@@ -15,9 +17,10 @@ all layers of the group, layer-major):
   ONE block per layer, the state after token ``(c + 1) * chunk_size`` (``blocks_per_object`` 1),
   and exists only where vLLM materialised that state (see docs/architecture.md).
 
-Any other kind (sliding-window or cross-attention caches, ...) would be a cache that nobody
-writes, so restoring the others would resume from a state that was never stored: the registry
-refuses the model at start with ``RegistryError`` naming the group and its layers.
+Kinds come from :mod:`xkv.layout.kinds` (shared with ``xkv.fanout``). Any other kind
+(sliding-window or cross-attention caches, ...) would be a cache that nobody writes, so restoring
+the others would resume from a state that was never stored: the registry refuses the model at
+start with ``RegistryError`` naming the group, its spec and its layers.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from xkv.layout import kinds
+
 if TYPE_CHECKING:
     from xkv.connector.metadata import GroupTransfer
 
-SHARDED_KINDS = ("attention",)
-REPLICATED_KINDS = ("mla",)
-STATE_KINDS = ("mamba",)  # one state block per object, one shard per TP rank
+SHARDED_KINDS = (kinds.ATTENTION,)
+REPLICATED_KINDS = kinds.REPLICATED
+STATE_KINDS = (kinds.MAMBA,)  # one state block per object, one shard per TP rank
 
 
 class RegistryError(ValueError):
@@ -43,7 +48,9 @@ class CacheGroup:
     """One KV cache group as the engine allocated it (per TP rank).
 
     ``block_size``: tokens per scheduler block. ``block_bytes``: bytes of one scheduler block of
-    one layer on one rank (all runs of the page). ``spec``: vLLM's spec class name, for messages.
+    one layer on one rank (all runs of the page). ``layer_bytes``: the same per layer when the
+    layers differ (e.g. an MLA latent and its indexer cache in one group), else empty; then
+    ``block_bytes`` is the largest. ``spec``: vLLM's spec class name, for messages.
     """
 
     index: int
@@ -53,6 +60,16 @@ class CacheGroup:
     block_bytes: int
     spec: str = ""
     state_mode: str = ""  # state groups: vLLM's mamba_cache_mode ("align" | "all")
+    layer_bytes: tuple[int, ...] = ()
+
+    def bytes_of(self, layer: int) -> int:
+        """Bytes of one block of layer ``layer`` (its index in the group)."""
+        return self.layer_bytes[layer] if self.layer_bytes else self.block_bytes
+
+    @property
+    def bytes_all_layers(self) -> int:
+        """Bytes of one block summed over the group's layers."""
+        return sum(self.layer_bytes) if self.layer_bytes else self.block_bytes * len(self.layer_names)
 
 
 @dataclass(frozen=True)
@@ -77,9 +94,9 @@ class GroupPlan:
 
     @property
     def shard_bytes(self) -> int:
-        """Bytes of one shard of one object: layers x blocks_per_object x block bytes
+        """Bytes of one shard of one object: blocks_per_object x the block bytes of every layer
         (layer-major)."""
-        return len(self.group.layer_names) * self.blocks_per_object * self.group.block_bytes
+        return self.blocks_per_object * self.group.bytes_all_layers
 
     @property
     def registered_bytes(self) -> int:
@@ -91,8 +108,13 @@ class GroupPlan:
     def object_offset(self, layer: int, block: int) -> int:
         """Bytes from the start of a shard's object to block ``block`` (its index in the object)
         of layer ``layer``: objects are layer-major, ``(layer * blocks_per_object + block) *
-        block_bytes``. The one home of the stored-object layout (loads, saves, fan-out, tests)."""
-        return (layer * self.blocks_per_object + block) * self.group.block_bytes
+        block_bytes`` (with per-layer sizes: the earlier layers' ``blocks_per_object *
+        bytes_of(l)``, then ``block * bytes_of(layer)``). The one home of the stored-object
+        layout (loads, saves, fan-out, tests)."""
+        g, k = self.group, self.blocks_per_object
+        if not g.layer_bytes:
+            return (layer * k + block) * g.block_bytes
+        return k * sum(g.layer_bytes[:layer]) + block * g.layer_bytes[layer]
 
     def card_offsets(self, tp_rank: int, transfers: Iterable[GroupTransfer],
                      layer: int = 0) -> list[int]:
@@ -168,22 +190,35 @@ def build_registry(
         raise RegistryError(f"tensor parallel size {tp_size}: expected >= 1")
     if not groups:
         raise RegistryError("the engine allocated no KV cache group: nothing to exchange")
-    plans = []
     for g in groups:
-        if g.kind in SHARDED_KINDS or g.kind in STATE_KINDS:
-            shards, writers = tp_size, tuple(range(tp_size))
-        elif g.kind in REPLICATED_KINDS:
-            shards, writers = 1, (0,)
-        else:
+        if g.kind not in SHARDED_KINDS + REPLICATED_KINDS + STATE_KINDS:
+            why = (" (a sliding window: vLLM frees the blocks that leave the window, so a "
+                   "stored chunk could not be restored whole)" if g.kind == kinds.SLIDING_WINDOW
+                   else "")
             raise RegistryError(
                 f"KV cache group {g.index} ({g.spec or g.kind}, layers {list(g.layer_names)[:4]}"
-                f"{'...' if len(g.layer_names) > 4 else ''}) has no writer: FusIOnXConnector "
-                "stores full-attention, MLA and Mamba/linear-attention state caches only, so "
-                "restoring the other groups would resume from a state nobody saved. This model "
-                "is not supported yet."
+                f"{'...' if len(g.layer_names) > 4 else ''}) has no writer{why}: "
+                "FusIOnXConnector stores full-attention, MLA (also compressed) and "
+                "Mamba/linear-attention state caches only, so restoring the other groups would "
+                "resume from a state nobody saved. This model is not supported yet."
             )
+    sizes = {g.block_size for g in groups}
+    if len(sizes) > 1:
+        raise RegistryError(f"KV cache groups with different block sizes {sorted(sizes)}")
+    plans = []
+    for g in groups:
+        if g.kind in REPLICATED_KINDS:
+            shards, writers = 1, (0,)
+        else:
+            shards, writers = tp_size, tuple(range(tp_size))
         if not g.layer_names:
             raise RegistryError(f"KV cache group {g.index} has no layers")
+        if g.layer_bytes and (len(g.layer_bytes) != len(g.layer_names)
+                              or min(g.layer_bytes) <= 0):
+            raise RegistryError(
+                f"KV cache group {g.index}: layer_bytes={list(g.layer_bytes)} for "
+                f"{len(g.layer_names)} layers: expected one positive size per layer"
+            )
         if g.block_size <= 0 or g.block_bytes <= 0:
             raise RegistryError(
                 f"KV cache group {g.index}: block_size={g.block_size} tokens, "

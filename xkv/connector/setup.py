@@ -53,9 +53,7 @@ def build(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Se
     cfg.check_fanout_groups(tp)
     groups = vllm_specs.state_groups(vllm_config, kv_cache_config,
                                      vllm_specs.cache_groups(kv_cache_config))
-    sizes = {g.block_size for g in groups}
-    if len(sizes) > 1:
-        raise ConfigError(f"xkv: KV cache groups with different block sizes {sorted(sizes)}")
+    # build_registry refuses groups of different block sizes (after naming unstorable kinds)
     chunk = cfg.resolve_chunk_size(groups[0].block_size if groups else 1)
     registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
                               slot_alignment=cfg.slot_alignment_bytes)

@@ -19,22 +19,20 @@ from typing import Any
 from xkv.connector.config import ConfigError
 from xkv.connector.registry import CacheGroup, state_group
 from xkv.connector.states import STATE_MODES
-from xkv.fanout import eligibility as el
 from xkv.fanout.eligibility import CacheFacts
+from xkv.layout import kinds
 
 
 def spec_kind(spec: Any) -> str:
-    """Our name for a KV cache spec: "attention" | "mla" | another (refused by the registry)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    t = type(spec)
-    if t is MLAAttentionSpec:
-        return "mla"
-    if t is FullAttentionSpec and getattr(spec, "attention_chunk_size", None) is None:
-        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
-        # blocks all exist, so its pages are complete and storable like any other.
-        return "attention"
-    return t.__name__
+    """The registry's kind of a group's KV cache spec (``xkv.layout.kinds``, the classification
+    fan-out uses too). A ``UniformTypeKVCacheSpecs`` group (layers of one type, different page
+    sizes) takes its layers' common kind when that is MLA or compressed MLA (a latent and its
+    indexer cache); any other such group stays refused (its state or sharding rules were never
+    checked per layer)."""
+    if not isinstance(getattr(spec, "kv_cache_specs", None), Mapping):
+        return kinds.classify(spec)
+    k = kinds.group_kind([kinds.classify(s) for s in _iter_layer_specs(spec)])
+    return k if k in kinds.REPLICATED else kinds.OTHER
 
 
 def block_bytes(spec: Any) -> int:
@@ -53,14 +51,23 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
         if not getattr(g, "enable_kv_transfer", True):
             continue
         spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: per layer
+        if isinstance(inner, Mapping) and inner:
+            sizes = tuple(block_bytes(inner[n]) for n in g.layer_names)
+            layer_bytes = sizes if len(set(sizes)) > 1 else ()  # an MLA latent + its indexer
+            one, first = max(sizes), inner[g.layer_names[0]]
+        else:
+            layer_bytes, one, first = (), block_bytes(spec), spec
         out.append(
             CacheGroup(
                 index=i,
                 kind=spec_kind(spec),
                 layer_names=tuple(g.layer_names),
                 block_size=int(spec.block_size),
-                block_bytes=block_bytes(spec),
-                spec=type(spec).__name__,
+                block_bytes=one,
+                spec=type(spec).__name__ if first is spec
+                else f"{type(spec).__name__} of {type(first).__name__}",
+                layer_bytes=layer_bytes,
             )
         )
     return out
@@ -154,20 +161,9 @@ def state_fields(kv_cache_config: Any, plan: Any) -> dict[str, Any]:
 
 
 def fanout_spec_kind(spec: Any) -> str:
-    """Kind of one per-layer vLLM cache spec for fan-out (``xkv.fanout.eligibility.SPEC_*``), by
-    class name and fields."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    if "MambaSpec" in names:
-        return el.SPEC_MAMBA
-    if names[0] == "MLAAttentionSpec":
-        if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "model_version", None) == "deepseek_v4":
-            return el.SPEC_MLA_OTHER
-        return el.SPEC_MLA
-    if "MLAAttentionSpec" in names or "SlidingWindowMLASpec" in names:
-        return el.SPEC_MLA_OTHER
-    if "AttentionSpec" in names:
-        return el.SPEC_ATTENTION
-    return el.SPEC_OTHER
+    """Kind of one per-layer vLLM cache spec for fan-out: the registry's classification
+    (``xkv.layout.kinds.classify``; fan-out takes ``kinds.FANOUT`` only)."""
+    return kinds.classify(spec)
 
 
 def _iter_layer_specs(group_spec: Any) -> Iterable[Any]:

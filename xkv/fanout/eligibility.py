@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from xkv.fanout.config import FanoutConfig
+from xkv.layout import kinds
 
 logger = logging.getLogger("xkv.fanout")
 
@@ -57,12 +58,14 @@ class Decision:
         return f"{text} ({self.detail})" if self.detail else text
 
 
-#: what one transferable per-layer cache spec is, for fan-out purposes
-SPEC_MLA = "mla"  # MLAAttentionSpec, one token per state, not DeepSeek-V4: identical on all ranks
-SPEC_MLA_OTHER = "mla_other"  # DeepSeek-V4 compressed / sliding-window MLA specs
-SPEC_ATTENTION = "attention"
-SPEC_MAMBA = "mamba"
-SPEC_OTHER = "other"
+#: what one transferable per-layer cache spec is: the connector registry's classification
+#: (``xkv.layout.kinds.classify``); fan-out restores ``kinds.FANOUT`` (a plain MLA latent) only
+SPEC_MLA = kinds.MLA  # MLAAttentionSpec, one token per state, not DeepSeek-V4: identical on all ranks
+SPEC_MLA_COMPRESSED = kinds.MLA_COMPRESSED  # DeepSeek-V4 C4/C128 latent and indexer
+SPEC_SLIDING_WINDOW = kinds.SLIDING_WINDOW  # DeepSeek-V4 SWA and compressor-state caches
+SPEC_ATTENTION = kinds.ATTENTION
+SPEC_MAMBA = kinds.MAMBA
+SPEC_OTHER = kinds.OTHER
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def decide(config: FanoutConfig, facts: CacheFacts) -> Decision:
         return Decision(False, Reason.NOT_MLA)
     if facts.block_outermost:
         return Decision(False, Reason.BLOCK_OUTERMOST)
-    bad = sorted({k for k in facts.spec_kinds if k != SPEC_MLA})
+    bad = sorted({k for k in facts.spec_kinds if k not in kinds.FANOUT})
     if bad or not facts.spec_kinds:
         return Decision(False, Reason.NOT_REPLICATED, f"spec kinds {bad or 'none'}")
     if not facts.layers_contiguous:

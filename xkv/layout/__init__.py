@@ -21,8 +21,12 @@ Forms understood (the first dim of size ``num_blocks * kernel_block_ratio`` is t
 
 A tensor whose pages are not what the description says raises :class:`LayoutError` naming its shape,
 strides, dtype and layout. No vLLM import here: layouts are recognised from strides.
+
+:mod:`xkv.layout.kinds` classifies a per-layer KV cache spec (attention, MLA, compressed MLA,
+sliding window, Mamba, other) for both the connector's registry and ``xkv.fanout``.
 """
 
+from xkv.layout import kinds
 from xkv.layout.describe import KV_CACHE_LAYOUTS, describe_cache
 from xkv.layout.pool import LayoutError, PagePool
 from xkv.layout.runs import contiguous_runs
@@ -33,4 +37,5 @@ __all__ = [
     "PagePool",
     "contiguous_runs",
     "describe_cache",
+    "kinds",
 ]

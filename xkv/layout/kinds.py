@@ -1,0 +1,71 @@
+"""What one per-layer KV cache spec is: the single classification the connector's registry and
+``xkv.fanout``'s eligibility both use (``connector -> fanout -> kernels -> layout``: this is the
+lowest layer both may import).
+
+Specs are read duck-typed (class names along the MRO and a few fields), never by importing vLLM
+and never by model name:
+
+* ``attention`` — exactly ``FullAttentionSpec`` without chunked-local attention: K/V per token,
+  heads split by tensor parallelism (one shard per rank);
+* ``mla`` — exactly ``MLAAttentionSpec``, one state per token, not DeepSeek-V4: one latent
+  replicated on every rank (DeepSeek-V2/V3, Kimi, and the DSA indexer cache of DeepSeek-V3.2 /
+  GLM-5.x, also an ``MLAAttentionSpec``);
+* ``mla_compressed`` — ``MLAAttentionSpec`` with ``tokens_per_state > 1`` or
+  ``model_version == "deepseek_v4"`` (DeepSeek-V4's C4/C128 latent and its indexer): still
+  replicated (one latent per state, ``max_tp_shards`` 1) and complete once the block's tokens
+  are computed, so its pages are stored like MLA pages, but a block holds
+  ``block_size / tokens_per_state`` states: fan-out does not take it;
+* ``sliding_window`` — ``SlidingWindowSpec`` / ``SlidingWindowMLASpec`` (DeepSeek-V4's SWA and
+  compressor-state caches, SWA layers under the hybrid allocator): vLLM frees the blocks that
+  leave the window, so a chunk's blocks do not all exist when it is restored;
+* ``mamba`` — a ``MambaSpec`` (recurrent states; one state per block in ``align`` mode);
+* ``other`` — anything else (chunked-local, cross-attention, encoder-only, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ATTENTION = "attention"
+MLA = "mla"
+MLA_COMPRESSED = "mla_compressed"
+SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"
+OTHER = "other"
+
+KINDS = (ATTENTION, MLA, MLA_COMPRESSED, SLIDING_WINDOW, MAMBA, OTHER)
+#: one latent per state, identical on every TP rank: one shard, written once, read by all
+REPLICATED = (MLA, MLA_COMPRESSED)
+#: what NVLink fan-out may restore (a plain per-token latent)
+FANOUT = (MLA,)
+
+
+def classify(spec: Any) -> str:
+    """The kind (one of :data:`KINDS`) of one per-layer vLLM KV cache spec."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    if "MambaSpec" in names:
+        return MAMBA
+    if "SlidingWindowSpec" in names or "SlidingWindowMLASpec" in names:
+        return SLIDING_WINDOW
+    if names[0] == "MLAAttentionSpec":
+        tps = getattr(spec, "tokens_per_state", 1)
+        if (isinstance(tps, int) and tps != 1) or getattr(spec, "model_version", None) == "deepseek_v4":
+            return MLA_COMPRESSED
+        return MLA
+    if names[0] == "FullAttentionSpec" and getattr(spec, "attention_chunk_size", None) is None:
+        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
+        # blocks all exist, so its pages are complete and storable like any other.
+        return ATTENTION
+    return OTHER
+
+
+def group_kind(kinds: list[str]) -> str:
+    """The kind of a cache group from its layers' kinds: their common kind; ``mla`` and
+    ``mla_compressed`` together are ``mla_compressed`` (both replicated); any other mix is
+    ``other`` (no single sharding rule)."""
+    s = set(kinds)
+    if len(s) == 1:
+        return kinds[0]
+    if s == {MLA, MLA_COMPRESSED}:
+        return MLA_COMPRESSED
+    return OTHER
