@@ -245,7 +245,7 @@ class Saver:
                                    offs[layer])
         self._saved.setdefault(g, set()).add(layer)
         self._unflushed = meta
-        self.stats.add("bytes_saved", len(blocks) * plan.group.block_bytes)
+        self.stats.add("bytes_saved", len(blocks) * plan.group.bytes_of(layer))
         self.stats.add("seconds_saved", time.perf_counter() - t0)
 
     def wait_for_save(self) -> None:

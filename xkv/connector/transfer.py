@@ -101,6 +101,32 @@ def layer_offsets(plan, base: torch.Tensor) -> torch.Tensor:
     return base.reshape(1, -1) + starts.reshape(-1, 1)
 
 
+class _BySize:
+    """A group's prepared copies when its layers differ in page size (an MLA latent and its
+    indexer cache): the kernels prepare layers of one block size together, so one prepared step
+    per size; ``launch(l)`` takes the group's layer index as a single step's would."""
+
+    def __init__(self, parts: list[tuple[list[int], object]]) -> None:
+        self._where = {i: (prep, j) for idx, prep in parts for j, i in enumerate(idx)}
+
+    def launch(self, layer: int) -> None:
+        prep, j = self._where[layer]
+        prep.launch(j)
+
+
+def _prepare(make, pools, offsets: torch.Tensor):
+    """``make(pools, offsets)`` for the whole group, or per page size (:class:`_BySize`); the
+    common case (one size) is the kernels' own prepared step, unchanged."""
+    sizes = sorted({p.block_bytes for p in pools})
+    if len(sizes) <= 1:
+        return make(pools, offsets)
+    parts = []
+    for size in sizes:
+        idx = [i for i, p in enumerate(pools) if p.block_bytes == size]
+        parts.append((idx, make([pools[i] for i in idx], offsets[idx])))
+    return _BySize(parts)
+
+
 def _verifier(verify: bool) -> PageVerifier | None:
     return PageVerifier() if verify else None
 
@@ -122,7 +148,8 @@ class SyncTransferHandler:
             for i, pool in enumerate(pools):
                 self.verifier.poison(pool, block_ids)
                 self.verifier.record("restore", card, offsets[i], pool, block_ids)
-        prep = kernels.prepare_restore(card, offsets, pools, block_ids)
+        prep = _prepare(lambda ps, offs: kernels.prepare_restore(card, offs, ps, block_ids),
+                        pools, offsets)
         for i in range(len(pools)):
             prep.launch(i)
         self._pending.update(names)
@@ -146,7 +173,8 @@ class SyncTransferHandler:
 
     def prepare_saves(self, pools, block_ids, card, offsets):
         """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host)."""
-        return kernels.prepare_save(pools, block_ids, card, offsets)
+        return _prepare(lambda ps, offs: kernels.prepare_save(ps, block_ids, card, offs),
+                        pools, offsets)
 
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
         """Layer ``layer`` of ``prep`` (its pool ``pool``, card offsets ``offsets`` [n])."""
@@ -213,7 +241,8 @@ class CudaTransferHandler:
                 for i, pool in enumerate(pools):
                     self.verifier.poison(pool, block_ids)
                     self.verifier.record("restore", card, offsets[i], pool, block_ids)
-            prep = kernels.prepare_restore(card, offsets, pools, block_ids, engine=self.load_engine)
+            prep = _prepare(lambda ps, offs: kernels.prepare_restore(
+                card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
             for i, name in enumerate(names):
                 prep.launch(i)
                 ev = torch.cuda.Event()
@@ -222,7 +251,7 @@ class CudaTransferHandler:
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         if self._t:
             self._t[2] = time.perf_counter()
-            self._t[3] += int(block_ids.numel()) * prep.block_bytes * len(pools)
+            self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
 
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
@@ -262,7 +291,8 @@ class CudaTransferHandler:
         """A group's saves for one step (``offsets`` int64 ``[L, n]``, host): validated once,
         tables uploaded once on the save stream, where every :meth:`save_prepared` launches."""
         with torch.cuda.stream(self.save_stream):
-            return kernels.prepare_save(pools, block_ids, card, offsets, engine=self.save_engine)
+            return _prepare(lambda ps, offs: kernels.prepare_save(
+                ps, block_ids, card, offs, engine=self.save_engine), pools, offsets)
 
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
         """Save layer ``layer`` of ``prep``: the save stream waits for the compute stream (the

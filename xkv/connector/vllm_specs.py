@@ -27,12 +27,13 @@ def spec_kind(spec: Any) -> str:
     """The registry's kind of a group's KV cache spec (``xkv.layout.kinds``, the classification
     fan-out uses too). A ``UniformTypeKVCacheSpecs`` group (layers of one type, different page
     sizes) takes its layers' common kind when that is MLA or compressed MLA (a latent and its
-    indexer cache); any other such group stays refused (its state or sharding rules were never
-    checked per layer)."""
+    indexer cache), or a sliding window (refused, with that reason); an attention or Mamba such
+    group stays ``other`` and refused (its sharding or state rules were never checked per
+    layer)."""
     if not isinstance(getattr(spec, "kv_cache_specs", None), Mapping):
         return kinds.classify(spec)
     k = kinds.group_kind([kinds.classify(s) for s in _iter_layer_specs(spec)])
-    return k if k in kinds.REPLICATED else kinds.OTHER
+    return k if k in (*kinds.REPLICATED, kinds.SLIDING_WINDOW) else kinds.OTHER
 
 
 def block_bytes(spec: Any) -> int:

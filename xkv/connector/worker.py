@@ -38,12 +38,17 @@ from xkv.connector.saves import Saver
 from xkv.connector.session import GatewaySession, LayoutSpec
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler, layer_offsets
-from xkv.layout import PagePool, describe_cache
+from xkv.layout import PagePool, describe_cache, kinds
 
 log = logging.getLogger("xkv.connector")
 
 TURNED_OFF_LINE = "External KV cache turned off on this rank"
 REATTACHED_LINE = "External KV cache re-attached on this rank"
+
+
+def _pool_kind(kind: str) -> str | None:
+    """The label a registry kind gives its page pools (messages only)."""
+    return "mla" if kind in kinds.REPLICATED else kind
 
 
 def _register_card(card: torch.Tensor) -> torch.Tensor:
@@ -153,14 +158,14 @@ class WorkerSide:
         if missing:
             raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
         for plan in self.registry.groups:
-            for name in plan.group.layer_names:
+            for i, name in enumerate(plan.group.layer_names):
                 # layout: the name vLLM resolved; describe_cache checks the strides against it.
                 pool = describe_cache(kv_caches[name], num_blocks=num_blocks, layout=layout,
-                                      kind=plan.group.kind)
-                if pool.block_bytes != plan.group.block_bytes:
+                                      kind=_pool_kind(plan.group.kind))
+                if pool.block_bytes != plan.group.bytes_of(i):
                     raise ValueError(
                         f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
-                        f"{plan.group.block_bytes} expected from the KV cache spec"
+                        f"{plan.group.bytes_of(i)} expected from the KV cache spec"
                     )
                 self.pools[name] = pool
         self.layer_pos = expected
@@ -269,7 +274,7 @@ class WorkerSide:
                 for name in bulk:
                     self.handler.wait_layer(name)
                 self._check_fences = self._check_fences or len(bulk) < len(names)
-            nbytes = len(blocks) * plan.group.block_bytes * len(plan.group.layer_names)
+            nbytes = len(blocks) * plan.group.bytes_all_layers
             self.stats.add("bytes_restored", nbytes)
             self.stats.add("blocks_restored", len(blocks))
         self._t_load = time.perf_counter() - t0

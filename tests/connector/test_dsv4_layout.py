@@ -1,0 +1,220 @@
+"""DeepSeek-V4's compressed MLA caches on the installed vLLM's own grouping and allocation.
+
+DeepSeek-V4 layers keep a compressed latent (``MLAAttentionSpec``, ``tokens_per_state`` 4 or 128,
+``model_version="deepseek_v4"``) and, on C4 layers, an indexer cache (``tokens_per_state`` 4);
+vLLM packs them block-outermost (``BLNHC``: every layer's page of one block side by side inside
+the block) in one ``UniformTypeKVCacheSpecs`` group of mixed page sizes. Specs as
+``vllm/models/deepseek_v4/attention.py`` builds them (bf16 latent, head 512; indexer head 132,
+uint8), grouped by ``get_kv_cache_groups`` and allocated by ``allocate_kv_cache``.
+
+Checked: one classification (``xkv.layout.kinds``) for registry and fan-out; the group registers
+(replicated, per-layer page sizes); a save then a restore into a fresh poisoned allocation is
+byte-exact for every layer and block, and no byte outside the restored pages changes (padding
+and the other layers of a packed block); fan-out declines with one warning; the whole model,
+with its sliding-window caches, is refused at start naming them.
+"""
+
+import logging
+
+import pytest
+import torch
+from connector_fakes import FakeGateway, Warnings
+
+from xkv.connector.config import ConnectorConfig
+from xkv.connector.registry import RegistryError, build_registry
+from xkv.connector.scheduler import SchedulerSide
+from xkv.connector.worker import WorkerSide
+from xkv.layout import kinds
+
+pytestmark = pytest.mark.vllm
+
+pytest.importorskip("vllm")
+kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+if not hasattr(kvi, "SlidingWindowMLASpec") or "model_version" not in getattr(
+        kvi.MLAAttentionSpec, "__dataclass_fields__", {}):
+    pytest.skip("this vLLM has no DeepSeek-V4 cache specs", allow_module_level=True)
+
+from xkv.connector import vllm_specs  # noqa: E402
+
+BS, POISON = 256, 0xA5
+RATIOS = (4, 128, 4, 128)
+
+
+def _vllm_config():
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+
+    cc = CacheConfig(block_size=BS)
+    cc.kv_cache_layout = "BLNHC"
+    vc = VllmConfig(cache_config=cc, device_config=DeviceConfig("cpu"))
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # DeepSeek-V4 runs with HMA
+    return vc
+
+
+def _specs(with_windows=False):
+    M, W = kvi.MLAAttentionSpec, kvi.SlidingWindowMLASpec
+    out = {}
+    for i, r in enumerate(RATIOS):
+        if with_windows:
+            out[f"l{i}.swa"] = W(block_size=64, num_kv_heads=1, head_size=512,
+                                 dtype=torch.bfloat16, sliding_window=128, alignment=512,
+                                 model_version="deepseek_v4")
+        out[f"l{i}.attn"] = M(block_size=BS, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+                              tokens_per_state=r, alignment=512, model_version="deepseek_v4")
+        if r == 4:
+            out[f"l{i}.indexer"] = M(block_size=BS, num_kv_heads=1, head_size=132,
+                                     dtype=torch.uint8, tokens_per_state=4, alignment=512)
+    return out
+
+
+def _kv_cache_config(vc, specs):
+    try:
+        from vllm.v1.core import kv_cache_planning as P
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils as P
+    groups = P.get_kv_cache_groups(vc, specs)
+    kvc = P.get_kv_cache_config_from_groups(vc, groups, 8 << 20)
+    kvc.kv_cache_layout = "BLNHC"
+    return kvc
+
+
+def _allocate(kvc):
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    t = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout["BLNHC"], [BS])
+    buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(t.values())).untyped_storage())
+    return t, buf
+
+
+def _bytes(t):
+    """A block's page as bytes (random bytes are NaNs in bf16: compare bits, not values)."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class Req:
+    def __init__(self, rid, nblocks):
+        self.request_id = rid
+        self.num_tokens = self.num_prompt_tokens = nblocks * BS
+        self.block_hashes = [bytes([4, i]) * 16 for i in range(nblocks)]
+        self.kv_transfer_params = self.cache_salt = None
+
+
+class New:
+    def __init__(self, rid, ids, computed):
+        self.req_id, self.block_ids, self.num_computed_tokens = rid, (ids,), computed
+
+
+class SO:
+    def __init__(self, new, sched):
+        self.scheduled_new_reqs, self.num_scheduled_tokens = new, sched
+
+        class C:
+            req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
+
+        self.scheduled_cached_reqs = C
+
+
+def _sides(reg, gw, kv, num_blocks):
+    cfg = ConnectorConfig.from_extra({"chunk_size": BS})
+    s = SchedulerSide(cfg, reg, ["fp-dsv4"], hash_block_size=BS, world_size=1,
+                      gateway_factory=gw.client)
+    w = WorkerSide(reg, ["fp-dsv4"], namespace="default", tp_rank=0, gateway_factory=gw.client)
+    # DeepSeek-V4's attention class never calls the per-layer hooks: every layer is bulk
+    w.register_kv_caches(kv, num_blocks=num_blocks, layout="BLNHC",
+                         hooks={n: (False, "DeepseekV4FlashMLAAttention") for n in kv})
+    return s, w
+
+
+def test_one_classification_for_registry_and_fanout():
+    vc = _vllm_config()
+    kvc = _kv_cache_config(vc, _specs())
+    (g,) = vllm_specs.cache_groups(kvc)
+    inner = kvc.kv_cache_groups[0].kv_cache_spec.kv_cache_specs
+    assert g.kind == kinds.MLA_COMPRESSED
+    assert {vllm_specs.fanout_spec_kind(s) for s in inner.values()} == {kinds.MLA_COMPRESSED}
+    assert {kinds.classify(s) for s in inner.values()} == {kinds.MLA_COMPRESSED}
+    # per-layer page sizes: latent C4 64 states x 1024 B, C128 2 states, indexer 64 x 132 B
+    want = {"l0.attn": 65536, "l1.attn": 2048, "l0.indexer": 8448}
+    for name, size in want.items():
+        assert g.bytes_of(g.layer_names.index(name)) == size
+    reg = build_registry([g], tp_size=2, pp_size=1, chunk_size=BS)
+    (plan,) = reg.groups
+    assert plan.num_shards == 1 and plan.writer_ranks == (0,) and plan.reader_ranks == (0, 1)
+    assert plan.shard_bytes == sum(want.get(n, 0) or g.bytes_of(i)
+                                   for i, n in enumerate(g.layer_names))
+    offs = [plan.object_offset(i, 0) for i in range(len(g.layer_names))]
+    assert offs == sorted(offs) and offs[0] == 0 and offs[-1] + g.bytes_of(5) == plan.shard_bytes
+
+
+def test_save_then_restore_is_byte_exact_and_touches_nothing_else():
+    vc = _vllm_config()
+    kvc = _kv_cache_config(vc, _specs())
+    reg = build_registry(vllm_specs.cache_groups(kvc), tp_size=1, pp_size=1, chunk_size=BS)
+    gw = FakeGateway(capacity=1 << 24)
+    src, sbuf = _allocate(kvc)
+    g = torch.Generator().manual_seed(3)
+    sbuf.copy_(torch.randint(0, 256, sbuf.shape, dtype=torch.uint8, generator=g))
+    s1, w1 = _sides(reg, gw, src, kvc.num_blocks)
+    ids = [5, 9, 2, 7]  # 4 full blocks, one chunk each
+    req = Req("a", 4)
+    assert s1.get_num_new_matched_tokens(req, 0) == 0
+    s1.update_state_after_alloc(req, [ids], 0)
+    w1.bind(s1.build_connector_meta(SO([New("a", ids, 0)], {"a": 4 * BS})))
+    w1.start_load_kv()
+    w1.wait_for_save()  # no save_kv_layer: every layer is saved here, after the forward
+    w1.get_finished()
+    w1.clear()
+    assert len(gw.committed(1)) == 4
+
+    dst, dbuf = _allocate(kvc)
+    dbuf.fill_(POISON)
+    s2, w2 = _sides(reg, gw, dst, kvc.num_blocks)
+    req2 = Req("b", 4)  # vLLM computes at least the last token: 3 blocks restored
+    assert s2.get_num_new_matched_tokens(req2, 0) == 3 * BS
+    ids2 = [11, 3, 40, 17]
+    s2.update_state_after_alloc(req2, [ids2], 3 * BS)
+    w2.bind(s2.build_connector_meta(SO([New("b", ids2, 3 * BS)], {"b": BS})))
+    w2.start_load_kv()  # bulk: every layer landed before the forward
+    w2.wait_for_save()
+    w2.get_finished()
+    assert not w2.take_load_errors()
+    restored = torch.zeros_like(dbuf, dtype=torch.bool)
+    for name, t in dst.items():
+        for i in range(3):
+            assert torch.equal(_bytes(dst[name][ids2[i]]), _bytes(src[name][ids[i]])), (name, i)
+            v = t[ids2[i]]
+            o, n = v.storage_offset() * v.element_size(), v.numel() * v.element_size()
+            restored[o:o + n] = True
+    assert (dbuf[~restored] == POISON).all()  # padding, other blocks, the 4th block untouched
+
+
+def test_fanout_declines_once():
+    from xkv.fanout import eligibility as el
+    from xkv.fanout.config import FanoutConfig
+
+    vc = _vllm_config()
+    vc.model_config = type("MC", (), {"use_mla": True, "is_hybrid": False})()
+    vc.parallel_config.tensor_parallel_size = 8
+    kvc = _kv_cache_config(_vllm_config(), _specs())
+    facts = vllm_specs.fanout_facts(vc, kvc, cuda=True, layerwise_hook=False)
+    assert facts.block_outermost and set(facts.spec_kinds) == {kinds.MLA_COMPRESSED}
+    d = el.decide(FanoutConfig(enabled=True), facts)
+    assert not d.on and d.reason is el.Reason.BLOCK_OUTERMOST
+    el._reset_report_for_tests()
+    with Warnings() as _w:
+        logging.getLogger("xkv.fanout").addHandler(_w)
+        try:
+            assert el.report(d) and not el.report(d)
+        finally:
+            logging.getLogger("xkv.fanout").removeHandler(_w)
+    assert _w.count("NVLink fan-out off: block-outermost") == 1
+    el._reset_report_for_tests()
+
+
+def test_sliding_window_caches_are_refused_at_start_naming_them():
+    vc = _vllm_config()
+    kvc = _kv_cache_config(vc, _specs(with_windows=True))
+    groups = vllm_specs.cache_groups(kvc)
+    assert {g.kind for g in groups} == {kinds.MLA_COMPRESSED, kinds.SLIDING_WINDOW}
+    with pytest.raises(RegistryError, match="SlidingWindowMLASpec.*sliding window"):
+        build_registry(groups, tp_size=1, pp_size=1, chunk_size=BS)
