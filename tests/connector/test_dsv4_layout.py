@@ -7,6 +7,9 @@ the block) in one ``UniformTypeKVCacheSpecs`` group of mixed page sizes. Specs a
 ``vllm/models/deepseek_v4/attention.py`` builds them (bf16 latent, head 512; indexer head 132,
 uint8), grouped by ``get_kv_cache_groups`` and allocated by ``allocate_kv_cache``.
 
+The same save/restore also runs on a GLM-5.x / DeepSeek-V3.2 (DSA) group: a 576-wide latent and a
+132-byte indexer cache per layer, layer-outermost, one group of mixed page sizes.
+
 Checked: one classification (``xkv.layout.kinds``) for registry and fan-out; the group registers
 (replicated, per-layer page sizes); a save then a restore into a fresh poisoned allocation is
 byte-exact for every layer and block, and no byte outside the restored pages changes (padding
@@ -40,11 +43,11 @@ BS, POISON = 256, 0xA5
 RATIOS = (4, 128, 4, 128)
 
 
-def _vllm_config():
+def _vllm_config(layout="BLNHC", bs=BS):
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
-    cc = CacheConfig(block_size=BS)
-    cc.kv_cache_layout = "BLNHC"
+    cc = CacheConfig(block_size=bs)
+    cc.kv_cache_layout = layout
     vc = VllmConfig(cache_config=cc, device_config=DeviceConfig("cpu"))
     vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # DeepSeek-V4 runs with HMA
     return vc
@@ -66,22 +69,38 @@ def _specs(with_windows=False):
     return out
 
 
-def _kv_cache_config(vc, specs):
+def _glm5_specs():
+    """GLM-5.x / DeepSeek-V3.2 (DSA): per layer a 576-wide bf16 latent and a 132-byte uint8
+    indexer cache, both plain ``MLAAttentionSpec`` (block 64): one group, mixed page sizes,
+    layer-outermost."""
+    M = kvi.MLAAttentionSpec
+    out = {}
+    for i in range(2):
+        out[f"l{i}.attn"] = M(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        out[f"l{i}.indexer"] = M(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+    return out
+
+
+CASES = {"dsv4": (_specs, "BLNHC", BS, kinds.MLA_COMPRESSED),
+         "glm5": (_glm5_specs, "LBNHC", 64, kinds.MLA)}
+
+
+def _kv_cache_config(vc, specs, layout="BLNHC"):
     try:
         from vllm.v1.core import kv_cache_planning as P
     except ImportError:
         from vllm.v1.core import kv_cache_utils as P
     groups = P.get_kv_cache_groups(vc, specs)
     kvc = P.get_kv_cache_config_from_groups(vc, groups, 8 << 20)
-    kvc.kv_cache_layout = "BLNHC"
+    kvc.kv_cache_layout = layout
     return kvc
 
 
-def _allocate(kvc):
+def _allocate(kvc, layout="BLNHC", bs=BS):
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    t = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout["BLNHC"], [BS])
+    t = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[layout], [bs])
     buf = torch.empty(0, dtype=torch.uint8).set_(next(iter(t.values())).untyped_storage())
     return t, buf
 
@@ -92,9 +111,9 @@ def _bytes(t):
 
 
 class Req:
-    def __init__(self, rid, nblocks):
+    def __init__(self, rid, nblocks, bs=BS):
         self.request_id = rid
-        self.num_tokens = self.num_prompt_tokens = nblocks * BS
+        self.num_tokens = self.num_prompt_tokens = nblocks * bs
         self.block_hashes = [bytes([4, i]) * 16 for i in range(nblocks)]
         self.kv_transfer_params = self.cache_salt = None
 
@@ -114,13 +133,13 @@ class SO:
         self.scheduled_cached_reqs = C
 
 
-def _sides(reg, gw, kv, num_blocks):
-    cfg = ConnectorConfig.from_extra({"chunk_size": BS})
-    s = SchedulerSide(cfg, reg, ["fp-dsv4"], hash_block_size=BS, world_size=1,
+def _sides(reg, gw, kv, num_blocks, layout="BLNHC", bs=BS):
+    cfg = ConnectorConfig.from_extra({"chunk_size": bs})
+    s = SchedulerSide(cfg, reg, ["fp-dsv4"], hash_block_size=bs, world_size=1,
                       gateway_factory=gw.client)
     w = WorkerSide(reg, ["fp-dsv4"], namespace="default", tp_rank=0, gateway_factory=gw.client)
-    # DeepSeek-V4's attention class never calls the per-layer hooks: every layer is bulk
-    w.register_kv_caches(kv, num_blocks=num_blocks, layout="BLNHC",
+    # DeepSeek-V4's and DSA's attention classes never call the per-layer hooks: all bulk
+    w.register_kv_caches(kv, num_blocks=num_blocks, layout=layout,
                          hooks={n: (False, "DeepseekV4FlashMLAAttention") for n in kv})
     return s, w
 
@@ -146,34 +165,38 @@ def test_one_classification_for_registry_and_fanout():
     assert offs == sorted(offs) and offs[0] == 0 and offs[-1] + g.bytes_of(5) == plan.shard_bytes
 
 
-def test_save_then_restore_is_byte_exact_and_touches_nothing_else():
-    vc = _vllm_config()
-    kvc = _kv_cache_config(vc, _specs())
-    reg = build_registry(vllm_specs.cache_groups(kvc), tp_size=1, pp_size=1, chunk_size=BS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_save_then_restore_is_byte_exact_and_touches_nothing_else(case):
+    make, layout, bs, kind = CASES[case]
+    vc = _vllm_config(layout, bs)
+    kvc = _kv_cache_config(vc, make(), layout)
+    groups = vllm_specs.cache_groups(kvc)
+    assert [g.kind for g in groups] == [kind] and groups[0].layer_bytes
+    reg = build_registry(groups, tp_size=1, pp_size=1, chunk_size=bs)
     gw = FakeGateway(capacity=1 << 24)
-    src, sbuf = _allocate(kvc)
+    src, sbuf = _allocate(kvc, layout, bs)
     g = torch.Generator().manual_seed(3)
     sbuf.copy_(torch.randint(0, 256, sbuf.shape, dtype=torch.uint8, generator=g))
-    s1, w1 = _sides(reg, gw, src, kvc.num_blocks)
+    s1, w1 = _sides(reg, gw, src, kvc.num_blocks, layout, bs)
     ids = [5, 9, 2, 7]  # 4 full blocks, one chunk each
-    req = Req("a", 4)
+    req = Req("a", 4, bs)
     assert s1.get_num_new_matched_tokens(req, 0) == 0
     s1.update_state_after_alloc(req, [ids], 0)
-    w1.bind(s1.build_connector_meta(SO([New("a", ids, 0)], {"a": 4 * BS})))
+    w1.bind(s1.build_connector_meta(SO([New("a", ids, 0)], {"a": 4 * bs})))
     w1.start_load_kv()
     w1.wait_for_save()  # no save_kv_layer: every layer is saved here, after the forward
     w1.get_finished()
     w1.clear()
     assert len(gw.committed(1)) == 4
 
-    dst, dbuf = _allocate(kvc)
+    dst, dbuf = _allocate(kvc, layout, bs)
     dbuf.fill_(POISON)
-    s2, w2 = _sides(reg, gw, dst, kvc.num_blocks)
-    req2 = Req("b", 4)  # vLLM computes at least the last token: 3 blocks restored
-    assert s2.get_num_new_matched_tokens(req2, 0) == 3 * BS
+    s2, w2 = _sides(reg, gw, dst, kvc.num_blocks, layout, bs)
+    req2 = Req("b", 4, bs)  # vLLM computes at least the last token: 3 blocks restored
+    assert s2.get_num_new_matched_tokens(req2, 0) == 3 * bs
     ids2 = [11, 3, 40, 17]
-    s2.update_state_after_alloc(req2, [ids2], 3 * BS)
-    w2.bind(s2.build_connector_meta(SO([New("b", ids2, 3 * BS)], {"b": BS})))
+    s2.update_state_after_alloc(req2, [ids2], 3 * bs)
+    w2.bind(s2.build_connector_meta(SO([New("b", ids2, 3 * bs)], {"b": bs})))
     w2.start_load_kv()  # bulk: every layer landed before the forward
     w2.wait_for_save()
     w2.get_finished()
