@@ -7,6 +7,10 @@ Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
 layer, so a layer's attention waits for its own pages only) and a save stream ordered after the
 layer's compute. Both have the same methods; the worker never touches streams itself.
+``pending_layers`` (layers whose per-layer fence no ``wait_layer`` consumed this step) and
+``fence_loads`` (whatever runs next waits for every load) serve the worker's safety net for a
+``wait_for_layer_load`` that never came (``xkv.connector.fences``). A group whose layers differ
+in page size is prepared per size (the kernels take layers of one block size together).
 
 Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` int64 [L, n] byte
 offsets into it (host; row ``l`` for layer ``l``, see :func:`layer_offsets`); ``pools`` the
