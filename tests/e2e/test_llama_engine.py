@@ -68,5 +68,8 @@ def test_store_restore_partial_batch_optout(models, gateway):
     assert "External prefix cache hit rate:" in log
     assert "KV Transfer metrics:" in log and "bytes_restored=" in log
     assert "turned off" not in log
+    # Attention calls the per-layer hooks: per-layer fences, nothing saved in bulk
+    assert "do not call vLLM's per-layer KV hooks" not in log
+    assert "did not call wait_for_layer_load" not in log and "did not call save_kv_layer" not in log
     # every lease was released once the workers finished loading (or the request ended)
     assert all(r["gw_after"]["leases"] == 0 for r in res["runs"])

@@ -34,3 +34,6 @@ def test_mla_store_restore(models, gateway):
     assert res["loads_equal"] == res["loads_checked"]
     assert res["saves_checked"] > 0 and res["saves_equal"] == res["saves_checked"]
     assert "KV cache registry: 2 cache(s) in 1 group(s); writers: g0[mla]=" in log
+    # MLAAttention calls the per-layer hooks: its restores keep per-layer fences (no bulk)
+    assert "do not call vLLM's per-layer KV hooks" not in log
+    assert "did not call wait_for_layer_load" not in log and "did not call save_kv_layer" not in log
