@@ -388,6 +388,9 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         "spec": plan.group.spec,
         "layers": list(plan.group.layer_names),
         "block_bytes": plan.group.block_bytes,
+        # a group of mixed page sizes (MLA latent + indexer): every layer's size (absent for
+        # uniform groups, so their fingerprints are unchanged)
+        **({"layer_bytes": list(plan.group.layer_bytes)} if plan.group.layer_bytes else {}),
         "kv_layout": kv_cache_layout(vllm_config, kv_cache_config),
         # How vLLM builds the tensors it registers (backend shapes vs generic views): a layout
         # name means the same bytes only within one family.
