@@ -277,8 +277,10 @@ def _transfers_kv(fn: Any) -> bool:
     """``fn`` (a vLLM attention op) is wrapped by ``maybe_transfer_kv_layer``, the decorator
     that calls ``wait_for_layer_load`` / ``save_kv_layer`` (recognised by its wrapper's code,
     which ``functools.wraps`` leaves alone)."""
-    from vllm.model_executor.layers.attention import kv_transfer_utils as ktu
-
+    try:
+        from vllm.model_executor.layers.attention import kv_transfer_utils as ktu
+    except ImportError:  # moved in some vLLM: trust no layer (bulk is always correct)
+        return False
     prefix = ktu.maybe_transfer_kv_layer.__code__.co_qualname + ".<locals>."
     seen = 0
     while fn is not None and seen < 8:
@@ -302,14 +304,18 @@ def layer_hooks(vllm_config: Any, layer_names: Any) -> dict[str, tuple[bool, str
     custom subclass overriding ``forward``), or a layer missing from the forward context, is
     reported as not firing: the worker fences and saves it in bulk. Never decided by model name.
     """
-    from vllm.model_executor.layers.attention import attention as attn
-    from vllm.model_executor.layers.attention import mla_attention as mla
+    import importlib
 
     routes: dict[Any, bool] = {}  # forward -> only through the custom op
-    if _transfers_kv(getattr(attn, "unified_attention_with_output", None)):
-        routes[attn.Attention.forward] = False
-    if _transfers_kv(getattr(mla, "unified_mla_attention_with_output", None)):
-        routes[mla.MLAAttention.forward] = True
+    for mod, cls, op, op_only in (("attention", "Attention", "unified_attention_with_output", False),
+                                  ("mla_attention", "MLAAttention",
+                                   "unified_mla_attention_with_output", True)):
+        try:
+            m = importlib.import_module(f"vllm.model_executor.layers.attention.{mod}")
+        except ImportError:  # not where 0.26-0.33 keep it: its layers are fenced in bulk
+            continue
+        if hasattr(m, cls) and _transfers_kv(getattr(m, op, None)):
+            routes[getattr(m, cls).forward] = op_only
     ctx = getattr(getattr(vllm_config, "compilation_config", None),
                   "static_forward_context", None) or {}
     out = {}
