@@ -33,8 +33,8 @@ pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
-if not hasattr(kvi, "SlidingWindowMLASpec") or "model_version" not in getattr(
-        kvi.MLAAttentionSpec, "__dataclass_fields__", {}):
+if not hasattr(kvi, "SlidingWindowMLASpec") or not {"model_version", "tokens_per_state"} <= set(
+        getattr(kvi.MLAAttentionSpec, "__dataclass_fields__", {})):
     pytest.skip("this vLLM has no DeepSeek-V4 cache specs", allow_module_level=True)
 
 from xkv.connector import vllm_specs  # noqa: E402
