@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 log = logging.getLogger("xkv.connector")
 
@@ -90,6 +91,21 @@ class HookPlan:
         if new:
             self._bulk_of = self._index()
         return new
+
+    def missed_fences(self, handler: Any, loads: Iterable[Any],
+                      layer_pos: Mapping[str, tuple[int, int]]) -> list[Any]:
+        """After the forward of a step with per-layer fenced loads: the load jobs (of
+        ``loads``) whose group has a layer whose ``wait_for_layer_load`` did not come
+        (``handler.pending_layers()``). For any such layer the compute stream first waits for
+        every outstanding load (``handler.fence_loads()``) and the layer is demoted to bulk.
+        Empty when every fence came (the common case: one host call, no GPU work)."""
+        missed = handler.pending_layers()
+        if not missed:
+            return []
+        handler.fence_loads()
+        self.demote(missed)
+        groups = {layer_pos[n][0] for n in missed if n in layer_pos}
+        return [job for job in loads if any(gt.group in groups for gt in job.groups)]
 
     def note_bulk_saves(self, layers: Iterable[str]) -> None:
         """``layers`` were saved in ``wait_for_save`` because ``save_kv_layer`` did not come:

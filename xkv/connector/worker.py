@@ -302,28 +302,19 @@ class WorkerSide:
             self.handler.wait_layer(layer_name)
 
     def _fence_check(self) -> None:
-        """After the forward: a layer planned for a per-layer fence whose wait_for_layer_load
-        did not come may have read pages still being copied. The compute stream waits for every
-        outstanding load (a recompute is never overwritten by a late copy), the step's restored
-        blocks of the affected requests become load errors, their saves of this step are
-        aborted, and the layer is fenced in bulk from now on (``HookPlan.demote``)."""
+        """After the forward: restores a layer read without its per-layer fence (see
+        ``HookPlan.missed_fences``) become load errors, and those requests' saves of this step
+        are aborted (their later layers were computed from those reads)."""
         if not self._check_fences:
             return
         self._check_fences = False
-        missed = self.handler.pending_layers()
-        if not missed:
-            return
-        self.handler.fence_loads()
-        self.hooks.demote(missed)
-        groups = {self.layer_pos[n][0] for n in missed if n in self.layer_pos}
-        jobs = [job for job in (self._meta.loads if self._meta is not None else ())
-                if any(gt.group in groups for gt in job.groups)]
-        if not jobs:
-            return
-        self._no_block_errors(f"layer(s) {missed[:4]} did not call wait_for_layer_load")
-        for job in jobs:
-            self._fail(job.block_ids())
-        self.saver.taint({job.req_id for job in jobs})
+        loads = self._meta.loads if self._meta is not None else ()
+        jobs = self.hooks.missed_fences(self.handler, loads, self.layer_pos)
+        if jobs:
+            self._no_block_errors("a layer did not call wait_for_layer_load (warned above)")
+            for job in jobs:
+                self._fail(job.block_ids())
+            self.saver.taint({job.req_id for job in jobs})
 
     # ------------------------------------------------------------------ saves
 
