@@ -293,3 +293,76 @@ def test_never_an_unfenced_read_without_a_load_error(fires, called):
     assert stale == {n for n in LAYERS if n not in bulk and n not in fire}
     assert errs == (set(ids[:4]) if stale else set())
     assert w.hooks.bulk == bulk | stale
+
+
+class FakeRestorer:
+    """A layer-wise fan-out restorer on CPU: a layer's pages land at its ``wait_layer`` (the
+    all-gather and scatter), the rest at ``finish``."""
+
+    def __init__(self):
+        from xkv.fanout import Mode
+
+        self.mode, self.device = Mode.LAYERWISE, torch.device("cpu")
+        self.queued: dict[str, list] = {}
+
+    def begin(self, src, loads):
+        for ld in loads:
+            self.queued.setdefault(ld.layer, []).append((src, ld))
+        return True
+
+    def wait_layer(self, layer):
+        for src, ld in self.queued.pop(layer, ()):
+            kernels.restore(src, ld.src_offsets, ld.dst, ld.block_ids)
+
+    def finish(self):
+        for layer in list(self.queued):
+            self.wait_layer(layer)
+
+    def close(self):
+        pass
+
+
+def test_missed_fanout_fence_is_a_load_error():
+    """MLA restored by a layer-wise fan-out: a layer whose wait_for_layer_load never comes was
+    read before its exchange, so the request's restored blocks are load errors (warned once);
+    every page is exchanged before anything later runs."""
+    gw = FakeGateway(capacity=1 << 23)
+    bb = 576 * 2 * BS
+    reg = build_registry([CacheGroup(0, "mla", LAYERS, BS, bb)], tp_size=1, pp_size=1,
+                         chunk_size=BS * K)
+
+    def mla_caches(poison=None, seed=0):
+        out = {}
+        for li, name in enumerate(LAYERS):
+            g = torch.Generator().manual_seed(10 * li + seed)
+            t = torch.randint(0, 256, (NB, 1, BS, 576 * 2), dtype=torch.uint8, generator=g)
+            out[name] = t.fill_(poison) if poison is not None else t
+        return out
+
+    src = mla_caches()
+    w1 = _worker(reg, gw, src, {n: (True, "MLAAttention") for n in LAYERS})
+    s1 = _sched(reg, gw)
+    req = Req("a", 5 * BS)
+    assert s1.get_num_new_matched_tokens(req, 0) == 0
+    s1.update_state_after_alloc(req, [[3, 4, 5, 6, 7]], 0)
+    w1.bind(s1.build_connector_meta(SO([New("a", [3, 4, 5, 6, 7], 0)], {"a": 5 * BS})))
+    for name in LAYERS:
+        w1.save_kv_layer(name)
+    w1.wait_for_save()
+    w1.clear()
+
+    dst = mla_caches(poison=POISON)
+    w = WorkerSide(reg, ["fp0"], namespace="default", tp_rank=0, gateway_factory=gw.client,
+                   fanout_factory=lambda kv, dev: FakeRestorer())
+    w.register_kv_caches(dst, num_blocks=NB, hooks={n: (True, "MLAAttention") for n in LAYERS})
+    w.handler = StreamLikeHandler()
+    s = _sched(reg, gw)
+    with Warnings() as warned:
+        ids = [9, 4, 17, 11, 2]
+        seen, errs, _ = _restore_step(w, s, "b", ids, fire=("l0", "l2"))
+        assert (seen["l1"] == POISON).all() and not (seen["l0"] == POISON).all()
+        assert errs == set(ids[:4])
+        for name in LAYERS:  # exchanged before get_finished returned
+            for i in range(4):
+                assert torch.equal(dst[name][ids[i]], src[name][3 + i]), (name, i)
+    assert warned.count("l1 (class MLAAttention) did not call wait_for_layer_load") == 1

@@ -29,6 +29,7 @@ class FanoutLoads:
                  pools: Mapping[str, Any]):
         self.restorer, self.registry, self.tp_rank, self.pools = restorer, registry, tp_rank, pools
         self.layers: set[str] = set()  # this step's layers the restorer restores
+        self.waited: set[str] = set()  # ... whose wait_for_layer_load came
 
     def begin(self, src: torch.Tensor, by_group: Mapping[int, list[GroupTransfer]]) -> set[int]:
         """Hand this step's MLA group loads to the restorer; returns the groups it took (empty:
@@ -36,7 +37,7 @@ class FanoutLoads:
         card is unusable: it joins the agreement, which then declines on every rank)."""
         from xkv.fanout import LayerLoad
 
-        self.layers = set()
+        self.layers, self.waited = set(), set()
         groups, loads = [], []
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
@@ -54,7 +55,15 @@ class FanoutLoads:
         return set(groups)
 
     def wait_layer(self, layer: str) -> None:
+        self.waited.add(layer)
         self.restorer.wait_layer(layer)  # all-gather + scatter on the compute stream
+
+    def unfenced(self) -> list[str]:
+        """Layers of this step's layer-wise batch whose ``wait_for_layer_load`` never came: the
+        forward read them before their exchange (bulk mode exchanges everything in ``begin``)."""
+        if getattr(getattr(self.restorer, "mode", None), "value", "layerwise") != "layerwise":
+            return []
+        return sorted(self.layers - self.waited)
 
     def finish(self) -> None:
         """Exchange whatever the forward left (layers without a wait hook), then wait for the

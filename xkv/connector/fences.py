@@ -93,16 +93,20 @@ class HookPlan:
         return new
 
     def missed_fences(self, handler: Any, loads: Iterable[Any],
-                      layer_pos: Mapping[str, tuple[int, int]]) -> list[Any]:
+                      layer_pos: Mapping[str, tuple[int, int]],
+                      fanned: Iterable[str] = ()) -> list[Any]:
         """After the forward of a step with per-layer fenced loads: the load jobs (of
         ``loads``) whose group has a layer whose ``wait_for_layer_load`` did not come
-        (``handler.pending_layers()``). For any such layer the compute stream first waits for
-        every outstanding load (``handler.fence_loads()``) and the layer is demoted to bulk.
+        (``handler.pending_layers()``, plus ``fanned``: fan-out layers the caller already
+        exchanged). For handler layers the compute stream first waits for every outstanding
+        load (``handler.fence_loads()``); every such layer is demoted to bulk (warned once).
         Empty when every fence came (the common case: one host call, no GPU work)."""
         missed = handler.pending_layers()
+        if missed:
+            handler.fence_loads()
+        missed = sorted({*missed, *fanned})
         if not missed:
             return []
-        handler.fence_loads()
         self.demote(missed)
         groups = {layer_pos[n][0] for n in missed if n in layer_pos}
         return [job for job in loads if any(gt.group in groups for gt in job.groups)]

@@ -260,6 +260,7 @@ class WorkerSide:
                 self._load_checks.extend((gt, c) for c in range(len(gt.chunks)))
             self._loads_done[job.job_id] += 1
         fanned = self.fanout.begin(card, by_group) if self.fanout is not None else set()
+        self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
@@ -309,7 +310,10 @@ class WorkerSide:
             return
         self._check_fences = False
         loads = self._meta.loads if self._meta is not None else ()
-        jobs = self.hooks.missed_fences(self.handler, loads, self.layer_pos)
+        fanned = self.fanout.unfenced() if self.fanout is not None else []
+        if fanned:  # exchange the rest now: what runs next is ordered after it
+            self.fanout.finish()
+        jobs = self.hooks.missed_fences(self.handler, loads, self.layer_pos, fanned)
         if jobs:
             self._no_block_errors("a layer did not call wait_for_layer_load (warned above)")
             for job in jobs:
