@@ -17,7 +17,9 @@ loads — the forward may have read pages still being copied): the worker makes 
 wait for every outstanding load, reports that step's loaded blocks as load errors so vLLM
 recomputes them, aborts the step's saves of those requests (their later layers were computed
 from those reads), warns once naming the layer and its class, and fences it in bulk from then
-on. Nothing here imports vLLM or torch.
+on. A layer-wise fan-out layer (``fanout_loads``) whose hook did not come is caught the same way
+(the worker exchanges the rest first); fan-out keeps its batches (collective over the TP ranks),
+so that group's restores are recomputed from then on. Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations
