@@ -8,9 +8,9 @@ Per step: ``start_load_kv`` issues every layer's reads (one call per layer and g
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
 layer only. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
 decorated op) are fenced in bulk inside ``start_load_kv`` instead, and a per-layer fence that
-did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk); MLA groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``,
-docs/fanout.md): each rank copies 1/N of a layer and the group all-gathers the rest at
-``wait_for_layer_load``.
+did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk). MLA
+groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``, docs/fanout.md):
+each rank copies 1/N of a layer and the group all-gathers the rest at ``wait_for_layer_load``.
 ``save_kv_layer``/``wait_for_save`` are the :class:`~xkv.connector.saves.Saver`'s;
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
 error, never wrong bytes) and collects the step's load errors. Restores of parked requests
