@@ -285,10 +285,11 @@ def test_store_then_restore_through_v2_wrapper(engines, defer, caplog, monkeypat
     b.assert_restored("b", P, 256)
 
 
-def test_full_graph_step_fences_every_layer_and_aborts_saves(engines, monkeypatch):
+def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines, monkeypatch):
     """V2's FULL-CUDA-graph step (ruled out by requires_piecewise_for_cudagraph, made safe
-    anyway): no layer hook runs, so start_load_kv fences every layer itself and the step's
-    saves, whose pages no hook vouched for, are aborted."""
+    anyway): no layer hook runs, so start_load_kv fences every layer itself, and the pages the
+    graph wrote are saved in wait_for_save, after the forward (issue 18: a layer whose
+    save_kv_layer did not come is saved in bulk, not aborted); a fresh engine restores them."""
     ns = f"v2-full-{next(_ns)}"
     a = engines(ns)
     a.run("a", P)
@@ -307,7 +308,13 @@ def test_full_graph_step_fences_every_layer_and_aborts_saves(engines, monkeypatc
         assert "attn_metadata" in c.spy.load_kwargs[-1]
     c.assert_restored("c", prompt, 256)
     st = out.kv_connector_stats.data
-    assert st["save_errors"] == 2 and not st.get("chunks_saved")  # chunks 4 and 5: aborted
+    assert st["chunks_saved"] == 2 and not st.get("save_errors")  # chunks 4 and 5 committed
+    c.close()
+    d = engines(ns)
+    d.sched.add_request(V.make_request("d", prompt, block_size=BS, max_tokens=2))
+    so, out = d.step()
+    assert so.num_scheduled_tokens == {"d": 400 - 384} and not out.invalid_block_ids
+    d.assert_restored("d", prompt, 384)  # the graph step's chunks, byte-exact
 
 
 def test_load_error_reported_through_v2_wrapper(engines):
