@@ -35,6 +35,18 @@ def test_open_registers_every_group_and_maps_the_card():
     assert gw.card[5] == 9
 
 
+def test_close_unregisters_and_drops_the_card():
+    gw = FakeGateway(epoch=11)
+    s, _ = _session(gw, map_card=True)
+    gone = []
+    assert s.open(register_card=lambda t: t, unregister_card=gone.append)
+    card = s.card
+    s.close()
+    assert s.card is None and len(gone) == 1 and gone[0].data_ptr() == card.data_ptr()
+    s.close()  # twice: nothing left to let go
+    assert len(gone) == 1
+
+
 def test_open_against_a_dead_gateway_turns_off_once():
     gw = FakeGateway()
     gw.dead = True

@@ -89,6 +89,24 @@ def test_sync_one_corrupt_byte_is_caught():
     assert (h.verifier.checked["restore"], h.verifier.mismatched["restore"]) == (6, 1)
 
 
+def test_waited_layers_are_verified_before_the_forward_rewrites_them():
+    """verify_layers (the worker calls it for layers fenced in start_load_kv: Mamba states, hook-
+    less classes) compares those layers at once; a later rewrite (the forward updating an
+    'align' running block) is then not a false mismatch, and the other layers wait for
+    sync_loads, where a corrupt byte is still caught."""
+    kv, pool, card, offs, ids, bb = _setup("cpu")
+    kv2, pool2, _card, _offs, _ids, _bb = _setup("cpu")
+    h = transfer.SyncTransferHandler(verify=True)
+    h.load_group(("state", "attn"), card, torch.stack([offs, offs]), [pool, pool2], ids)
+    h.wait_layer("state")
+    h.verify_layers(["state"])
+    assert (h.verifier.checked["restore"], h.verifier.mismatched["restore"]) == (6, 0)
+    pool.run_view(0)[int(ids[0]), 0] ^= 1  # the forward writes the running state
+    pool2.run_view(0)[int(ids[1]), 3] ^= 1  # a real corruption of a per-layer-fenced layer
+    h.sync_loads()
+    assert (h.verifier.checked["restore"], h.verifier.mismatched["restore"]) == (12, 1)
+
+
 def test_empty_load_checks_nothing():
     kv, pool, card, offs, ids, bb = _setup("cpu")
     h = transfer.SyncTransferHandler(verify=True)

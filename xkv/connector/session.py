@@ -249,10 +249,13 @@ class GatewaySession:
             _close(client)
 
     def close(self) -> None:
+        """End of the engine: unregister and unmap the card too (an engine restarted in the
+        same process must not keep the old registration pinned until garbage collection). The
+        worker calls it after its loads and save copies finished."""
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            _close(client)
+            old = [self._client, self.card]
+            self._client, self.card = None, None
+        self._let_go(old)
 
     def turn_off(self, reason: str) -> bool:
         """Stop using the gateway (until a re-probe succeeds); the role's line is logged. True

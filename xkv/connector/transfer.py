@@ -54,16 +54,22 @@ class PageVerifier:
         for r in range(len(pool.runs)):
             pool.run_view(r).index_fill_(0, ids, POISON)
 
-    def record(self, kind: str, card, offsets, pool, block_ids) -> None:
-        self.pending[kind].append((card, offsets.clone(), pool, block_ids.clone()))
+    def record(self, kind: str, card, offsets, pool, block_ids, layer: str = "") -> None:
+        self.pending[kind].append((card, offsets.clone(), pool, block_ids.clone(), layer))
 
-    def check(self, kind: str) -> None:
-        """Compare everything recorded for ``kind``; the copies must have finished."""
-        todo, self.pending[kind] = self.pending[kind], []
+    def check(self, kind: str, layers: set[str] | None = None) -> None:
+        """Compare everything recorded for ``kind`` (only ``layers``' records when given); the
+        copies must have finished (on the current stream, for device pages)."""
+        todo = self.pending[kind]
+        if layers is not None:
+            todo = [t for t in todo if t[4] in layers]
+            self.pending[kind] = [t for t in self.pending[kind] if t[4] not in layers]
+        else:
+            self.pending[kind] = []
         if not todo:
             return
         checked = bad = 0
-        for card, offs, pool, ids in todo:
+        for card, offs, pool, ids, _layer in todo:
             c, b = _compare(card, offs, pool, ids)
             checked, bad = checked + c, bad + b
         self.checked[kind] += checked
@@ -151,7 +157,7 @@ class SyncTransferHandler:
         if self.verifier is not None:
             for i, pool in enumerate(pools):
                 self.verifier.poison(pool, block_ids)
-                self.verifier.record("restore", card, offsets[i], pool, block_ids)
+                self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
         prep = _prepare(lambda ps, offs: kernels.prepare_restore(card, offs, ps, block_ids),
                         pools, offsets)
         for i in range(len(pools)):
@@ -160,6 +166,12 @@ class SyncTransferHandler:
 
     def wait_layer(self, name: str) -> None:
         self._pending.discard(name)
+
+    def verify_layers(self, names) -> None:
+        """``verify_restores``: compare these layers' restored pages now (they were waited
+        for), before the forward may change them (a Mamba ``align`` running block)."""
+        if self.verifier is not None:
+            self.verifier.check("restore", set(names))
 
     def pending_layers(self) -> list[str]:
         """Layers loaded this step whose :meth:`wait_layer` has not come (their copies already
@@ -244,7 +256,7 @@ class CudaTransferHandler:
             if self.verifier is not None:
                 for i, pool in enumerate(pools):
                     self.verifier.poison(pool, block_ids)
-                    self.verifier.record("restore", card, offsets[i], pool, block_ids)
+                    self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
             prep = _prepare(lambda ps, offs: kernels.prepare_restore(
                 card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
             for i, name in enumerate(names):
@@ -261,6 +273,12 @@ class CudaTransferHandler:
         ev = self._events.pop(name, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def verify_layers(self, names) -> None:
+        """``verify_restores``: compare these (waited-for) layers' pages now, on the compute
+        stream, before the forward may change them (a Mamba ``align`` running block)."""
+        if self.verifier is not None:
+            self.verifier.check("restore", set(names))
 
     def pending_layers(self) -> list[str]:
         """Layers whose per-layer event no :meth:`wait_layer` consumed this step (no GPU work)."""

@@ -274,6 +274,8 @@ class WorkerSide:
                 bulk = self.hooks.bulk_layers(g)
                 for name in bulk:
                     self.handler.wait_layer(name)
+                if bulk and getattr(self.handler, "verifier", None) is not None:
+                    self.handler.verify_layers(bulk)  # debug: before the forward rewrites any
                 self._check_fences = self._check_fences or len(bulk) < len(names)
             nbytes = len(blocks) * plan.group.bytes_all_layers
             self.stats.add("bytes_restored", nbytes)
