@@ -197,3 +197,35 @@ class Warnings(logging.Handler):
 
     def count(self, text):
         return sum(text in line for line in self.lines)
+
+
+# ----------------------------------------------------------------- vLLM scheduler-side stand-ins
+
+
+class Req:
+    """A vLLM ``Request`` as the scheduler side reads it: ``n`` prompt tokens, one block hash per
+    full block of ``bs`` tokens (``salt`` makes prompts differ)."""
+
+    def __init__(self, rid: str, n: int, salt: int = 7, bs: int = 16):
+        self.request_id, self.num_tokens, self.num_prompt_tokens = rid, n, n
+        self.block_hashes = [bytes([salt, i]) * 16 for i in range(n // bs)]
+        self.kv_transfer_params = self.cache_salt = None
+
+
+class New:
+    """One ``scheduled_new_reqs`` entry (one KV cache group)."""
+
+    def __init__(self, rid, ids, computed):
+        self.req_id, self.block_ids, self.num_computed_tokens = rid, (ids,), computed
+
+
+class SO:
+    """A ``SchedulerOutput`` with new requests only (``sched``: req id -> scheduled tokens)."""
+
+    def __init__(self, new, sched):
+        self.scheduled_new_reqs, self.num_scheduled_tokens = new, sched
+
+        class C:
+            req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
+
+        self.scheduled_cached_reqs = C

@@ -21,7 +21,7 @@ import logging
 
 import pytest
 import torch
-from connector_fakes import FakeGateway, Warnings
+from connector_fakes import SO, FakeGateway, New, Req, Warnings
 
 from xkv.connector.config import ConnectorConfig
 from xkv.connector.registry import RegistryError, build_registry
@@ -110,27 +110,7 @@ def _bytes(t):
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-class Req:
-    def __init__(self, rid, nblocks, bs=BS):
-        self.request_id = rid
-        self.num_tokens = self.num_prompt_tokens = nblocks * bs
-        self.block_hashes = [bytes([4, i]) * 16 for i in range(nblocks)]
-        self.kv_transfer_params = self.cache_salt = None
 
-
-class New:
-    def __init__(self, rid, ids, computed):
-        self.req_id, self.block_ids, self.num_computed_tokens = rid, (ids,), computed
-
-
-class SO:
-    def __init__(self, new, sched):
-        self.scheduled_new_reqs, self.num_scheduled_tokens = new, sched
-
-        class C:
-            req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
-
-        self.scheduled_cached_reqs = C
 
 
 def _sides(reg, gw, kv, num_blocks, layout="BLNHC", bs=BS):
@@ -179,7 +159,7 @@ def test_save_then_restore_is_byte_exact_and_touches_nothing_else(case):
     sbuf.copy_(torch.randint(0, 256, sbuf.shape, dtype=torch.uint8, generator=g))
     s1, w1 = _sides(reg, gw, src, kvc.num_blocks, layout, bs)
     ids = [5, 9, 2, 7]  # 4 full blocks, one chunk each
-    req = Req("a", 4, bs)
+    req = Req("a", 4 * bs, salt=4, bs=bs)
     assert s1.get_num_new_matched_tokens(req, 0) == 0
     s1.update_state_after_alloc(req, [ids], 0)
     w1.bind(s1.build_connector_meta(SO([New("a", ids, 0)], {"a": 4 * bs})))
@@ -192,7 +172,7 @@ def test_save_then_restore_is_byte_exact_and_touches_nothing_else(case):
     dst, dbuf = _allocate(kvc, layout, bs)
     dbuf.fill_(POISON)
     s2, w2 = _sides(reg, gw, dst, kvc.num_blocks, layout, bs)
-    req2 = Req("b", 4, bs)  # vLLM computes at least the last token: 3 blocks restored
+    req2 = Req("b", 4 * bs, salt=4, bs=bs)  # vLLM computes at least the last token: 3 blocks restored
     assert s2.get_num_new_matched_tokens(req2, 0) == 3 * bs
     ids2 = [11, 3, 40, 17]
     s2.update_state_after_alloc(req2, [ids2], 3 * bs)

@@ -11,7 +11,7 @@ the step's blocks are reported as load errors.
 
 import pytest
 import torch
-from connector_fakes import FakeGateway, Warnings
+from connector_fakes import SO, FakeGateway, New, Req, Warnings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,26 +28,7 @@ LAYERS = ("l0", "l1", "l2")
 POISON = 0xA5
 
 
-class Req:
-    def __init__(self, rid, n, salt=7):
-        self.request_id, self.num_tokens, self.num_prompt_tokens = rid, n, n
-        self.block_hashes = [bytes([salt, i]) * 16 for i in range(n // BS)]
-        self.kv_transfer_params = self.cache_salt = None
 
-
-class New:
-    def __init__(self, rid, ids, computed):
-        self.req_id, self.block_ids, self.num_computed_tokens = rid, (ids,), computed
-
-
-class SO:
-    def __init__(self, new, sched):
-        self.scheduled_new_reqs, self.num_scheduled_tokens = new, sched
-
-        class C:
-            req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
-
-        self.scheduled_cached_reqs = C
 
 
 class StreamLikeHandler(SyncTransferHandler):

@@ -7,7 +7,7 @@ MLA (replicated latent): only TP rank 0 writes and commits; both ranks restore t
 
 import pytest
 import torch
-from connector_fakes import FakeGateway
+from connector_fakes import SO, FakeGateway, New, Req
 
 from xkv.connector.config import ConnectorConfig
 from xkv.connector.registry import CacheGroup, build_registry
@@ -18,26 +18,7 @@ BS, K, NB = 16, 2, 24  # block size, blocks per chunk, blocks per cache
 LAYERS = ("l0", "l1", "l2")
 
 
-class Req:
-    def __init__(self, rid, n):
-        self.request_id, self.num_tokens, self.num_prompt_tokens = rid, n, n
-        self.block_hashes = [bytes([7, i]) * 16 for i in range(n // BS)]
-        self.kv_transfer_params = self.cache_salt = None
 
-
-class New:
-    def __init__(self, rid, ids, computed):
-        self.req_id, self.block_ids, self.num_computed_tokens = rid, (ids,), computed
-
-
-class SO:
-    def __init__(self, new, sched):
-        self.scheduled_new_reqs, self.num_scheduled_tokens = new, sched
-
-        class C:
-            req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
-
-        self.scheduled_cached_reqs = C
 
 
 def caches(kind, rank, poison=None):
