@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests" / "tier"))
 from mooncake_master import Master  # noqa: E402
 
 from xkv.gateway.config import parse_size  # noqa: E402
+from xkv.gateway.testing import wait_tier_result  # noqa: E402
 from xkv.gateway.tier_store import (  # noqa: E402
     HEADER_BYTES,
     MooncakeBackend,
@@ -51,17 +52,6 @@ from xkv.gateway.tier_store import (  # noqa: E402
     TierItem,
     layout_digest,
 )
-
-
-def _wait(backend, kind, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not backend.done.empty():
-            msg = backend.done.get_nowait()
-            assert msg[0] == kind, msg
-            return msg
-        time.sleep(0.0002)
-    raise RuntimeError(f"no {kind} result in {timeout_s} s")
 
 
 def _med(xs):
@@ -90,19 +80,19 @@ def bench_store(master, sizes, batches, repeat, card_bytes):
                     src = [TierItem(digest, k, 1, size, (i * size,)) for i, k in enumerate(keys)]
                     t0 = time.perf_counter()
                     a.offer(src)
-                    ok = _wait(a, "pushed")[2]
+                    ok = wait_tier_result(a, "pushed")[2]
                     put_s.append(time.perf_counter() - t0)
                     assert all(ok), ok
                     names = [it.name for it in src]
                     t0 = time.perf_counter()
                     b.submit(("exists", r, names))
-                    assert _wait(b, "exists")[2] == [1] * batch
+                    assert wait_tier_result(b, "exists")[2] == [1] * batch
                     exist_s.append(time.perf_counter() - t0)
                     dst = [TierItem(digest, k, 1, size, (card_bytes // 2 + i * size,))
                            for i, k in enumerate(keys)]
                     t0 = time.perf_counter()
                     b.submit(("pull", r, dst))
-                    _, _, status, nbytes, seconds = _wait(b, "pull")
+                    _, _, status, nbytes, seconds = wait_tier_result(b, "pull")
                     job_s.append(time.perf_counter() - t0)
                     call_s.append(seconds)
                     assert status == ["ok"] * batch, status

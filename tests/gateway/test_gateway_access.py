@@ -25,7 +25,7 @@ import zmq.auth
 from xkv.gateway import GatewayClient, GatewayUnavailable
 from xkv.gateway import protocol as P
 from xkv.gateway.config import parse_args
-from xkv.gateway.testing import running_gateway, spawn_gateway, stop_gateway
+from xkv.gateway.testing import curve_certificates, running_gateway, spawn_gateway, stop_gateway
 from xkv.gateway.transport import control_path, instance_dir, user_dir
 
 
@@ -129,21 +129,9 @@ def test_another_uid_gets_no_reply_from_any_endpoint_and_changes_nothing():
         del card
 
 
-def _curve(tmp_path, *names):
-    zmq.auth.create_certificates(str(tmp_path), "gateway")
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    keys = {}
-    for name in names:
-        zmq.auth.create_certificates(str(tmp_path), name)
-        keys[name] = zmq.auth.load_certificate(str(tmp_path / f"{name}.key_secret"))
-    return allowed, keys
-
-
 def test_tcp_only_with_curve_and_an_allow_list(tmp_path):
-    allowed, keys = _curve(tmp_path, "admitted", "stranger")
-    os.replace(tmp_path / "admitted.key", allowed / "admitted.key")
-    secret = str(tmp_path / "gateway.key_secret")
+    secret, allowed, keys = curve_certificates(tmp_path, ["admitted", "stranger"],
+                                               admitted=["admitted"])
     with pytest.raises(SystemExit, match="--curve-allowed-clients"):
         parse_args(["--curve-secret-key", secret])
     # without CURVE no TCP port is opened at all
@@ -152,7 +140,7 @@ def test_tcp_only_with_curve_and_an_allow_list(tmp_path):
         socket.create_connection(("127.0.0.1", tport)).close()
     server_public = zmq.auth.load_certificate(str(tmp_path / "gateway.key"))[0]
     with running_gateway("1M", extra_args=["--curve-secret-key", secret,
-                                           "--curve-allowed-clients", str(allowed)]) as port:
+                                           "--curve-allowed-clients", allowed]) as port:
         with GatewayClient("127.0.0.1", port, timeout_s=2.0, curve_server_key=server_public,
                            curve_client_keys=keys["admitted"]) as ok:
             assert ok.ping().protocol_version == P.PROTOCOL_VERSION

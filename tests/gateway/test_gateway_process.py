@@ -20,7 +20,7 @@ import zmq.auth
 from xkv.gateway import ErrorCode, GatewayClient, GatewayError, GatewayUnavailable, Reservation
 from xkv.gateway import protocol as P
 from xkv.gateway.config import parse_size
-from xkv.gateway.testing import running_gateway, spawn_gateway, stop_gateway
+from xkv.gateway.testing import curve_certificates, running_gateway, spawn_gateway, stop_gateway
 
 GATEWAY = [sys.executable, "-m", "xkv.gateway"]
 
@@ -49,22 +49,9 @@ def test_help_documents_every_flag():
     assert "5557" in out and "XKV_GATEWAY_HOSTNAME" in out
 
 
-def _curve_dirs(tmp_path, *clients: str):
-    """(gateway secret cert, allowed-clients dir, {name: (public, secret)}) for CURVE tests."""
-    zmq.auth.create_certificates(str(tmp_path), "gateway")
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    keys = {}
-    for name in clients:
-        zmq.auth.create_certificates(str(tmp_path), name)
-        os.replace(tmp_path / f"{name}.key", allowed / f"{name}.key")
-        keys[name] = zmq.auth.load_certificate(str(tmp_path / f"{name}.key_secret"))
-    return str(tmp_path / "gateway.key_secret"), str(allowed), keys
-
-
 def test_port_in_use_names_the_kv_events_clash(tmp_path):
     # Only a TCP gateway (CURVE on) can clash with vLLM's KV-events publisher.
-    secret, allowed, _ = _curve_dirs(tmp_path, "client")
+    secret, allowed, _ = curve_certificates(tmp_path, ["client"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -203,7 +190,7 @@ def test_client_errors_and_deadlines():
 
 
 def test_curve_encrypted_gateway(tmp_path):
-    secret, allowed, keys = _curve_dirs(tmp_path, "client")
+    secret, allowed, keys = curve_certificates(tmp_path, ["client"])
     server_public, _ = zmq.auth.load_certificate(str(tmp_path / "gateway.key"))
     with running_gateway("1M", extra_args=[
             "--curve-secret-key", secret, "--curve-allowed-clients", allowed]) as port:

@@ -19,9 +19,23 @@ def keys(n):
     return [os.urandom(32) for _ in range(n)]
 
 
+def layout(host) -> int:
+    """The layout every test here registers (same namespace, fingerprint and shards on every host)."""
+    return host.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+
+
+def written_through(host, n: int):
+    """``n`` fresh objects committed on ``host`` and written through to Mooncake: (layout id, keys,
+    {(key, shard): bytes})."""
+    la, ks = layout(host), keys(n)
+    data = store(host, la, ks, SHARDS, SHARD_BYTES)
+    host.wait(lambda t: t["tier_written"] == n, what="written")
+    return la, ks, data
+
+
 def test_b_serves_what_a_stored_and_namespaces_stay_apart(master, tmp_path):
     with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000"]) as (a, b):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
         ks = keys(4)
         data = store(a, la, ks, SHARDS, SHARD_BYTES)
         a.wait(lambda t: t["tier_written"] == 4 and t["tier_inflight"] == 0, what="written")
@@ -32,7 +46,7 @@ def test_b_serves_what_a_stored_and_namespaces_stay_apart(master, tmp_path):
         t = b.tier()
         assert t["tier_lookups"] == 1 and t["tier_misses"] == 4 and t["tier_hits"] == 0
         # the same namespace on B (its own layout id): every chunk, bytes equal, leased
-        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        lb = layout(b)
         r = b.client.lookup([(lb, ks)])
         assert r.num_chunks == 4 and r.lease_id != 0
         check(b, r, ks, data, SHARD_BYTES)
@@ -53,7 +67,7 @@ def test_eviction_keeps_the_mooncake_copy(master, tmp_path):
     obj = SHARDS * 20480
     with hosts(master, tmp_path, n=1, capacity=str(4 * obj),
                extra=["--mooncake-wait-ms", "5000"]) as (a,):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
         first, second = keys(4), keys(4)
         data = store(a, la, first, SHARDS, SHARD_BYTES)
         a.wait(lambda t: t["tier_written"] == 4, what="first written")
@@ -67,8 +81,8 @@ def test_eviction_keeps_the_mooncake_copy(master, tmp_path):
 
 def test_master_killed_then_restarted(master, tmp_path):
     with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "3000"]) as (a, b):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
-        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
+        lb = layout(b)
         ks = keys(6)
         data = store(a, la, ks, SHARDS, SHARD_BYTES)
         a.wait(lambda t: t["tier_written"] == 6, what="written")
@@ -127,7 +141,7 @@ def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path)
         b.__init__(master, str(tmp_path / "gateway_B2.log"),
                    extra=["--mooncake-wait-ms", "5000", "--metrics-port", str(port)])
         b.wait(lambda t: t["tier_up"] == 1)
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
         ks = keys(3)
         store(a, la, ks, SHARDS, SHARD_BYTES)
         a.wait(lambda t: t["tier_written"] == 3)
@@ -137,7 +151,7 @@ def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path)
             blob = bytearray(hand.get(name))
             blob[-1] ^= 0xFF
             assert hand.upsert(name, bytes(blob)) == 0
-            lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+            lb = layout(b)
             r = b.client.lookup([(lb, ks)])
         finally:  # only now: the rewritten object may live in this client's own segment
             hand.close()
@@ -170,13 +184,13 @@ def test_corrupted_object_is_a_counted_logged_miss_and_metrics(master, tmp_path)
 
 def test_write_through_off_and_backlog_full(master, tmp_path):
     with hosts(master, tmp_path, extra=["--no-mooncake-write-through"], n=1, tag="off") as (a,):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
         store(a, la, keys(2), SHARDS, SHARD_BYTES)
         time.sleep(0.3)
         t = a.tier()
         assert t["tier_written"] == 0 and t["tier_write_dropped"] == 0
     with hosts(master, tmp_path, extra=["--mooncake-backlog", "0"], n=1, tag="full") as (a,):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la = layout(a)
         store(a, la, keys(2), SHARDS, SHARD_BYTES)
         t = a.tier()
         assert t["tier_written"] == 0 and t["tier_write_dropped"] == 2
@@ -185,11 +199,8 @@ def test_write_through_off_and_backlog_full(master, tmp_path):
 def test_lookup_over_its_wait_is_answered_from_the_card_and_prefetches(master, tmp_path):
     # a wait of 0 ms: the lookup cannot be served by the tier, its pull becomes a prefetch
     with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "0"]) as (a, b):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
-        ks = keys(4)
-        data = store(a, la, ks, SHARDS, SHARD_BYTES)
-        a.wait(lambda t: t["tier_written"] == 4, what="written")
-        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la, ks, data = written_through(a, 4)
+        lb = layout(b)
         r = b.client.lookup([(lb, ks)])
         assert r.num_chunks == 0 and r.lease_id == 0
         t = b.wait(lambda t: t["tier_late_objects"] == 4, what="prefetch landed")
@@ -234,11 +245,8 @@ def test_secret_file_signs_and_checks_through_the_gateways(master, tmp_path):
     secret.chmod(0o600)
     with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000",
                                         "--mooncake-secret-file", str(secret)]) as (a, b):
-        la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
-        ks = keys(2)
-        data = store(a, la, ks, SHARDS, SHARD_BYTES)
-        a.wait(lambda t: t["tier_written"] == 2, what="written")
-        lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+        la, ks, data = written_through(a, 2)
+        lb = layout(b)
         r = b.client.lookup([(lb, ks)])
         assert r.num_chunks == 2 and b.tier()["tier_corrupt"] == 0
         check(b, r, ks, data, SHARD_BYTES)
@@ -284,13 +292,13 @@ def test_pulled_objects_are_announced_as_stored_kv_events(master, tmp_path):
                     if sub.poll(50):
                         out += list(_flat(msgspec.msgpack.decode(sub.recv_multipart()[2])))
                 return out
-            lb = b.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+            lb = layout(b)
             for _ in range(100):  # ZMQ's slow joiner: until B's own stores are seen
                 store(b, lb, keys(1), SHARDS, SHARD_BYTES)
                 if received(0.1):
                     break
             received(0.3)
-            la = a.client.register_layout("prod", "fp-1", SHARDS, SHARD_BYTES).layout_id
+            la = layout(a)
             ks = keys(3)
             store(a, la, ks, SHARDS, SHARD_BYTES)
             a.wait(lambda t: t["tier_written"] == 3, what="written")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from xkv.gateway.testing import wait_tier_result
 from xkv.gateway.tier_store import (
     HEADER_BYTES,
     MooncakeBackend,
@@ -23,16 +24,6 @@ from xkv.gateway.tier_store import (
 CARD = 4 << 20
 DIGEST = layout_digest("prod", "llama-fp", 2, 12345)
 
-
-def _wait(backend, kind, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not backend.done.empty():
-            msg = backend.done.get_nowait()
-            assert msg[0] == kind, msg
-            return msg
-        time.sleep(0.005)
-    raise AssertionError(f"no {kind} result within {timeout_s} s")
 
 
 def _start(master, secrets):
@@ -76,21 +67,21 @@ def test_put_exists_pull_into_slots(backends):
     keys = [os.urandom(32) for _ in range(3)]
     src, want = _items(card_a, keys, [(0, 16384), (32768, 49152), (65536, 81920)])
     a.offer(src)
-    _, done_items, ok, nbytes = _wait(a, "pushed")
+    _, done_items, ok, nbytes = wait_tier_result(a, "pushed")
     assert ok == [True] * 3 and nbytes == 3 * (HEADER_BYTES + 2 * 12345)
     names = [mooncake_key(DIGEST, k) for k in keys] + [mooncake_key(DIGEST, b"absent")]
     b.submit(("exists", 1, names))
-    assert _wait(b, "exists") == ("exists", 1, [1, 1, 1, 0])
+    assert wait_tier_result(b, "exists") == ("exists", 1, [1, 1, 1, 0])
     # another layout (namespace) with the same card key: a different Mooncake key, absent
     other = layout_digest("staging", "llama-fp", 2, 12345)
     b.submit(("exists", 2, [mooncake_key(other, keys[0])]))
-    assert _wait(b, "exists")[2] == [0]
+    assert wait_tier_result(b, "exists")[2] == [0]
     card_b[:] = b"\xa5" * CARD  # poison: every byte not pulled must stay 0xa5
     dst = [TierItem(DIGEST, k, 2, 12345, offs) for k, offs in
            zip(keys, [(1 << 20, (1 << 20) + 12345), (2 << 20, 3 << 20), (4096, 8192 + 12345)],
                strict=True)]
     b.submit(("pull", 3, dst))
-    _, token, status, nbytes, seconds = _wait(b, "pull")
+    _, token, status, nbytes, seconds = wait_tier_result(b, "pull")
     assert token == 3 and status == ["ok"] * 3 and seconds > 0
     assert nbytes == 3 * (HEADER_BYTES + 2 * 12345)
     expect = bytearray(b"\xa5" * CARD)
@@ -107,12 +98,12 @@ def test_lost_corrupt_truncated_foreign_are_misses(backends, master):
     offs = [(i * 32768, i * 32768 + 16384) for i in range(5)]
     src, want = _items(card_a, keys, offs)
     a.offer(src)
-    assert _wait(a, "pushed")[2] == [True] * 5
+    assert wait_tier_result(a, "pushed")[2] == [True] * 5
     names = [mooncake_key(DIGEST, k) for k in keys]
     hand = master.client()
     try:
         b.submit(("exists", 1, names))
-        assert _wait(b, "exists")[2] == [1] * 5
+        assert wait_tier_result(b, "exists")[2] == [1] * 5
         # between the existence check and the pull: one evicted, three rewritten badly
         assert hand.remove(names[1], True) == 0
         good = bytearray(hand.get(names[2]))
@@ -127,7 +118,7 @@ def test_lost_corrupt_truncated_foreign_are_misses(backends, master):
         dst = [TierItem(DIGEST, k, 2, 12345, (i * 65536, i * 65536 + 16384))
                for i, k in enumerate(keys)]
         b.submit(("pull", 2, dst))
-        status = _wait(b, "pull")[2]
+        status = wait_tier_result(b, "pull")[2]
     finally:  # only now: a re-sized object may live in this client's own segment
         hand.close()
     assert status == ["ok", "lost", "corrupt", "truncated", "corrupt"]
@@ -143,21 +134,21 @@ def test_secret_signed_objects_and_unsigned_or_foreign_signed_are_misses(master)
         ks = [os.urandom(32) for _ in range(3)]
         src, want = _items(card_a, ks[:2], [(0, 16384), (32768, 49152)])
         a.offer(src)  # signed with key1
-        assert _wait(a, "pushed")[2] == [True, True]
+        assert wait_tier_result(a, "pushed")[2] == [True, True]
         unsigned, _ = _items(card_d, ks[2:], [(0, 16384)])
         d.offer(unsigned)  # a writer without the secret
-        assert _wait(d, "pushed")[2] == [True]
+        assert wait_tier_result(d, "pushed")[2] == [True]
         dst = [TierItem(DIGEST, k, 2, 12345, (65536 * (i + 1), 65536 * (i + 1) + 16384))
                for i, k in enumerate(ks)]
         b.submit(("pull", 1, dst))  # same secret: signed ones verify, the unsigned one does not
-        assert _wait(b, "pull")[2] == ["ok", "ok", "corrupt"]
+        assert wait_tier_result(b, "pull")[2] == ["ok", "ok", "corrupt"]
         for it, so in zip(dst[:2], [(0, 16384), (32768, 49152)], strict=True):
             for o, s_ in zip(it.offsets, so, strict=True):
                 assert card_b[o:o + 12345] == want[(it.key, s_)]
         c.submit(("pull", 2, dst[:2]))  # another secret: nothing verifies
-        assert _wait(c, "pull")[2] == ["corrupt", "corrupt"]
+        assert wait_tier_result(c, "pull")[2] == ["corrupt", "corrupt"]
         d.submit(("pull", 3, dst))  # no secret: crc32 only, signed objects are still readable
-        assert _wait(d, "pull")[2] == ["ok", "ok", "ok"]
+        assert wait_tier_result(d, "pull")[2] == ["ok", "ok", "ok"]
     finally:
         for bk, _ in out:
             bk.close()

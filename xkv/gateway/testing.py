@@ -80,3 +80,37 @@ def running_gateway(capacity: int | str = "256M", **kwargs) -> Iterator[int]:
         yield port
     finally:
         stop_gateway(proc)
+
+
+def curve_certificates(directory, clients=(), admitted=None) -> tuple[str, str, dict]:
+    """CURVE key files for a TCP gateway in ``directory``: the gateway's certificate pair, one pair
+    per name in ``clients``, and ``allowed/`` holding the public keys of ``admitted`` (default:
+    every client). Returns (gateway secret certificate path, allowed dir, {name: (public,
+    secret)}) — what ``--curve-secret-key`` / ``--curve-allowed-clients`` and the client take."""
+    import zmq.auth
+
+    d = os.fspath(directory)
+    zmq.auth.create_certificates(d, "gateway")
+    allowed = os.path.join(d, "allowed")
+    os.mkdir(allowed)
+    keys = {}
+    for name in clients:
+        zmq.auth.create_certificates(d, name)
+        if admitted is None or name in admitted:
+            os.replace(os.path.join(d, f"{name}.key"), os.path.join(allowed, f"{name}.key"))
+        keys[name] = zmq.auth.load_certificate(os.path.join(d, f"{name}.key_secret"))
+    return os.path.join(d, "gateway.key_secret"), allowed, keys
+
+
+def wait_tier_result(backend, kind: str, timeout_s: float = 20.0, poll_s: float = 0.0002):
+    """The next message of a Mooncake tier backend's ``done`` queue (``xkv.gateway.tier_store``),
+    which must be of ``kind``; ``RuntimeError`` when none came within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not backend.done.empty():
+            msg = backend.done.get_nowait()
+            if msg[0] != kind:
+                raise RuntimeError(f"expected a {kind} result, got {msg!r}")
+            return msg
+        time.sleep(poll_s)
+    raise RuntimeError(f"no {kind} result in {timeout_s} s")
