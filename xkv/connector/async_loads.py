@@ -53,7 +53,7 @@ import torch
 
 from xkv.connector.config import LOAD_MODES
 from xkv.connector.metadata import GroupTransfer, TransferJob
-from xkv.connector.transfer import layer_offsets
+from xkv.connector.transfer import load_transfers
 
 log = logging.getLogger("xkv.connector")
 
@@ -193,13 +193,11 @@ class AsyncLoadWorker:
         for gt in (gt for job in jobs for gt in job.groups):
             by_group.setdefault(gt.group, []).append(gt)
         for g, gts in by_group.items():
-            plan, names = self.registry.groups[g], self.registry.groups[g].group.layer_names
-            ids = torch.tensor([b for gt in gts for b in gt.block_ids], dtype=torch.int64)
-            base = torch.tensor(plan.card_offsets(self.tp_rank, gts), dtype=torch.int64)
-            h.load_group(names, card, layer_offsets(plan, base), [self.pools[n] for n in names],
-                         ids)
-            self.stats.add("blocks_restored", len(ids))
-            self.stats.add("bytes_restored", len(ids) * plan.group.block_bytes * len(names))
+            plan = self.registry.groups[g]
+            n = load_transfers(h, plan, self.tp_rank, card, gts,
+                               [self.pools[name] for name in plan.group.layer_names])
+            self.stats.add("blocks_restored", n)
+            self.stats.add("bytes_restored", n * plan.group.bytes_all_layers)
         self._batches.append(_Batch(h, load_fence(h), jobs))
         self.stats.add("seconds_restored", time.perf_counter() - t0)  # host time to issue
 
@@ -230,12 +228,10 @@ class AsyncLoadWorker:
         makes its blocks load errors."""
         for gt in job.groups:
             shard = self.registry.groups[gt.group].shard_of(self.tp_rank)
-            stale = {c for c, ref in enumerate(gt.chunks)
-                     if self.session.slot_generation(ref.offsets[shard]) != ref.generations[shard]}
+            stale = gt.stale_blocks(shard, self.session.slot_generation)
             if stale:
-                self._no_block_errors(f"{len(stale)} slot(s) of request {job.req_id} reused")
-                self._fail(b for b, c in zip(gt.block_ids, gt.chunk_of, strict=True)
-                           if c in stale)
+                self._no_block_errors(f"a slot read by request {job.req_id} was reused")
+                self._fail(stale)
 
     def _complete(self, job: TransferJob) -> None:
         self._on_done(job.job_id)

@@ -55,6 +55,17 @@ class GroupTransfer:
         if any(not 0 <= c < len(self.chunks) for c in self.chunk_of):
             raise ValueError(f"GroupTransfer(group={self.group}): chunk index out of range")
 
+    def stale_blocks(self, shard: int, generation_of: Callable[[int], int]) -> list[int]:
+        """Blocks read from a chunk whose slot (of ``shard``) no longer holds the generation
+        that was leased (``generation_of(slot offset)``: the card's current one): a slot
+        evicted and reused while it was read — load errors, never wrong bytes. The one check
+        of sync and async restores, after their copies finished."""
+        stale = {c for c, ref in enumerate(self.chunks)
+                 if generation_of(ref.offsets[shard]) != ref.generations[shard]}
+        if not stale:
+            return []
+        return [b for b, c in zip(self.block_ids, self.chunk_of, strict=True) if c in stale]
+
 
 def load_transfer(group: int, ids: Sequence[int], first: int, last: int, blocks_per_chunk: int,
                   chunk_ref: Callable[[int], ChunkRef]) -> GroupTransfer:

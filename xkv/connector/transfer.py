@@ -346,3 +346,15 @@ class CudaTransferHandler:
         ev.record(self.save_stream)
         torch.cuda.current_stream(self.device).wait_event(ev)
         return ev
+
+
+def load_transfers(handler, plan, tp_rank: int, card, transfers, pools) -> int:
+    """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
+    number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
+    offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
+    The one home of the sync (worker) and async (``async_loads``) issue."""
+    names = plan.group.layer_names
+    blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+    base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
+    handler.load_group(names, card, layer_offsets(plan, base), pools, blocks)
+    return int(blocks.numel())

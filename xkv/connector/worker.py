@@ -33,11 +33,11 @@ from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
-from xkv.connector.registry import GroupPlan, Registry
+from xkv.connector.registry import Registry
 from xkv.connector.saves import Saver
 from xkv.connector.session import GatewaySession, LayoutSpec
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.transfer import SyncTransferHandler, layer_offsets
+from xkv.connector.transfer import SyncTransferHandler, load_transfers
 from xkv.layout import PagePool, describe_cache, kinds
 
 log = logging.getLogger("xkv.connector")
@@ -99,7 +99,7 @@ class WorkerSide:
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group, index in group)
         self.saver = Saver(registry, tp_rank, self.session, self.stats, SyncTransferHandler())
         self._meta: StepMetadata | None = None
-        self._load_checks: list[tuple[GroupTransfer, int]] = []  # (transfer, chunk index)
+        self._load_checks: list[GroupTransfer] = []  # read this step: generations checked
         self._loads_done: Counter = Counter()
         self._load_errors: set[int] = set()
         self._t_load = 0.0
@@ -256,18 +256,17 @@ class WorkerSide:
         t0 = time.perf_counter()
         self.handler.begin_loads()
         for job in meta.loads:
-            for gt in job.groups:
-                self._load_checks.extend((gt, c) for c in range(len(gt.chunks)))
+            self._load_checks.extend(job.groups)
             self._loads_done[job.job_id] += 1
         fanned = self.fanout.begin(card, by_group) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         for g, transfers in by_group.items():
             plan = self.registry.groups[g]
-            blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+            nblocks = sum(len(gt.block_ids) for gt in transfers)
             if g not in fanned:
                 names = plan.group.layer_names
-                offs = layer_offsets(plan, self._base_offsets(plan, transfers))
-                self.handler.load_group(names, card, offs, [self.pools[n] for n in names], blocks)
+                load_transfers(self.handler, plan, self.tp_rank, card, transfers,
+                               [self.pools[n] for n in names])
                 # State layers and layers whose class never calls wait_for_layer_load: the
                 # forward must start after their pages (states: boundary and running block)
                 # landed. The others keep their per-layer fence, checked after the forward.
@@ -277,9 +276,8 @@ class WorkerSide:
                 if bulk and getattr(self.handler, "verifier", None) is not None:
                     self.handler.verify_layers(bulk)  # debug: before the forward rewrites any
                 self._check_fences = self._check_fences or len(bulk) < len(names)
-            nbytes = len(blocks) * plan.group.bytes_all_layers
-            self.stats.add("bytes_restored", nbytes)
-            self.stats.add("blocks_restored", len(blocks))
+            self.stats.add("bytes_restored", nblocks * plan.group.bytes_all_layers)
+            self.stats.add("blocks_restored", nblocks)
         self._t_load = time.perf_counter() - t0
 
     def start_async_loads(self) -> None:
@@ -293,10 +291,6 @@ class WorkerSide:
         """Requests whose async load completed on this rank (``finished_recving``); polls."""
         self.async_loads.poll()
         return self.async_loads.take_finished()
-
-    def _base_offsets(self, plan: GroupPlan, transfers: list[GroupTransfer]) -> torch.Tensor:
-        """int64 [n]: card offset of each block of ``transfers`` for layer 0 (this rank's shard)."""
-        return torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.fanout is not None and layer_name in self.fanout.layers:
@@ -348,12 +342,12 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         self.handler.sync_loads()
-        for gt, c in self._load_checks:
+        for gt in self._load_checks:
             shard = self.registry.groups[gt.group].shard_of(self.tp_rank)
-            ref = gt.chunks[c]
-            if self.session.slot_generation(ref.offsets[shard]) != ref.generations[shard]:
-                self._no_block_errors(f"slot of chunk {ref.key.hex()[:16]} was reused")
-                self._fail(b for b, cc in zip(gt.block_ids, gt.chunk_of, strict=True) if cc == c)
+            stale = gt.stale_blocks(shard, self.session.slot_generation)
+            if stale:
+                self._no_block_errors(f"a slot read by group {gt.group} was reused")
+                self._fail(stale)
         self._load_checks = []
         self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
         self._t_load = 0.0
