@@ -246,7 +246,7 @@ def _child(a):
         reset()
         killed = _run(llm, [ref_prompt], logprobs=5)[0]
         _emit("E2E_REF", {"gateway_killed": killed})
-        row("after_kill_cold", 4096, _run(llm, [prompt(4096)])[0])
+        row("after_kill_cold", min(lens), _run(llm, [prompt(min(lens))])[0])
     if kind == "verify":
         _emit("E2E_INFO", dict(kind="verify_states", **e2e_models.COUNTS))
     _emit("E2E_DONE", {"kind": kind})
