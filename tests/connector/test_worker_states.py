@@ -88,3 +88,49 @@ def test_unloadable_promise_stops_multi_group(monkeypatch):
     w.start_load_kv()
     with pytest.raises(RuntimeError, match="was reused"):
         w.get_finished()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_cuda_shaped_state_tensors_register_under_either_attention_layout(layout):
+    """vLLM 0.26 on CUDA hands a Mamba2 layer over as [conv (B, K-1, conv_dim) bf16, SSM
+    (B, heads, head_dim, state) fp32] views of one padded page; the attention layout (NHD on
+    the H200: LBNHC) describes attention pages, not the 4-D SSM view, so it must not be checked
+    against it (the H200 run of 2026-12-01 refused to start on exactly that). Saved and restored
+    byte-exact into a poisoned page, padding untouched."""
+    heads, hd, ss, conv_dim, k1 = 4, 8, 16, 40, 3
+    conv_b, ssm_b = k1 * conv_dim * 2, heads * hd * ss * 4
+    buf = torch.zeros(2 * NB * PAGE, dtype=torch.int8)
+    attn = buf[: NB * PAGE].view(torch.float32).view(NB, H, BS, 2 * D)
+    if layout == "LBNHC":
+        attn = buf[: NB * PAGE].view(torch.float32).view(NB, BS, H, 2 * D).transpose(1, 2)
+    sbuf = buf[NB * PAGE:]
+    conv = torch.as_strided(sbuf.view(torch.bfloat16), (NB, k1, conv_dim), (PAGE // 2, conv_dim, 1))
+    ssm = torch.as_strided(sbuf.view(torch.float32), (NB, heads, hd, ss),
+                           (PAGE // 4, hd * ss, ss, 1), (NB * PAGE + conv_b) // 4)
+    gw = FakeGateway()
+    att = CacheGroup(1, "attention", ("l1.attn",), BS, PAGE, "FullAttentionSpec")
+    st = state_group(CacheGroup(0, "MambaSpec", ("l0.mixer",), BS, PAGE, "MambaSpec"),
+                     conv_b + ssm_b)
+    reg = build_registry([st, att], tp_size=1, pp_size=1, chunk_size=BS)
+    w = WorkerSide(reg, ["fp-state", "fp-attn"], namespace="t", tp_rank=0,
+                   gateway_factory=gw.client)
+    w.register_kv_caches({"l1.attn": attn, "l0.mixer": [conv, ssm]}, num_blocks=NB, layout=layout)
+    lid = w.layout_ids[0]
+    g = torch.Generator().manual_seed(3)
+    page = _state_page(buf, 4)
+    page[: conv_b + ssm_b] = torch.randint(-128, 127, (conv_b + ssm_b,), dtype=torch.int8,
+                                           generator=g)
+    want = page[: conv_b + ssm_b].clone()
+    (r,) = gw.client().reserve(lid, [b"c" * 32])
+    ref = ChunkRef(r.key, r.offsets, r.generations)
+    w.bind(StepMetadata(saves=(TransferJob(1, "a", (GroupTransfer(0, (4,), (0,), (0,), (ref,)),),
+                                           BS),), epoch=gw.epoch, layout_ids=w.layout_ids))
+    w.wait_for_save()
+    _state_page(buf, 10).fill_(-77)
+    w.bind(StepMetadata(loads=(TransferJob(2, "b", (GroupTransfer(0, (10,), (0,), (0,), (ref,)),),
+                                           BS),), epoch=gw.epoch, layout_ids=w.layout_ids))
+    w.start_load_kv()
+    w.get_finished()
+    assert torch.equal(_state_page(buf, 10)[: conv_b + ssm_b], want)
+    assert bool((_state_page(buf, 10)[conv_b + ssm_b:] == -77).all())
+    assert not w.take_load_errors()

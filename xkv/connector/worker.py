@@ -159,8 +159,11 @@ class WorkerSide:
             raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
         for plan in self.registry.groups:
             for i, name in enumerate(plan.group.layer_names):
-                # layout: the name vLLM resolved; describe_cache checks the strides against it.
-                pool = describe_cache(kv_caches[name], num_blocks=num_blocks, layout=layout,
+                # layout: the name vLLM resolved for attention pages; describe_cache checks
+                # their strides against it. A state page's tensors (a Mamba2 SSM state is
+                # [B, heads, head_dim, state]) are not [B, H, N, C] views: no layout applies.
+                pool = describe_cache(kv_caches[name], num_blocks=num_blocks,
+                                      layout=None if plan.is_state else layout,
                                       kind=_pool_kind(plan.group.kind))
                 if pool.block_bytes != plan.group.bytes_of(i):
                     raise ValueError(
