@@ -85,6 +85,7 @@ class FakeClient:
     def __init__(self, gw: FakeGateway):
         self.gw = gw
         self.epoch = gw.epoch
+        self.deadline_cap_s: float | None = None  # as GatewayClient's (the session sets it)
 
     def register_layout(self, namespace, fingerprint, num_shards, shard_bytes):
         g = self.gw

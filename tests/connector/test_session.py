@@ -185,3 +185,32 @@ def test_restarted_gateway_only_with_reattach():
             assert s.epoch == 4 and s.layout_ids == (1, 2)
         else:  # off for good: no more probes
             assert s.epoch == 3 and not s.reattach_due()
+
+
+def test_after_a_miss_calls_wait_the_probe_deadline_until_one_is_answered():
+    """A dead gateway must not stall the scheduler loop for a RESERVE's 1 s deadline per request
+    (H200 run, 2026-12-01): after an unanswered call every call is capped at the probe deadline,
+    and an answered call lifts the cap."""
+    gw = FakeGateway()
+    s, _ = _session(gw, probe_timeout_s=0.03)
+    assert s.open()
+    client = s.client
+    assert client.deadline_cap_s is None
+    with pytest.raises(GatewayUnavailable):
+        s.call("LOOKUP", _flaky([True]))
+    assert client.deadline_cap_s == 0.03
+    assert s.call("RESERVE", _flaky([False])) == "ok"
+    assert client.deadline_cap_s is None
+
+
+def test_the_real_client_honours_the_deadline_cap(tmp_path, monkeypatch):
+    """GatewayClient: with ``deadline_cap_s`` set, a call whose own deadline is 5 s gives up
+    after the cap (the error names the deadline it waited); no gateway listens on this port."""
+    from xkv.gateway.client import GatewayClient
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    c = GatewayClient("127.0.0.1", 5987, timeout_s=5.0)
+    c.deadline_cap_s = 0.02
+    with pytest.raises(GatewayUnavailable, match="within 20 ms"):
+        c.ping()
+    c.close()

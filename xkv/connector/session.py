@@ -10,7 +10,12 @@ through :meth:`GatewaySession.call`, which owns the failure policy:
   answer only costs that call (the caller answers a miss, aborts, ...), but ``MAX_FAILURES``
   in a row turn the session off: the role logs its "turned off" line, and while off every call
   raises :class:`SessionOff` without a message being sent (zero hits, no saves);
-* ``GatewayError`` (a refusal) costs that call only and does not count.
+* ``GatewayError`` (a refusal) costs that call only and does not count;
+* after a call got no answer, every call waits at most ``probe_timeout_s`` (the lookup
+  deadline) until one is answered: a dead gateway then costs the scheduler loop
+  ``MAX_FAILURES`` short deadlines, not a RESERVE's ``gateway_timeout_ms`` (1 s) per request
+  (the H200 run of 2026-12-01: a request right after a gateway kill waited 50 ms for its LOOKUP,
+  then 1000 ms for its RESERVE, stalling every running request with it).
 
 The state that changes (failure count, on/off, the client) sits behind one lock: the worker's
 commit thread and its engine thread share one session.
@@ -281,9 +286,12 @@ class GatewaySession:
         try:
             out = fn(client)
         except GatewayUnavailable as e:
+            client.deadline_cap_s = self.probe_timeout_s  # until a call is answered
             self._missed(what, e)
             raise
         with self._lock:
+            if self._failures:
+                client.deadline_cap_s = None
             self._failures = 0
         return out
 

@@ -167,6 +167,9 @@ class GatewayClient:
                     f"and --curve-allowed-clients)")
         self.timeout_s = timeout_s
         self.setup_timeout_s = setup_timeout_s
+        #: When set, no call waits longer than this (seconds), whatever its own deadline: the
+        #: connector's session sets it after a call got no answer, until one is answered.
+        self.deadline_cap_s: float | None = None
         if isinstance(curve_server_key, str):
             curve_server_key, curve_client_keys = transport.load_curve(curve_server_key,
                                                               curve_client_keys)
@@ -236,6 +239,8 @@ class GatewayClient:
         if self._broken is not None:
             raise GatewayUnavailable(self._broken)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.deadline_cap_s is not None:
+            timeout = min(timeout, self.deadline_cap_s)
         name = type(req).__name__.upper()
         body = P.encoder.encode(req)
         if len(body) > P.MAX_MESSAGE_BYTES:  # the gateway's transport would drop it unanswered
