@@ -13,11 +13,12 @@ The same save/restore also runs on a GLM-5.x / DeepSeek-V3.2 (DSA) group: a 576-
 Checked: one classification (``xkv.layout.kinds``) for registry and fan-out; the group registers
 (replicated, per-layer page sizes); a save then a restore into a fresh poisoned allocation is
 byte-exact for every layer and block, and no byte outside the restored pages changes (padding
-and the other layers of a packed block); fan-out declines with one warning; the whole model,
-with its sliding-window caches, is refused at start naming them.
+and the other layers of a packed block); fan-out declines with one warning; the SWA groups
+register (the whole model: test_dsv4_windows.py), a window that cannot be read is refused.
 """
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -214,10 +215,17 @@ def test_fanout_declines_once():
     el._reset_report_for_tests()
 
 
-def test_sliding_window_caches_are_refused_at_start_naming_them():
+def test_sliding_window_caches_register_and_an_unknown_window_is_refused_naming_it():
+    """Since issue 18 the SWA groups are stored (their window's tail, tests/connector/
+    test_dsv4_windows.py); a sliding-window group whose window cannot be read stays refused."""
     vc = _vllm_config()
     kvc = _kv_cache_config(vc, _specs(with_windows=True))
     groups = vllm_specs.cache_groups(kvc)
     assert {g.kind for g in groups} == {kinds.MLA_COMPRESSED, kinds.SLIDING_WINDOW}
+    reg = build_registry(groups, tp_size=2, pp_size=1, chunk_size=BS)
+    windows = [p for p in reg.groups if p.is_window]
+    assert windows and all(p.blocks_per_object == 2 and p.num_shards == 1 for p in windows)
+    unknown = [replace(g, sliding_window=0) if g.kind == kinds.SLIDING_WINDOW else g
+               for g in groups]
     with pytest.raises(RegistryError, match="SlidingWindowMLASpec.*sliding window"):
-        build_registry(groups, tp_size=1, pp_size=1, chunk_size=BS)
+        build_registry(unknown, tp_size=1, pp_size=1, chunk_size=BS)

@@ -42,17 +42,29 @@ def test_scheduler_role_by_name_without_module_path(fake_gateway, llama_dir):
 
 
 def test_cache_nobody_writes_refused(fake_gateway, llama_dir):
-    # (Mamba state groups are stored since issue 5: tests/hybrid; a sliding-window group is not)
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+    # (Mamba state groups are stored since issue 5: tests/hybrid; sliding-window groups since
+    # issue 18 (their window's tail, test_dsv4_windows.py); a chunked-local group is not)
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     vc = H.make_vllm_config(llama_dir, policy="recompute")
     kcfg = H.attention_cache_config()
     kcfg.kv_cache_groups.append(KVCacheGroupSpec(
         ["model.layers.2.self_attn"],
-        SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                          sliding_window=64)))
+        ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                  dtype=torch.float32, attention_chunk_size=64)))
     with pytest.raises(ValueError, match="has no writer"):
         H.make_scheduler(vc, kcfg)
+    kcfg.kv_cache_groups[-1] = KVCacheGroupSpec(
+        ["model.layers.2.self_attn"],
+        SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                          sliding_window=64))
+    reg = H.make_scheduler(vc, kcfg).connector._scheduler.registry
+    (w,) = [p for p in reg.groups if p.is_window]
+    assert (w.num_shards, w.blocks_per_object) == (1, 2)  # heads (TP 1); 63 tokens: 2 blocks
 
 
 def test_stats_round_trip():

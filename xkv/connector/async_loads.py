@@ -67,17 +67,19 @@ class AsyncLoadPlanner:
     ``mode``: ``"sync"`` (never), ``"async"`` (every hit), ``"auto"`` (a hit is asynchronous
     while another request is admitted: that is when a synchronous restore would stall a batch;
     a lone request restores synchronously, which costs it no extra step). ``has_states``: the
-    model has recurrent-state groups (then never, see the module docstring).
+    model has recurrent-state or sliding-window groups (then never; ``why`` names them in the
+    log line: vLLM frees a window's blocks as a request advances, never checked against a
+    parked restore).
     """
 
-    def __init__(self, mode: str, *, has_states: bool):
+    def __init__(self, mode: str, *, has_states: bool, why: str = "recurrent-state groups"):
         if mode not in LOAD_MODES:
             raise ValueError(f"load_mode={mode!r}: expected one of {LOAD_MODES}")
         self.mode = mode
         self.enabled = mode != "sync" and not has_states
         if mode != "sync" and has_states:
-            log.info("xkv: load_mode=%s: this model has recurrent-state groups, its restores "
-                     "stay synchronous (docs/architecture.md, Asynchronous restores)", mode)
+            log.info("xkv: load_mode=%s: this model has %s, its restores stay synchronous "
+                     "(docs/architecture.md, Asynchronous restores)", mode, why)
         self.pending: list[TransferJob] = []  # planned in this step, not yet shipped
         self._parked: set[str] = set()  # requests waiting for their async load
         self._in_flight: dict[int, str] = {}  # job id -> request id, until every rank is done

@@ -377,6 +377,9 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
     f = features()
     tp, _, _ = parallel_sizes(vllm_config)
     spec = kv_cache_config.kv_cache_groups[plan.group.index].kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)  # the worker's config; the scheduler's keeps
+    if isinstance(inner, dict) and inner:  # only this first spec: both roles read the same
+        spec = next(iter(inner.values()))
     return {
         "model": str(mc.model),
         "revision": getattr(mc, "revision", None),
@@ -394,9 +397,14 @@ def fingerprint_fields(vllm_config: Any, kv_cache_config: Any, plan: Any) -> dic
         "spec": plan.group.spec,
         "layers": list(plan.group.layer_names),
         "block_bytes": plan.group.block_bytes,
-        # a group of mixed page sizes (MLA latent + indexer): every layer's size (absent for
-        # uniform groups, so their fingerprints are unchanged)
-        **({"layer_bytes": list(plan.group.layer_bytes)} if plan.group.layer_bytes else {}),
+        # a group of mixed page sizes (MLA latent + indexer): every layer's allocated page (both
+        # roles see it; the scheduler's config keeps one spec per group)
+        **({"layer_pages": list(plan.group.layer_pages)} if plan.group.layer_pages else {}),
+        # a window group's object is the window's tail at the chunk end: its window decides
+        # which blocks it holds (absent for other groups: their fingerprints are unchanged)
+        **({"sliding_window": plan.group.sliding_window,
+            "extra_retained": plan.group.extra_retained,
+            "window_blocks": plan.group.window_blocks} if plan.group.sliding_window else {}),
         "kv_layout": kv_cache_layout(vllm_config, kv_cache_config),
         # How vLLM builds the tensors it registers (backend shapes vs generic views): a layout
         # name means the same bytes only within one family.

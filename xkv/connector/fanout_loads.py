@@ -17,6 +17,7 @@ import torch
 
 from xkv.connector.metadata import GroupTransfer
 from xkv.connector.registry import Registry
+from xkv.connector.transfer import layer_offsets, positions_of
 
 log = logging.getLogger("xkv.connector")
 
@@ -47,7 +48,8 @@ class FanoutLoads:
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
             base = torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
             groups.append(g)
-            loads += [LayerLoad(name, base + plan.object_offset(layer, 0), self.pools[name], blocks)
+            offs = layer_offsets(plan, base, positions_of(transfers))
+            loads += [LayerLoad(name, offs[layer], self.pools[name], blocks)
                       for layer, name in enumerate(plan.group.layer_names)]
         if not loads or not self.restorer.begin(src, loads):
             return set()

@@ -16,15 +16,25 @@ all layers of the group, layer-major):
   writes and reads its own. A state is not a per-token cache: the object of chunk ``c`` holds
   ONE block per layer, the state after token ``(c + 1) * chunk_size`` (``blocks_per_object`` 1),
   and exists only where vLLM materialised that state (see docs/architecture.md).
+* ``sliding_window`` — a sliding-window cache under vLLM's hybrid allocator (DeepSeek-V4's SWA
+  and compressor-state caches, ``CacheGroup.sliding_window`` > 0): vLLM frees the blocks that
+  leave the window and restores only the window's tail, so the object of chunk ``c`` holds the
+  ``window_blocks`` blocks that end at the chunk's end (``xkv.connector.windows``). Sharded by
+  heads (one shard per rank), or replicated when its layers keep an MLA latent
+  (``CacheGroup.replicated``: ``SlidingWindowMLASpec``).
+
+Groups may differ in block size (DeepSeek-V4: 256, 64, 8 and 4 tokens) when no state group is
+present; ``chunk_size`` is then a multiple of every group's block size.
 
 Kinds come from :mod:`xkv.layout.kinds` (shared with ``xkv.fanout``). Any other kind
-(sliding-window or cross-attention caches, ...) would be a cache that nobody writes, so restoring
+(chunked-local or cross-attention caches, ...) would be a cache that nobody writes, so restoring
 the others would resume from a state that was never stored: the registry refuses the model at
 start with ``RegistryError`` naming the group, its spec and its layers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -37,6 +47,7 @@ if TYPE_CHECKING:
 SHARDED_KINDS = (kinds.ATTENTION,)
 REPLICATED_KINDS = kinds.REPLICATED
 STATE_KINDS = (kinds.MAMBA,)  # one state block per object, one shard per TP rank
+WINDOW_KINDS = (kinds.SLIDING_WINDOW,)  # the window's tail blocks at the chunk's end
 
 
 class RegistryError(ValueError):
@@ -49,8 +60,10 @@ class CacheGroup:
 
     ``block_size``: tokens per scheduler block. ``block_bytes``: bytes of one scheduler block of
     one layer on one rank (all runs of the page). ``layer_bytes``: the same per layer when the
-    layers differ (e.g. an MLA latent and its indexer cache in one group), else empty; then
-    ``block_bytes`` is the largest. ``spec``: vLLM's spec class name, for messages.
+    layers differ (e.g. an MLA latent and its indexer cache in one group; known to the worker
+    role only), else empty; ``block_bytes`` is then the first layer's. ``layer_pages``: each
+    layer's allocated page when they differ (both roles). ``spec``: vLLM's spec class name
+    (of the group's first layer: the one the scheduler role's config keeps).
     """
 
     index: int
@@ -61,6 +74,20 @@ class CacheGroup:
     spec: str = ""
     state_mode: str = ""  # state groups: vLLM's mamba_cache_mode ("align" | "all")
     layer_bytes: tuple[int, ...] = ()
+    layer_pages: tuple[int, ...] = ()  # a mixed group: each layer's allocated page (padded)
+    sliding_window: int = 0  # window groups: vLLM's sliding_window (tokens)
+    extra_retained: int = 0  # window groups: vLLM's extra_retained_tokens (kept, not attended)
+    replicated: bool = False  # window groups: one MLA latent, identical on every TP rank
+
+    @property
+    def window_blocks(self) -> int:
+        """Window groups: the blocks vLLM keeps real for a prefix of ``T`` tokens (``T`` a
+        multiple of ``block_size``, ``T >= sliding_window - 1 + extra_retained``): the blocks
+        that end at ``T``, ``cdiv(sliding_window - 1 + extra_retained, block_size)``
+        (``SlidingWindowManager.get_num_skipped_tokens``); 0 for other groups."""
+        if self.sliding_window <= 0:
+            return 0
+        return max(1, -(-(self.sliding_window - 1 + self.extra_retained) // self.block_size))
 
     def bytes_of(self, layer: int) -> int:
         """Bytes of one block of layer ``layer`` (its index in the group)."""
@@ -70,6 +97,13 @@ class CacheGroup:
     def bytes_all_layers(self) -> int:
         """Bytes of one block summed over the group's layers."""
         return sum(self.layer_bytes) if self.layer_bytes else self.block_bytes * len(self.layer_names)
+
+    @property
+    def slot_bytes_per_block(self) -> int:
+        """Bytes one block of all layers takes in a stored object's slot: the allocated pages
+        of a mixed group (what the scheduler role can see too: its config keeps one spec per
+        group; the content, ``bytes_all_layers``, fits inside), else the content."""
+        return sum(self.layer_pages) if self.layer_pages else self.bytes_all_layers
 
 
 @dataclass(frozen=True)
@@ -88,8 +122,22 @@ class GroupPlan:
         return self.group.kind in STATE_KINDS
 
     @property
+    def is_window(self) -> bool:
+        """A sliding-window group: an object holds the window's tail at the chunk's end."""
+        return self.group.kind in WINDOW_KINDS
+
+    @property
+    def at_boundary(self) -> bool:
+        """Only the object at a hit's last chunk is read (state and window groups); the other
+        groups need every chunk of the hit."""
+        return self.is_state or self.is_window
+
+    @property
     def blocks_per_object(self) -> int:
-        """Blocks of one layer inside an object: k for caches, 1 for a state group."""
+        """Blocks of one layer inside an object: k for caches, 1 for a state group,
+        ``window_blocks`` for a window group."""
+        if self.is_window:
+            return self.group.window_blocks
         return 1 if self.is_state else self.blocks_per_chunk
 
     @property
@@ -100,10 +148,12 @@ class GroupPlan:
 
     @property
     def registered_bytes(self) -> int:
-        """Shard size told to the gateway: ``shard_bytes`` rounded up to ``slot_alignment``
-        (a remote card wants 4 KiB-aligned objects even when a page is not)."""
+        """Shard size told to the gateway, the same in both roles: the object's bytes (a mixed
+        group: each layer's allocated page, ``CacheGroup.slot_bytes_per_block``, which the
+        content ``shard_bytes`` fits in) rounded up to ``slot_alignment`` (a remote card wants
+        4 KiB-aligned objects even when a page is not)."""
         a = self.slot_alignment
-        return -(-self.shard_bytes // a) * a
+        return -(-(self.blocks_per_object * self.group.slot_bytes_per_block) // a) * a
 
     def object_offset(self, layer: int, block: int) -> int:
         """Bytes from the start of a shard's object to block ``block`` (its index in the object)
@@ -144,6 +194,12 @@ class Registry:
         errors for these, so a promised load must never fail (the scheduler promises only
         leased data there)."""
         return len(self.groups) > 1
+
+    @property
+    def hit_granularity(self) -> int:
+        """Tokens a hit is a multiple of: the lcm of every group's block size (vLLM's
+        scheduler block size for a hybrid model)."""
+        return math.lcm(*(p.group.block_size for p in self.groups))
 
     @property
     def num_caches(self) -> int:
@@ -191,23 +247,27 @@ def build_registry(
     if not groups:
         raise RegistryError("the engine allocated no KV cache group: nothing to exchange")
     for g in groups:
-        if g.kind not in SHARDED_KINDS + REPLICATED_KINDS + STATE_KINDS:
-            why = (" (a sliding window: vLLM frees the blocks that leave the window, so a "
-                   "stored chunk could not be restored whole)" if g.kind == kinds.SLIDING_WINDOW
-                   else "")
+        known = SHARDED_KINDS + REPLICATED_KINDS + STATE_KINDS + WINDOW_KINDS
+        if g.kind not in known or (g.kind in WINDOW_KINDS and g.sliding_window <= 0):
+            why = (" (a sliding window whose window size is unknown)"
+                   if g.kind in WINDOW_KINDS else "")
             raise RegistryError(
                 f"KV cache group {g.index} ({g.spec or g.kind}, layers {list(g.layer_names)[:4]}"
                 f"{'...' if len(g.layer_names) > 4 else ''}) has no writer{why}: "
-                "FusIOnXConnector stores full-attention, MLA (also compressed) and "
-                "Mamba/linear-attention state caches only, so restoring the other groups would "
-                "resume from a state nobody saved. This model is not supported yet."
+                "FusIOnXConnector stores full-attention, MLA (also compressed), sliding-window "
+                "and Mamba/linear-attention state caches only, so restoring the other groups "
+                "would resume from a state nobody saved. This model is not supported yet."
             )
     sizes = {g.block_size for g in groups}
-    if len(sizes) > 1:
-        raise RegistryError(f"KV cache groups with different block sizes {sorted(sizes)}")
+    if len(sizes) > 1 and any(g.kind in STATE_KINDS for g in groups):
+        raise RegistryError(
+            f"KV cache groups with different block sizes {sorted(sizes)} and a recurrent-state "
+            "group: FusIOnXConnector places a state at a chunk end only when every group has "
+            "one block size"
+        )
     plans = []
     for g in groups:
-        if g.kind in REPLICATED_KINDS:
+        if g.kind in REPLICATED_KINDS or (g.kind in WINDOW_KINDS and g.replicated):
             shards, writers = 1, (0,)
         else:
             shards, writers = tp_size, tuple(range(tp_size))
@@ -240,11 +300,17 @@ def build_registry(
                 slot_alignment=slot_alignment,
             )
         )
-    if any(p.is_state for p in plans) and all(p.is_state for p in plans):
+    if all(p.is_state for p in plans):
         raise RegistryError(
             "only recurrent-state KV cache groups and no attention group: FusIOnXConnector "
             "restores a state together with the attention pages of its prefix; a pure "
             "state-space model is not supported"
+        )
+    if all(p.at_boundary for p in plans):
+        raise RegistryError(
+            "only sliding-window (and state) KV cache groups, no full-attention or MLA group: "
+            "FusIOnXConnector finds a hit through the full-attention/MLA objects of every "
+            "chunk of it; a model of sliding-window layers only is not supported"
         )
     return Registry(groups=tuple(plans), tp_size=tp_size)
 

@@ -2,10 +2,12 @@
 
 A chunk is saved once, by the first request that computes it (the gateway's RESERVE is first
 writer wins: a key stored already, being written by another engine, or without room answers no
-slot). Attention groups save every chunk completed in the step; a state group saves the states
-vLLM left at chunk boundaries in this step (``states.saved_boundaries``: ``align`` mode the
-boundary the step ended on, if any; ``all`` mode every boundary the step crossed). No vLLM
-types; only :meth:`SavePlanner._reserve` talks to the gateway.
+slot). Attention groups save every chunk completed in the step; a window group the window's
+tail at every chunk end the step reached whose blocks are all still held
+(``windows.saved_tail``); a state group saves the states vLLM left at chunk boundaries in this
+step (``states.saved_boundaries``: ``align`` mode the boundary the step ended on, if any; ``all``
+mode every boundary the step crossed). No vLLM types; only :meth:`SavePlanner._reserve` talks to
+the gateway.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.states import saved_boundaries
 from xkv.connector.stats import ConnectorStats
+from xkv.connector.windows import saved_tail
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
@@ -45,8 +48,9 @@ class SavePlanner:
         self.registry, self.session, self.stats = registry, session, stats
         self.hashes_per_chunk = hashes_per_chunk
         self.chunk_size = registry.groups[0].chunk_size
-        self._attn = [g for g, p in enumerate(registry.groups) if not p.is_state]
+        self._attn = [g for g, p in enumerate(registry.groups) if not p.at_boundary]
         self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
+        self._window = [g for g, p in enumerate(registry.groups) if p.is_window]
 
     def plan(self, st: RequestState, computed: int, n_sched: int,
              job_id: Callable[[], int]) -> TransferJob | None:
@@ -57,7 +61,8 @@ class SavePlanner:
         end = min(computed + n_sched, req.num_prompt_tokens)
         hashed = len(req.block_hashes) // self.hashes_per_chunk
         c_end = min(end // self.chunk_size, hashed)
-        cands = [c for c in range(st.next_save_chunk, c_end) if c not in st.present]
+        new = range(st.next_save_chunk, c_end)
+        cands = [c for c in new if c not in st.present]
         st.next_save_chunk = max(st.next_save_chunk, c_end)
         groups: list[GroupTransfer] = []
         for g in self._attn if cands else ():
@@ -67,6 +72,15 @@ class SavePlanner:
             if todo and not self._reserve(
                 req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
             ):
+                return None
+        for g in self._window:
+            # the window's tail at each chunk end, where no tail block may be gone (windows.py);
+            # also chunks the lookup found: their window object may be the one missing
+            plan = self.registry.groups[g]
+            ids = st.block_ids[plan.group.index]
+            tails = {c: t for c in new if (t := saved_tail(plan, ids, c, computed)) is not None}
+            if tails and not self._reserve(req, g, sorted(tails), lambda c, t=tails: t[c][0],
+                                           groups, lambda c, t=tails: t[c][1]):
                 return None
         for g in self._state:
             plan = self.registry.groups[g]
@@ -84,10 +98,12 @@ class SavePlanner:
             return None
         return TransferJob(job_id(), req.request_id, tuple(groups), len(cands) * self.chunk_size)
 
-    def _reserve(self, req: Any, g: int, chunks: list[int], blocks_of, out: list) -> bool:
+    def _reserve(self, req: Any, g: int, chunks: list[int], blocks_of, out: list,
+                 positions_of=None) -> bool:
         """RESERVE ``chunks`` of group ``g``; a GroupTransfer of the reserved ones goes to
-        ``out`` (``blocks_of(c)``: the blocks of chunk c in object order). False when the
-        gateway is unavailable (the caller stops planning this request's saves)."""
+        ``out`` (``blocks_of(c)``: the blocks of chunk c, at object positions
+        ``positions_of(c)``, default ``0, 1, ...``). False when the gateway is unavailable (the
+        caller stops planning this request's saves)."""
         keys = [chunk_keys(req.block_hashes, self.hashes_per_chunk, c, c + 1)[0] for c in chunks]
 
         def reserve(gw: Any) -> Any:
@@ -114,7 +130,7 @@ class SavePlanner:
             chunk_of.extend([len(refs)] * len(b))
             refs.append(ChunkRef.at(r.key, r))
             blocks.extend(b)
-            pos.extend(range(len(b)))
+            pos.extend(positions_of(c) if positions_of else range(len(b)))
         if refs:
             self.stats.add("chunks_reserved", len(refs))
             out.append(GroupTransfer(g, tuple(blocks), tuple(chunk_of), tuple(pos), tuple(refs)))

@@ -46,6 +46,7 @@ from xkv.connector.reservations import RequestState, SavePlanner
 from xkv.connector.session import GatewaySession, LayoutSpec, SessionOff
 from xkv.connector.states import add_running_blocks, probe_states, state_load
 from xkv.connector.stats import ConnectorStats
+from xkv.connector.windows import window_load
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
@@ -93,9 +94,10 @@ class SchedulerSide:
         self.load, self.save = load, save  # kv_role: consumer loads only, producer saves only
         self.registry = registry
         self.chunk_size = registry.groups[0].chunk_size
-        self._attn = [g for g, p in enumerate(registry.groups) if not p.is_state]
-        self._block_size = registry.groups[0].group.block_size  # one size for all groups (façade)
-        self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
+        # prefix groups need every chunk of a hit; state and window groups the last one only
+        self._attn = [g for g, p in enumerate(registry.groups) if not p.at_boundary]
+        self._block_size = registry.hit_granularity  # lcm of the groups' block sizes
+        self._state = [g for g, p in enumerate(registry.groups) if p.at_boundary]
         if self.chunk_size % hash_block_size:
             raise ValueError(
                 f"chunk_size={self.chunk_size} is not a multiple of vLLM's hash block size "
@@ -110,7 +112,10 @@ class SchedulerSide:
         self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
         self._loads_done: Counter = Counter()
         self._next_job = 1
-        self._async = AsyncLoadPlanner(cfg.load_mode, has_states=bool(self._state))
+        self._async = AsyncLoadPlanner(
+            cfg.load_mode, has_states=bool(self._state),
+            why="recurrent-state groups" if any(p.is_state for p in registry.groups)
+            else "sliding-window groups")
         self.session = GatewaySession(
             gateway_factory,
             [LayoutSpec(fp, p.num_shards, p.registered_bytes)
@@ -257,11 +262,12 @@ class SchedulerSide:
         for g, plan in enumerate(self.registry.groups):
             bs, k = plan.group.block_size, plan.blocks_per_chunk
             ids = st.block_ids[plan.group.index]
-            if plan.is_state:
-                c = lk.start + lk.hits - 1
-                cs = lk.state_slots[g]
-                ref = ChunkRef.at(lk.keys[c - lk.start], cs)
-                groups.append(state_load(g, ids, lk.local + num_external_tokens, bs, ref, req_id))
+            if plan.at_boundary:
+                ref = ChunkRef.at(lk.keys[lk.hits - 1], lk.state_slots[g])
+                end = lk.local + num_external_tokens
+                gt = (state_load(g, ids, end, bs, ref, req_id) if plan.is_state
+                      else window_load(g, plan, ids, lk.local, end, ref, req_id))
+                groups.extend([gt] if gt.block_ids else [])
                 continue
             first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
             if last > len(ids):

@@ -11,6 +11,7 @@ import here).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,8 @@ def build(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Se
     cfg.check_fanout_groups(tp)
     groups = vllm_specs.state_groups(vllm_config, kv_cache_config,
                                      vllm_specs.cache_groups(kv_cache_config))
-    # build_registry refuses groups of different block sizes (after naming unstorable kinds)
-    chunk = cfg.resolve_chunk_size(groups[0].block_size if groups else 1)
+    # a chunk is a multiple of every group's block size (DeepSeek-V4: 256, 64, 8, 4 tokens)
+    chunk = cfg.resolve_chunk_size(math.lcm(*(g.block_size for g in groups)) if groups else 1)
     registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
                               slot_alignment=cfg.slot_alignment_bytes)
     fps = [fingerprint({**compat.fingerprint_fields(vllm_config, kv_cache_config, p),

@@ -102,13 +102,29 @@ def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) ->
     return n, bad
 
 
-def layer_offsets(plan, base: torch.Tensor) -> torch.Tensor:
+def layer_offsets(plan, base: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[L, n]``: card offsets of every layer of ``plan``'s group, from ``base`` (int64
     ``[n]``, layer 0; see ``GroupPlan.card_offsets``); objects are layer-major, so row ``l`` is
-    ``base + plan.object_offset(l, 0)``. One host op for the whole group."""
-    starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(plan.group.layer_names))],
+    ``base + plan.object_offset(l, 0)``, plus, for a group of mixed page sizes, ``j *
+    (bytes_of(l) - bytes_of(0))`` for the block at object position ``j`` (``positions``,
+    int64 ``[n]``; needed when an object holds several blocks). One host op for the group."""
+    g = plan.group
+    starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(g.layer_names))],
                           dtype=torch.int64)
-    return base.reshape(1, -1) + starts.reshape(-1, 1)
+    out = base.reshape(1, -1) + starts.reshape(-1, 1)
+    lb = getattr(g, "layer_bytes", ())
+    if lb and plan.blocks_per_object > 1:
+        if positions is None or positions.numel() != base.numel():
+            raise ValueError(f"group {g.index}: mixed page sizes need each block's position")
+        step = torch.tensor([b - lb[0] for b in lb], dtype=torch.int64)
+        out = out + step.reshape(-1, 1) * positions.reshape(1, -1)
+    return out
+
+
+def positions_of(transfers) -> torch.Tensor:
+    """int64 ``[n]``: object position of every block of ``transfers`` (``GroupTransfer``s, in
+    ``card_offsets`` order)."""
+    return torch.tensor([j for gt in transfers for j in gt.block_in_chunk], dtype=torch.int64)
 
 
 class _BySize:
@@ -356,5 +372,6 @@ def load_transfers(handler, plan, tp_rank: int, card, transfers, pools) -> int:
     names = plan.group.layer_names
     blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
     base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
-    handler.load_group(names, card, layer_offsets(plan, base), pools, blocks)
+    handler.load_group(names, card, layer_offsets(plan, base, positions_of(transfers)), pools,
+                       blocks)
     return int(blocks.numel())

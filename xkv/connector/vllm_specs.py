@@ -46,7 +46,16 @@ def block_bytes(spec: Any) -> int:
 
 
 def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
-    """Neutral rows for every transferable KV cache group, with vLLM's group index."""
+    """Neutral rows for every transferable KV cache group, with vLLM's group index.
+
+    The two roles see different configs: a worker's group of several layer types
+    (``UniformTypeKVCacheSpecs``, e.g. an MLA latent and its indexer cache) keeps every layer's
+    spec, the scheduler's keeps only its first layer's (``generate_scheduler_kv_cache_config``).
+    Whatever the gateway must agree on (fingerprint, slot size) is therefore read from what
+    both see: the first layer's spec class and the allocation's per-layer pages
+    (``CacheGroup.layer_pages``, a mixed group only); the content size of each layer
+    (``layer_bytes``) only the worker needs, to move bytes."""
+    pages = _allocated_pages(kv_cache_config)
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):
@@ -56,22 +65,60 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
         if isinstance(inner, Mapping) and inner:
             sizes = tuple(block_bytes(inner[n]) for n in g.layer_names)
             layer_bytes = sizes if len(set(sizes)) > 1 else ()  # an MLA latent + its indexer
-            one, first = max(sizes), inner[g.layer_names[0]]
+            first = next(iter(inner.values()))  # the one spec the scheduler's config keeps
+            one = block_bytes(first)
         else:
             layer_bytes, one, first = (), block_bytes(spec), spec
+        laid = tuple(pages.get(n, 0) for n in g.layer_names)
+        kind = spec_kind(spec)
         out.append(
             CacheGroup(
                 index=i,
-                kind=spec_kind(spec),
+                kind=kind,
                 layer_names=tuple(g.layer_names),
                 block_size=int(spec.block_size),
                 block_bytes=one,
-                spec=type(spec).__name__ if first is spec
-                else f"{type(spec).__name__} of {type(first).__name__}",
+                spec=type(first).__name__,
                 layer_bytes=layer_bytes,
+                layer_pages=laid if len(set(laid)) > 1 and min(laid) > 0 else (),
+                **(_window(i, spec) if kind == kinds.SLIDING_WINDOW else {}),
             )
         )
     return out
+
+
+def _allocated_pages(kv_cache_config: Any) -> dict[str, int]:
+    """Bytes of one block of every layer as the allocation lays it out (padding included),
+    from the ``KVCacheTensor`` rows both roles share: ``min(layer_stride, block_stride)`` on
+    29+ (layer-outermost: the block stride; block-outermost: the layer stride), ``size /
+    num_blocks`` for 26/28's ``shared_by`` tensors."""
+    out: dict[str, int] = {}
+    nb = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    for t in getattr(kv_cache_config, "kv_cache_tensors", ()) or ():
+        layers = getattr(t, "layers", None)
+        if layers is not None and getattr(t, "layer_stride", None) is not None:
+            page = min(int(t.layer_stride), int(t.block_stride))
+        else:
+            layers, page = getattr(t, "shared_by", ()) or (), int(t.size) // nb if nb else 0
+        for n in layers:
+            out.setdefault(n, page)
+    return out
+
+
+def _window(index: int, spec: Any) -> dict[str, Any]:
+    """A sliding-window group's window as vLLM's ``SlidingWindowManager`` reads it (from the
+    group's first layer spec; vLLM groups only layers of one window): ``sliding_window``,
+    ``extra_retained_tokens``, and whether its layers keep an MLA latent (replicated on every
+    TP rank, ``SlidingWindowMLASpec``). Layers that disagree are left without a window (the
+    registry then refuses the group)."""
+    specs = list(_iter_layer_specs(spec))
+    wins = {(int(getattr(s, "sliding_window", 0) or 0),
+             int(getattr(s, "extra_retained_tokens", 0) or 0)) for s in specs}
+    mla = {"SlidingWindowMLASpec" in [c.__name__ for c in type(s).__mro__] for s in specs}
+    if len(wins) != 1 or len(mla) != 1:
+        return {}
+    (w, extra), = wins
+    return {"sliding_window": w, "extra_retained": extra, "replicated": mla.pop()}
 
 
 def _mamba_mode(vllm_config: Any, spec: Any) -> str:

@@ -46,8 +46,11 @@ TURNED_OFF_LINE = "External KV cache turned off on this rank"
 REATTACHED_LINE = "External KV cache re-attached on this rank"
 
 
-def _pool_kind(kind: str) -> str | None:
-    """The label a registry kind gives its page pools (messages only)."""
+def _pool_kind(kind: str, replicated: bool = False) -> str | None:
+    """The label a registry kind gives its page pools (messages only): a sliding window's
+    pages are an MLA latent or attention heads."""
+    if kind == kinds.SLIDING_WINDOW:
+        return "mla" if replicated else "attention"
     return "mla" if kind in kinds.REPLICATED else kind
 
 
@@ -164,7 +167,7 @@ class WorkerSide:
                 # [B, heads, head_dim, state]) are not [B, H, N, C] views: no layout applies.
                 pool = describe_cache(kv_caches[name], num_blocks=num_blocks,
                                       layout=None if plan.is_state else layout,
-                                      kind=_pool_kind(plan.group.kind))
+                                      kind=_pool_kind(plan.group.kind, plan.group.replicated))
                 if pool.block_bytes != plan.group.bytes_of(i):
                     raise ValueError(
                         f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
