@@ -17,7 +17,8 @@ and never by model name:
   ``block_size / tokens_per_state`` states: fan-out does not take it;
 * ``sliding_window`` — ``SlidingWindowSpec`` / ``SlidingWindowMLASpec`` (DeepSeek-V4's SWA and
   compressor-state caches, SWA layers under the hybrid allocator): vLLM frees the blocks that
-  leave the window, so a chunk's blocks do not all exist when it is restored;
+  leave the window and restores only the window's tail, so the registry stores that tail
+  (``xkv.connector.windows``); fan-out does not take it;
 * ``mamba`` — a ``MambaSpec`` (recurrent states; one state per block in ``align`` mode);
 * ``other`` — anything else (chunked-local, cross-attention, encoder-only, ...).
 """
