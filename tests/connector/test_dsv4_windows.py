@@ -120,7 +120,7 @@ class Engine:
         self.w = H.make_worker(self.vc, self.kvc, H.Caches(self.tensors, {}, {}, 0, 0))
         self.layer_group = {n: (gi, g.kv_cache_spec.block_size)
                             for gi, g in enumerate(self.kvc.kv_cache_groups) for n in g.layer_names}
-        self.loaded: list = []  # (request, group, block index, block id) restored, per step
+        self.written: dict[int, set[str]] = {}  # block id -> requests the forward wrote it for
 
     @property
     def registry(self):
@@ -156,6 +156,7 @@ class Engine:
                 g, bs = self.layer_group[name]
                 for b in range((end - n) // bs, -(-end // bs)):
                     assert ids[g][b] != 0, (rid, name, b)  # vLLM never computes into null
+                    self.written.setdefault(ids[g][b], set()).add(rid)
                     pg = page(t, ids[g][b])
                     pg.copy_(H.pattern(toks[: min(end, (b + 1) * bs)], name, pg.numel()))
 
@@ -310,6 +311,7 @@ def test_two_requests_reusing_freed_window_blocks_store_exact_bytes(engines, fak
     restores byte-exact, for both prompts."""
     a = engines(chunk=256, budget=384)
     a.run(a.request("x", _prompt(1300, 11)), a.request("y", _prompt(1100, 23)))
+    assert any(len(r) == 2 for r in a.written.values())  # a freed block was reused
     for rid, toks in (("x", _prompt(1300, 11)), ("y", _prompt(1100, 23))):
         b = engines(chunk=256, budget=2048)
         hit = (len(toks) - 1) // 256 * 256
