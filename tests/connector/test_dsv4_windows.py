@@ -250,18 +250,24 @@ def test_dsv4_registers_every_group():
     assert reg.hit_granularity == 256
 
 
-def test_both_roles_agree_on_what_the_gateway_sees():
+@pytest.mark.parametrize("model", ["dsv4", "glm5"])
+def test_both_roles_agree_on_what_the_gateway_sees(model):
     """The scheduler role's config keeps one spec per group (its first layer's), the worker's
     every layer's: both must register the same layouts (fingerprint fields and slot sizes),
     or the scheduler would reserve slots the worker writes past. The content of every layer
-    fits in the slot."""
+    fits in the slot. Also GLM-5.x / DeepSeek-V3.2's latent + indexer group (layer-outermost)."""
+    from test_dsv4_layout import _glm5_specs, _kv_cache_config, _vllm_config
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
     from xkv.connector import vllm_specs
 
-    vc = VllmConfig(cache_config=CacheConfig(block_size=256), device_config=DeviceConfig("cpu"))
-    kvc = dsv4_kv_cache_config(vc)
+    if model == "glm5":
+        kvc = _kv_cache_config(_vllm_config("LBNHC", 64), _glm5_specs(), "LBNHC")
+    else:
+        vc = VllmConfig(cache_config=CacheConfig(block_size=256),
+                        device_config=DeviceConfig("cpu"))
+        kvc = dsv4_kv_cache_config(vc)
     worker = vllm_specs.cache_groups(kvc)
     sched = vllm_specs.cache_groups(generate_scheduler_kv_cache_config([kvc]))
     assert any(g.layer_bytes for g in worker) and not any(g.layer_bytes for g in sched)
