@@ -12,6 +12,8 @@ A simulated forward writes, for every block a step computes, ``pattern(prefix, l
 the block id vLLM's own block table has for it at that step. The oracle of a restore is that
 pattern (what vLLM's prefix cache would hold for the block), never xkv's formulas: every block
 vLLM gives a real id in the hit is byte-exact; the null block and every other byte stay poison.
+The last test runs the same path for a head-sharded ``SlidingWindowSpec`` model (full attention
++ SWA layers, Gemma-3 / gpt-oss-like, under the hybrid allocator).
 """
 
 from __future__ import annotations
@@ -58,16 +60,28 @@ def dsv4_specs() -> dict:
     return out
 
 
-def dsv4_kv_cache_config(vc, mem=96 << 20):
+def swa_specs() -> dict:
+    """A head-sharded sliding-window model under the hybrid allocator (Gemma-3 / gpt-oss-like):
+    full-attention and SWA layers alternating, fp32 K/V, block 16, window 40."""
+    F, W = kvi.FullAttentionSpec, kvi.SlidingWindowSpec
+    kw = dict(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return {f"l{i}.attn": (W(sliding_window=40, **kw) if i % 2 else F(**kw)) for i in range(4)}
+
+
+MODELS = {"dsv4": (dsv4_specs, "BLNHC", 256), "swa": (swa_specs, "LBHNC", 16)}
+
+
+def dsv4_kv_cache_config(vc, mem=96 << 20, model="dsv4"):
     try:
         from vllm.v1.core import kv_cache_planning as P
     except ImportError:
         from vllm.v1.core import kv_cache_utils as P
-    vc.cache_config.kv_cache_layout = "BLNHC"
+    specs, layout, _ = MODELS[model]
+    vc.cache_config.kv_cache_layout = layout
     vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # DeepSeek-V4 runs with HMA
-    groups = P.get_kv_cache_groups(vc, dsv4_specs())
+    groups = P.get_kv_cache_groups(vc, specs())
     kvc = P.get_kv_cache_config_from_groups(vc, groups, mem)
-    kvc.kv_cache_layout = "BLNHC"
+    kvc.kv_cache_layout = layout
     return kvc
 
 
@@ -77,7 +91,7 @@ def allocate(kvc):
     from vllm.v1.worker.utils import allocate_kv_cache
 
     sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-    t = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout["BLNHC"], sizes)
+    t = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[kvc.kv_cache_layout], sizes)
     bufs = {}
     for x in t.values():
         s = x.untyped_storage()
@@ -96,11 +110,11 @@ class Engine:
     """A vLLM scheduler with FusIOnXConnector and a worker-role connector over a poisoned
     allocation; ``step`` runs one engine step with a simulated forward."""
 
-    def __init__(self, llama_dir, *, chunk=256, budget=2048):
-        self.vc = H.make_vllm_config(llama_dir, block_size=256, policy="recompute",
+    def __init__(self, llama_dir, *, chunk=256, budget=2048, model="dsv4"):
+        self.vc = H.make_vllm_config(llama_dir, block_size=MODELS[model][2], policy="recompute",
                                      max_num_batched_tokens=budget,
                                      extra={"chunk_size": chunk, "lookup_timeout_ms": 1000})
-        self.kvc = dsv4_kv_cache_config(self.vc)
+        self.kvc = dsv4_kv_cache_config(self.vc, model=model)
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.structured_output import StructuredOutputManager
@@ -362,3 +376,20 @@ def test_window_tails_freed_before_the_save_are_not_stored_and_end_the_hit(engin
     c.s.add_request(c.request("f", toks))
     c.step(check)
     assert seen
+
+
+@pytest.mark.parametrize("budget", [2048, 50])
+def test_head_sharded_sliding_window_model_stores_and_restores(engines, fake_gateway, budget):
+    """The same path for ``SlidingWindowSpec`` (K/V heads, one shard per TP rank): full and
+    partial hits byte-exact, also after chunked prefill splitting every chunk."""
+    a = engines(chunk=64, budget=budget, model="swa")
+    assert {p.group.kind for p in a.registry.groups} == {kinds.ATTENTION, kinds.SLIDING_WINDOW}
+    (w,) = [p for p in a.registry.groups if p.is_window]
+    assert (w.blocks_per_object, w.group.replicated) == (3, False)  # 39 tokens: 3 blocks of 16
+    a.run(a.request("a", _prompt(300)))
+    for rid, toks, hit in (("b", _prompt(300), 256), ("c", _prompt(128) + _prompt(90, 77), 128)):
+        e = engines(chunk=64, budget=2048, model="swa")
+        check, seen = _check_restore(e, rid, toks, hit)
+        e.s.add_request(e.request(rid, toks))
+        e.step(check)
+        assert seen
