@@ -201,7 +201,7 @@ def _child(a):
         ref["restored"] = _run(llm, [ref_prompt], logprobs=5)[0]
     _emit("E2E_REF", ref)
 
-    if kind == "none":
+    if kind == "none" and _has_cuda():  # a CPU engine (a dry run of this script) has no H2D
         _emit("E2E_INFO", dict(kind="bw", h2d_gbps=_h2d_gbps()))
     # warm-up: compile kernels for short and long shapes and the hit / restore path
     for n in (min(512, min(lens)), max(lens)):
@@ -250,6 +250,12 @@ def _child(a):
     if kind == "verify":
         _emit("E2E_INFO", dict(kind="verify_states", **e2e_models.COUNTS))
     _emit("E2E_DONE", {"kind": kind})
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
