@@ -17,6 +17,7 @@ VLLM_CACHE = os.environ.get("XKV_TEST_VLLM_CACHE", str(Path.home() / ".cache" / 
 MODEL_ARGS = {
     "llama": {"dtype": "float32", "block_size": 32},
     "deepseek_v2": {"dtype": "bfloat16", "block_size": 16},
+    "gemma3": {"dtype": "float32", "block_size": 32},  # sliding window 64 = 2 blocks
     # hybrid models (tests/hybrid): vLLM raises block_size 32 so an attention page holds a state
     **{k: {"dtype": "bfloat16", "block_size": 32}
        for k in ("nemotron_h", "granitemoehybrid", "qwen3_next")},

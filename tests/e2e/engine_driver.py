@@ -8,8 +8,8 @@ each test gets a clean environment). Steps:
 * ``{"op": "engine", "name": N, "connector": bool, "extra": {...}}`` — build (or replace) an
   engine; the previous one is deleted first (a fresh engine = empty local prefix cache).
 * ``{"op": "generate", "name": N, "prompts": [{"tokens": [...], "salt": s, "params": {...}}],
-  "max_tokens": k, "kill_after_s": t}`` — greedy generation; records token ids and
-  ``num_cached_tokens`` per prompt, the gateway's counters before and after, and (``kill_after_s``)
+  "max_tokens": k, "kill_after_s": t, "logprobs": bool}`` — greedy generation; records token ids,
+  ``num_cached_tokens`` and (``logprobs``) each generated token's logprob per prompt, the gateway's counters before and after, and (``kill_after_s``)
   SIGKILLs the gateway from a timer thread while the batch runs.
 * ``{"op": "reset"}`` — ``reset_prefix_cache()``; ``{"op": "kill_gateway"}``;
   ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
@@ -250,7 +250,7 @@ def main(scenario_path: str, result_path: str) -> None:
                     d["cache_salt"] = p["salt"]
                 prompts.append(d)
             sps = [SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8),
-                                  ignore_eos=True,
+                                  ignore_eos=True, logprobs=1 if step.get("logprobs") else None,
                                   extra_args={"kv_transfer_params": p["params"]}
                                   if p.get("params") is not None else None)
                    for p in step["prompts"]]
@@ -269,9 +269,13 @@ def main(scenario_path: str, result_path: str) -> None:
                 "name": step.get("name"),
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens for o in outs],
+                "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                             o.outputs[0].logprobs, strict=True)]
+                             for o in outs] if step.get("logprobs") else None,
                 "seconds": dt,
                 "gw_before": before,
                 "gw_after": _gateway_stats(sc["port"]),
+                "loads_checked_after": res["loads_checked"],  # cumulative, for per-run deltas
             })
         elif op == "reset":
             llm.reset_prefix_cache()

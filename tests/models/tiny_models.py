@@ -1,4 +1,5 @@
-"""Tiny random-weight models built locally (no hub): a Llama-like and a DeepSeek-V2-like MLA model.
+"""Tiny random-weight models built locally (no hub): Llama-like, DeepSeek-V2-like MLA, Gemma-3-like
+sliding-window and hybrid (Mamba / gated delta net) models.
 
 ``ensure_model(kind)`` returns a directory vLLM can load (config, safetensors weights, a
 byte-level BPE tokenizer trained here). Models are cached under ``~/.cache/xkv/models`` (or
@@ -10,7 +11,8 @@ recipe and a new directory is built. Runs with ``HF_HUB_OFFLINE=1``.
 Shapes: llama — hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, fp32 (vLLM's CPU
 attention wants block sizes that are multiples of 32). deepseek_v2 — MLA with kv_lora_rank 512 +
 qk_rope_head_dim 64 = head size 576 (the only one vLLM's CPU MLA kernel supports), bf16, both
-layers dense (``first_k_dense_replace=2``).
+layers dense (``first_k_dense_replace=2``). gemma3 — 6 layers, pattern sliding, sliding, full x 2,
+window 64 tokens, 2 KV heads x 32, fp32.
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ RECIPES: dict[str, dict] = {
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2,
             moe_layer_freq=1, max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.2,
             torch_dtype="bfloat16", tie_word_embeddings=False, rope_scaling=None,
+        ),
+    },
+    # Sliding-window model (issue 18): 4 sliding layers (window 64) + 2 full-attention layers;
+    # vLLM's hybrid allocator gives it two SlidingWindowSpec groups and one FullAttentionSpec group.
+    "gemma3": {
+        "arch": "Gemma3ForCausalLM",
+        "config": dict(
+            model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+            sliding_window=64, layer_types=["sliding_attention", "sliding_attention",
+                                            "full_attention"] * 2,
+            rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
+            initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=True,
         ),
     },
     # Hybrid recipes (issue 5). vLLM's CPU engine raises the block size of hybrid models itself
