@@ -75,14 +75,18 @@ def test_sliding_window_store_restore_partial_kill(swa_models, gateway):
     # a fresh engine restores every stored chunk (never the whole prompt), the short prompt too
     assert r["restore"]["cached"] == [hit(P1), hit(P2), hit(S)] == [288, 192, 32]
     assert r["restore"]["tokens"] == [ref["P1"], ref["P2"], ref["S"]]
-    # greedy on fp32: the logprobs of the restored run equal the reference up to float rounding
-    for got, want in zip(r["restore"]["logprobs"], (ref_lp["P1"], ref_lp["P2"], ref_lp["S"]),
-                         strict=True):
-        assert got == pytest.approx(want, abs=1e-4)
+    # fp32 on the CPU: the logprobs equal the reference's up to the rounding of a different
+    # batch (bit-equal on 0.29; ~1e-5 relative on 0.28 and 0.32). The random model is
+    # confident, so its greedy tokens alone would miss a misplaced window block; the logprobs
+    # do not: a restore with the window's two blocks swapped moved them by a factor of ~4.
+    for run in ("store", "restore"):
+        for got, want in zip(r[run]["logprobs"], (ref_lp["P1"], ref_lp["P2"], ref_lp["S"]),
+                             strict=True):
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-6), run
     # a prompt sharing only P1's first 3 chunks restores exactly those
     assert r["partly"]["cached"] == [96]
     assert r["partly"]["tokens"] == [ref["PP"]]
-    assert r["partly"]["logprobs"][0] == pytest.approx(ref_lp["PP"], abs=1e-4)
+    assert r["partly"]["logprobs"][0] == pytest.approx(ref_lp["PP"], rel=1e-4, abs=1e-6)
     # every restored page equals its card bytes, every saved page the computed one
     assert res["loads_checked"] > 0 and res["loads_equal"] == res["loads_checked"]
     assert res["saves_checked"] > 0 and res["saves_equal"] == res["saves_checked"]
