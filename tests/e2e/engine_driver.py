@@ -275,7 +275,9 @@ def main(scenario_path: str, result_path: str) -> None:
                 "seconds": dt,
                 "gw_before": before,
                 "gw_after": _gateway_stats(sc["port"]),
-                "loads_checked_after": res["loads_checked"],  # cumulative, for per-run deltas
+                # cumulative counts, for per-run deltas
+                "loads_checked_after": res["loads_checked"],
+                "saves_checked_after": res["saves_checked"],
             })
         elif op == "reset":
             llm.reset_prefix_cache()

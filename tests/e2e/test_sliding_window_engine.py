@@ -100,6 +100,11 @@ def test_sliding_window_store_restore_partial_kill(swa_models, gateway):
     assert r["restore"]["loads_checked_after"] - before == sum(blocks(h) for h in (288, 192, 32))
     assert (r["partly"]["loads_checked_after"] - r["restore"]["loads_checked_after"]
             == blocks(96))
+    # the storing engine saved each full chunk's objects: full attention its block x 2 layers,
+    # each window group the window's blocks ending at the chunk's end (1 for chunk 0) x 2 layers
+    def saved(p):
+        return sum(2 + 2 * 2 * min(c + 1, 2) for c in range(hit(p) // CHUNK))
+    assert r["store"]["saves_checked_after"] == sum(saved(p) for p in (P1, P2, S)) == 148
     assert all(x["gw_after"] is None or x["gw_after"]["leases"] == 0 for x in res["runs"])
     # the gateway killed mid-run: the same tokens, then zero hits, and the engine serves on
     assert r["during"]["gw_after"] is None
