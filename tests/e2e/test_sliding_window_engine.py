@@ -5,7 +5,8 @@ tokens = 2 blocks of 32) and 2 full-attention layers; vLLM's hybrid allocator ma
 ``SlidingWindowSpec`` groups and one ``FullAttentionSpec`` group of it. With ``chunk_size`` 32
 one window spans two chunks, so a window object also holds the block of the chunk before.
 
-One child process, four engines: a reference without the connector; a storing engine; a fresh
+One child process, three engines: a reference without the connector; a storing engine (80
+tokens a step, so chunked prefill splits chunks and their windows across steps); a fresh
 engine that restores (hits chunk-granular, every restored page equal to the card bytes, greedy
 tokens and their logprobs equal to the reference), a prompt sharing only its first chunks with
 a stored one (restored up to the last shared chunk); the gateway SIGKILLed during a batch (same
@@ -50,7 +51,7 @@ def test_sliding_window_store_restore_partial_kill(swa_models, gateway):
         {"op": "engine", "connector": False},
         {"op": "generate", "name": "ref", **lp,
          "prompts": [{"tokens": p} for p in (P1, P2, S, PP, P3)]},
-        {"op": "engine"},
+        {"op": "engine", "extra": {"xkv_test_max_batched": 80}},  # chunks split across steps
         {"op": "generate", "name": "store", **lp, "prompts": [{"tokens": p} for p in (P1, P2, S)]},
         {"op": "engine"},
         {"op": "generate", "name": "restore", **lp, "prompts": [{"tokens": p} for p in (P1, P2, S)]},
@@ -70,6 +71,7 @@ def test_sliding_window_store_restore_partial_kill(swa_models, gateway):
     assert "KV cache registry: 6 cache(s) in 3 group(s); writers: " in log
     assert "g0[sliding_window]" in log and "g1[sliding_window]" in log and "g2[attention]" in log
 
+    assert "max_num_batched_tokens=80" in log  # the storing engine prefilled in steps of 80
     assert r["store"]["cached"] == [0, 0, 0]
     assert r["store"]["tokens"] == [ref["P1"], ref["P2"], ref["S"]]
     # a fresh engine restores every stored chunk (never the whole prompt), the short prompt too
