@@ -78,7 +78,7 @@ def test_sliding_window_store_restore_partial_kill(swa_models, gateway):
     assert r["restore"]["cached"] == [hit(P1), hit(P2), hit(S)] == [288, 192, 32]
     assert r["restore"]["tokens"] == [ref["P1"], ref["P2"], ref["S"]]
     # fp32 on the CPU: the logprobs equal the reference's up to the rounding of a different
-    # batch (bit-equal on 0.29; ~1e-5 relative on 0.28 and 0.32). The random model is
+    # batch (seen: 0 on 0.29, ~1e-5 relative on 0.28 and 0.32). The random model is
     # confident, so its greedy tokens alone would miss a misplaced window block; the logprobs
     # do not: a restore with the window's two blocks swapped moved them by a factor of ~4.
     for run in ("store", "restore"):
