@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
@@ -230,3 +231,17 @@ class SO:
             req_ids, resumed_req_ids, new_block_ids, num_computed_tokens = [], set(), [], []
 
         self.scheduled_cached_reqs = C
+
+
+def dsv4_specs_or_skip() -> Any:
+    """``vllm.v1.kv_cache_interface`` where it has DeepSeek-V4's cache specs
+    (``SlidingWindowMLASpec``, ``MLAAttentionSpec.model_version`` / ``tokens_per_state``: 0.29 and
+    0.33); else the calling test module is skipped, naming why."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    if not hasattr(kvi, "SlidingWindowMLASpec") or not {"model_version", "tokens_per_state"} <= set(
+            getattr(kvi.MLAAttentionSpec, "__dataclass_fields__", {})):
+        pytest.skip("this vLLM has no DeepSeek-V4 cache specs", allow_module_level=True)
+    return kvi

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from connector_fakes import SO, FakeGateway, New, Req, Warnings
+from connector_fakes import SO, FakeGateway, New, Req, Warnings, dsv4_specs_or_skip
 
 from xkv.connector.config import ConnectorConfig
 from xkv.connector.registry import RegistryError, build_registry
@@ -32,11 +32,7 @@ from xkv.layout import kinds
 
 pytestmark = pytest.mark.vllm
 
-pytest.importorskip("vllm")
-kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
-if not hasattr(kvi, "SlidingWindowMLASpec") or not {"model_version", "tokens_per_state"} <= set(
-        getattr(kvi.MLAAttentionSpec, "__dataclass_fields__", {})):
-    pytest.skip("this vLLM has no DeepSeek-V4 cache specs", allow_module_level=True)
+kvi = dsv4_specs_or_skip()
 
 from xkv.connector import vllm_specs  # noqa: E402
 

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from connector_fakes import dsv4_specs_or_skip
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
-if not hasattr(kvi, "SlidingWindowMLASpec") or not {"model_version", "tokens_per_state"} <= set(
-        getattr(kvi.MLAAttentionSpec, "__dataclass_fields__", {})):
-    pytest.skip("this vLLM has no DeepSeek-V4 cache specs", allow_module_level=True)
+kvi = dsv4_specs_or_skip()
 
 import vllm_harness as H  # noqa: E402
 
