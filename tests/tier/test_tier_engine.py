@@ -111,7 +111,10 @@ def test_two_hosts_one_master(models, master, tmp_path):
     assert r["b_master_dead"]["tokens"] == ref[:2]
     assert seen["b3"]["tier_hits"] == 3
     # master back: B's P3 went to Mooncake, a fresh engine on A restored it from there
-    assert seen["b4"]["tier_written"] == seen["b3"]["tier_written"] + 3, seen["b4"]
+    # P3's 3 objects were written through; so may P2's 3 be: B recomputed P2 with the master
+    # dead, and a write-through offered before B noticed it (still "up") completes once the
+    # master is back (seen once in CI-like load, 2026-12-01) instead of failing or being dropped
+    assert seen["b4"]["tier_written"] - seen["b3"]["tier_written"] in (3, 6), (seen["b3"], seen["b4"])
     assert r["b_store"]["cached"] == [0] and r["b_store"]["tokens"] == ref[2:]
     assert r["a_restore"]["cached"] == [192] and r["a_restore"]["tokens"] == ref[2:]
     assert seen["a5"]["tier_hits"] == 3
