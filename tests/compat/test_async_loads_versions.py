@@ -263,13 +263,13 @@ def test_models_with_state_groups_stay_synchronous(monkeypatch):
     from xkv.connector.registry import CacheGroup, build_registry, state_group
     from xkv.connector.scheduler import SchedulerSide
 
-    p = AsyncLoadPlanner("async", has_states=True)
+    p = AsyncLoadPlanner("async", sync_only="recurrent-state groups")
     assert not p.enabled and not p.choose(96, busy=True)
-    assert AsyncLoadPlanner("auto", has_states=False).choose(96, busy=True)
-    assert not AsyncLoadPlanner("auto", has_states=False).choose(96, busy=False)
-    assert not AsyncLoadPlanner("async", has_states=False).choose(0, busy=True)
+    assert AsyncLoadPlanner("auto").choose(96, busy=True)
+    assert not AsyncLoadPlanner("auto").choose(96, busy=False)
+    assert not AsyncLoadPlanner("async").choose(0, busy=True)
     with pytest.raises(ValueError, match="load_mode='x'"):
-        AsyncLoadPlanner("x", has_states=False)
+        AsyncLoadPlanner("x")
     # a hybrid scheduler side in async mode plans an ordinary synchronous load
     gw = FakeGateway()
     monkeypatch.setenv("PYTHONHASHSEED", "0")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from xkv.connector import windows
 from xkv.connector.metadata import ChunkRef, GroupTransfer
 from xkv.connector.registry import CacheGroup, RegistryError, build_registry, state_group
-from xkv.connector.transfer import layer_offsets, positions_of
+from xkv.connector.transfer import layer_offsets
 
 REF = ChunkRef(b"k", (4096,), (1,))
 
@@ -108,7 +108,7 @@ def test_mixed_page_offsets_follow_object_offset(data):
     pos = data.draw(st.lists(st.integers(0, k - 1), max_size=8))
     gt = GroupTransfer(1, tuple(range(len(pos))), (0,) * len(pos), tuple(pos), (REF,))
     base = torch.tensor(p.card_offsets(0, [gt]), dtype=torch.int64)
-    offs = layer_offsets(p, base, positions_of([gt]))
+    offs = layer_offsets(p, base, [gt])
     for layer in range(len(sizes)):
         assert offs[layer].tolist() == [4096 + p.object_offset(layer, j) for j in pos]
     ends = [p.object_offset(n, j) + sizes[n] for n in range(len(sizes)) for j in range(k)]

@@ -66,20 +66,20 @@ class AsyncLoadPlanner:
 
     ``mode``: ``"sync"`` (never), ``"async"`` (every hit), ``"auto"`` (a hit is asynchronous
     while another request is admitted: that is when a synchronous restore would stall a batch;
-    a lone request restores synchronously, which costs it no extra step). ``has_states``: the
-    model has recurrent-state or sliding-window groups (then never; ``why`` names them in the
-    log line: vLLM frees a window's blocks as a request advances, never checked against a
-    parked restore).
+    a lone request restores synchronously, which costs it no extra step). ``sync_only``: why
+    this model's restores must stay synchronous (it has recurrent-state or sliding-window
+    groups: vLLM frees a window's blocks as a request advances, never checked against a parked
+    restore), named in the log line; None when nothing forbids asynchronous restores.
     """
 
-    def __init__(self, mode: str, *, has_states: bool, why: str = "recurrent-state groups"):
+    def __init__(self, mode: str, *, sync_only: str | None = None):
         if mode not in LOAD_MODES:
             raise ValueError(f"load_mode={mode!r}: expected one of {LOAD_MODES}")
         self.mode = mode
-        self.enabled = mode != "sync" and not has_states
-        if mode != "sync" and has_states:
+        self.enabled = mode != "sync" and sync_only is None
+        if mode != "sync" and sync_only is not None:
             log.info("xkv: load_mode=%s: this model has %s, its restores stay synchronous "
-                     "(docs/architecture.md, Asynchronous restores)", mode, why)
+                     "(docs/architecture.md, Asynchronous restores)", mode, sync_only)
         self.pending: list[TransferJob] = []  # planned in this step, not yet shipped
         self._parked: set[str] = set()  # requests waiting for their async load
         self._in_flight: dict[int, str] = {}  # job id -> request id, until every rank is done

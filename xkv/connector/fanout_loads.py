@@ -17,7 +17,7 @@ import torch
 
 from xkv.connector.metadata import GroupTransfer
 from xkv.connector.registry import Registry
-from xkv.connector.transfer import layer_offsets, positions_of
+from xkv.connector.transfer import layer_offsets
 
 log = logging.getLogger("xkv.connector")
 
@@ -48,7 +48,7 @@ class FanoutLoads:
             blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
             base = torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
             groups.append(g)
-            offs = layer_offsets(plan, base, positions_of(transfers))
+            offs = layer_offsets(plan, base, transfers)
             loads += [LayerLoad(name, offs[layer], self.pools[name], blocks)
                       for layer, name in enumerate(plan.group.layer_names)]
         if not loads or not self.restorer.begin(src, loads):

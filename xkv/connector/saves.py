@@ -41,7 +41,7 @@ from xkv.connector.metadata import StepMetadata
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.transfer import layer_offsets, positions_of
+from xkv.connector.transfer import layer_offsets
 from xkv.gateway.client import GatewayError, GatewayUnavailable, ReservedKey
 from xkv.gateway.protocol import MAX_KEYS
 
@@ -232,7 +232,7 @@ class Saver:
                                   dtype=torch.int64)
             base = torch.tensor(plan.card_offsets(self.tp_rank, [gt for _, gt in transfers]),
                                 dtype=torch.int64)
-            offs = layer_offsets(plan, base, positions_of([gt for _, gt in transfers]))
+            offs = layer_offsets(plan, base, [gt for _, gt in transfers])
             prep = None
             if transfers:
                 pools = [self.pools[n] for n in plan.group.layer_names]

@@ -97,7 +97,7 @@ class SchedulerSide:
         # prefix groups need every chunk of a hit; state and window groups the last one only
         self._attn = [g for g, p in enumerate(registry.groups) if not p.at_boundary]
         self._block_size = registry.hit_granularity  # lcm of the groups' block sizes
-        self._state = [g for g, p in enumerate(registry.groups) if p.at_boundary]
+        self._boundary = [g for g, p in enumerate(registry.groups) if p.at_boundary]
         if self.chunk_size % hash_block_size:
             raise ValueError(
                 f"chunk_size={self.chunk_size} is not a multiple of vLLM's hash block size "
@@ -112,10 +112,9 @@ class SchedulerSide:
         self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
         self._loads_done: Counter = Counter()
         self._next_job = 1
-        self._async = AsyncLoadPlanner(
-            cfg.load_mode, has_states=bool(self._state),
-            why="recurrent-state groups" if any(p.is_state for p in registry.groups)
-            else "sliding-window groups")
+        self._async = AsyncLoadPlanner(cfg.load_mode, sync_only=(
+            "recurrent-state groups" if any(p.is_state for p in registry.groups)
+            else "sliding-window groups" if self._boundary else None))
         self.session = GatewaySession(
             gateway_factory,
             [LayoutSpec(fp, p.num_shards, p.registered_bytes)
@@ -161,7 +160,7 @@ class SchedulerSide:
         if cached:
             self._drop_lookup(req_id)
         stop = num_hashes // self.hashes_per_chunk
-        if self._state:
+        if self._boundary:
             # a state is stored at chunk ends only: a hit must end on a chunk vLLM will not compute
             stop = min(stop, (request.num_tokens - 1) // self.chunk_size)
         start = num_computed_tokens // self.chunk_size
@@ -176,9 +175,9 @@ class SchedulerSide:
                             timeout_s=timeout_s)
             got["lease"] = res.lease_id or None  # the gateway answers 0 when it took no lease
             hits = min(res.num_chunks, stop - start)
-            if self._state and hits:
+            if self._boundary and hits:
                 hits, got["state_lease"], got["state_slots"] = probe_states(
-                    gw, [self.layout_ids[g] for g in self._state], self._state, keys, hits,
+                    gw, [self.layout_ids[g] for g in self._boundary], self._boundary, keys, hits,
                     timeout_s)
             return res, hits
 
@@ -198,8 +197,8 @@ class SchedulerSide:
         last_block = (request.num_tokens - 1) // self._block_size * self._block_size
         ext = min(ext, max(0, last_block - num_computed_tokens))
         if self.registry.multi_group and ext and (
-            lease is None or (self._state and state_lease is None)
-            or (self._state and num_computed_tokens + ext != (start + hits) * self.chunk_size)
+            lease is None or (self._boundary and state_lease is None)
+            or (self._boundary and num_computed_tokens + ext != (start + hits) * self.chunk_size)
         ):
             # Never a wrong token: vLLM <= 0.29 cannot take a block load error for a hybrid
             # model, so a hit is promised only when every byte of it is leased (and, with states, when it
@@ -311,7 +310,7 @@ class SchedulerSide:
                 if job is not None:
                     saves.append(job)
         loads, self._pending_loads = tuple(self._pending_loads), []
-        if self._state:
+        if self._boundary:
             loads = tuple(
                 add_running_blocks(job, self.registry, self._states[job.req_id].block_ids,
                                    computed.get(job.req_id),

@@ -102,29 +102,25 @@ def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) ->
     return n, bad
 
 
-def layer_offsets(plan, base: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def layer_offsets(plan, base: torch.Tensor, transfers=()) -> torch.Tensor:
     """int64 ``[L, n]``: card offsets of every layer of ``plan``'s group, from ``base`` (int64
     ``[n]``, layer 0; see ``GroupPlan.card_offsets``); objects are layer-major, so row ``l`` is
-    ``base + plan.object_offset(l, 0)``, plus, for a group of mixed page sizes, ``j *
-    (bytes_of(l) - bytes_of(0))`` for the block at object position ``j`` (``positions``,
-    int64 ``[n]``; needed when an object holds several blocks). One host op for the group."""
+    ``base + plan.object_offset(l, 0)``, plus, for a group of mixed page sizes whose objects hold
+    several blocks, ``j * (bytes_of(l) - bytes_of(0))`` for the block at object position ``j``
+    (read from ``transfers``, the ``GroupTransfer``s ``base`` was made from, in order; only
+    then). One host op for the group."""
     g = plan.group
     starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(g.layer_names))],
                           dtype=torch.int64)
     out = base.reshape(1, -1) + starts.reshape(-1, 1)
     lb = getattr(g, "layer_bytes", ())
     if lb and plan.blocks_per_object > 1:
-        if positions is None or positions.numel() != base.numel():
-            raise ValueError(f"group {g.index}: mixed page sizes need each block's position")
+        pos = torch.tensor([j for gt in transfers for j in gt.block_in_chunk], dtype=torch.int64)
+        if pos.numel() != base.numel():
+            raise ValueError(f"group {g.index}: mixed page sizes need each block's transfer")
         step = torch.tensor([b - lb[0] for b in lb], dtype=torch.int64)
-        out = out + step.reshape(-1, 1) * positions.reshape(1, -1)
+        out = out + step.reshape(-1, 1) * pos.reshape(1, -1)
     return out
-
-
-def positions_of(transfers) -> torch.Tensor:
-    """int64 ``[n]``: object position of every block of ``transfers`` (``GroupTransfer``s, in
-    ``card_offsets`` order)."""
-    return torch.tensor([j for gt in transfers for j in gt.block_in_chunk], dtype=torch.int64)
 
 
 class _BySize:
@@ -372,6 +368,5 @@ def load_transfers(handler, plan, tp_rank: int, card, transfers, pools) -> int:
     names = plan.group.layer_names
     blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
     base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
-    handler.load_group(names, card, layer_offsets(plan, base, positions_of(transfers)), pools,
-                       blocks)
+    handler.load_group(names, card, layer_offsets(plan, base, transfers), pools, blocks)
     return int(blocks.numel())

@@ -81,7 +81,7 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
                 spec=type(first).__name__,
                 layer_bytes=layer_bytes,
                 layer_pages=laid if len(set(laid)) > 1 and min(laid) > 0 else (),
-                **(_window(i, spec) if kind == kinds.SLIDING_WINDOW else {}),
+                **(_window(spec) if kind == kinds.SLIDING_WINDOW else {}),
             )
         )
     return out
@@ -105,7 +105,7 @@ def _allocated_pages(kv_cache_config: Any) -> dict[str, int]:
     return out
 
 
-def _window(index: int, spec: Any) -> dict[str, Any]:
+def _window(spec: Any) -> dict[str, Any]:
     """A sliding-window group's window as vLLM's ``SlidingWindowManager`` reads it (from the
     group's first layer spec; vLLM groups only layers of one window): ``sliding_window``,
     ``extra_retained_tokens``, and whether its layers keep an MLA latent (replicated on every
