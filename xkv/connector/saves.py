@@ -348,6 +348,11 @@ class Saver:
         self.merge_counts()
         return ok
 
+    def wait_committed(self, timeout_s: float | None = None) -> bool:
+        """:meth:`drain` without moving the counters (any thread: the worker's background
+        release waits here before it lets go of the card)."""
+        return self._committer.drain(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Fence and send what is left; commits waiting on their fence go out before the
         session closes."""

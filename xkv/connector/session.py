@@ -26,13 +26,15 @@ PING with the short lookup deadline; if the same gateway process (epoch) answers
 connects afresh (HELLO again; a worker maps the card again) and is on again (the role logs its
 "re-attached" line). A restarted gateway (another epoch) is used only with ``reattach: true``;
 otherwise the session stays off for good (its layouts and offsets died with the old process).
-The scheduler probes at its steps; a worker follows the scheduler's metadata.
-:meth:`release_card` unregisters and unmaps the card once nothing can read it any more (a
-turned-off worker whose scheduler is off too).
+The scheduler probes at its steps; a worker follows the scheduler's metadata, and does its slow
+half (probe, HELLO, map and register the card) on a background thread
+(``turnoff.OffPath``: :meth:`connect_fresh` there, :meth:`adopt` at a step boundary).
+:meth:`detach` takes the card from a turned-off worker whose scheduler is off too (nothing can
+read it any more); :meth:`let_go` then unregisters and unmaps it, on that background thread.
 
 Where later behaviours go (kept in one place on purpose): :meth:`_missed` is the only place that
 decides to turn off (a back-off and re-probe policy would replace its threshold), :meth:`turn_off`
-and :meth:`release_card` the only places the card stops being used.
+and :meth:`detach` / :meth:`release_card` the only places the card stops being used.
 """
 
 from __future__ import annotations
@@ -188,34 +190,50 @@ class GatewaySession:
     def reattach(self) -> bool:
         """Probe the gateway and, if it may be used, connect afresh (HELLO, map the card) and be
         on again; True when it worked. The old client and card are let go (a worker's in-flight
-        copies must be done). No answer: stay off, the next probe after a longer back-off."""
+        copies must be done). No answer: stay off, the next probe after a longer back-off.
+        Both halves on the calling thread; a worker runs :meth:`connect_fresh` on its
+        background thread instead and :meth:`adopt` the result (``turnoff.OffPath``)."""
+        att = self.connect_fresh()
+        if att is None:
+            return False
+        self._let_go(self.adopt(att))
+        return True
+
+    def connect_fresh(self) -> tuple[Any, list, Any] | None:
+        """The probe and connection of :meth:`reattach` without using them: (client, HELLO
+        replies, card) of a gateway this session may use, or None (no answer, or a restarted
+        gateway without ``reattach``). Touches nothing the engine reads: safe on any thread."""
         try:
             client = self._factory()
             epoch = _ping(client, self.probe_timeout_s)
             if epoch is not None and not self._may_use(epoch):
                 _close(client)
-                return False
+                return None
             _close(client)
             client, infos, card = self._connect()
             if infos and not self._may_use(infos[0].epoch):
-                _close(client)
-                return False
+                self._let_go([client, card])
+                return None
         except GatewayError as e:
             with self._lock:
                 self._probes += 1
             log.debug("xkv: gateway re-probe failed: %s", e)
-            return False
+            return None
+        return client, infos, card
+
+    def adopt(self, att: tuple[Any, list, Any]) -> list:
+        """Be on again with :meth:`connect_fresh`'s result (logs the "re-attached" line).
+        Returns ``[client, card]`` of before, for the caller to let go once nothing reads it."""
+        client, infos, card = att
         with self._lock:
             old = [self._client, self.card]
             self._client, self._failures, self._off, self._probes = client, 0, False, 0
             self.layout_ids = tuple(i.layout_id for i in infos)
             self.epoch = infos[0].epoch if infos else 0
             self.card = card
-        del card
-        self._let_go(old)
         if self._on_reattach is not None:
             self._on_reattach(self.epoch)
-        return True
+        return old
 
     def _may_use(self, epoch: int) -> bool:
         """The gateway that answered may be used: the same process, one never attached to, or
@@ -230,13 +248,25 @@ class GatewaySession:
         return False
 
     def release_card(self) -> None:
-        """Unregister and unmap the card (and close the client) of a session that is off: for
-        when nothing can read the card any more."""
+        """Unregister and unmap the card (and close the client) of a session that is off, on
+        the calling thread: for when nothing can read the card any more."""
+        old = self.detach()
+        if old is not None:
+            self._let_go(old)
+
+    def detach(self) -> list | None:
+        """A session that is off gives up its client and card: returns ``[client, card]`` (for
+        :meth:`let_go`, on any thread, once no copy can touch the card), None when it is on or
+        holds neither. Loads and saves see no card from now on."""
         with self._lock:
-            if not self._off:
-                return
+            if not self._off or (self._client is None and self.card is None):
+                return None
             old = [self._client, self.card]
             self._client, self.card = None, None
+        return old
+
+    def let_go(self, old: list) -> None:
+        """Unregister ``old``'s card and close its client (what :meth:`detach` returned)."""
         self._let_go(old)
 
     def _let_go(self, old: list) -> None:

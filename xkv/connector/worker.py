@@ -38,6 +38,7 @@ from xkv.connector.saves import Saver
 from xkv.connector.session import GatewaySession, LayoutSpec
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler, load_transfers
+from xkv.connector.turnoff import OffPath, record_fences
 from xkv.layout import PagePool, describe_cache, kinds
 
 log = logging.getLogger("xkv.connector")
@@ -101,6 +102,12 @@ class WorkerSide:
         self.pools: dict[str, PagePool] = {}
         self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group, index in group)
         self.saver = Saver(registry, tp_rank, self.session, self.stats, SyncTransferHandler())
+        # letting go of the card and attaching again run on this thread, never the engine's
+        self.offpath = OffPath(self.session, self.saver.wait_committed,
+                               name=f"xkv-offpath-{tp_rank}")
+        #: Seconds bind waits for a background attach to finish (one lookup deadline: a small
+        #: card is in use at once, a large one from a later step).
+        self.attach_wait_s = 0.05
         self._meta: StepMetadata | None = None
         self._load_checks: list[GroupTransfer] = []  # read this step: generations checked
         self._loads_done: Counter = Counter()
@@ -192,6 +199,7 @@ class WorkerSide:
             if restorer is not None:
                 self.fanout = FanoutLoads(restorer, self.registry, self.tp_rank, self.pools)
         cuda = device.type == "cuda"
+        self.offpath.device = device if cuda else None
         self.session.open(register_card=_register_card if cuda else None,
                           unregister_card=_unregister_card if cuda else None)
         if cuda and self.pools:
@@ -212,28 +220,48 @@ class WorkerSide:
     def bind(self, meta: StepMetadata) -> None:
         """The step's metadata. ``meta.turned_off``: turn off too. A scheduler that is on while
         this rank is off (it re-probed the gateway), or with ``reattach`` on another gateway
-        epoch, makes this rank attach again first, at most once a second (this step's loads
-        then read the card, or are load errors if the epochs still differ: never old offsets
-        on a new card)."""
+        epoch, makes this rank attach again, at most once a second, in the background
+        (``turnoff.OffPath``): the new card is used from the step after the attach finished
+        (waiting ``attach_wait_s`` at most here); until then this step's loads are load errors
+        (never old offsets on a new card) and its saves are aborted."""
         self.saver.bind(meta)
         self._meta = meta
         ses = self.session
         same = meta.epoch == ses.epoch or not ses.epoch
+        self._adopt(0.0)
         if meta.turned_off:
             self._scheduler_off = True
             ses.turn_off("the scheduler side lost the gateway")
         elif meta.epoch and ((ses.turned_off and same) or (
                 ses.reattach_enabled and (ses.turned_off or meta.epoch != ses.epoch))):
             self._scheduler_off = False
-            self.saver.drain(10.0)  # commits of the old session go first
-            self.async_loads.poll(wait=True)  # copies from the old card, checked against it
-            if not self.session.turned_off:
-                self.session.turn_off(
-                    f"gateway epoch changed ({self.session.epoch} -> {meta.epoch})")
+            if not ses.turned_off:
+                ses.turn_off(f"gateway epoch changed ({ses.epoch} -> {meta.epoch})")
+            if not self._let_go_card():
+                return  # async copies from the old card still run: a later step attaches
             now = time.monotonic()
-            if now - self._last_attach >= 1.0:  # the scheduler reached it: try now, then 1/s
-                self._last_attach = now
-                self.session.reattach()
+            if not self.offpath.attaching and now - self._last_attach >= 1.0:
+                self._last_attach = now  # the scheduler reached it: try now, then 1/s
+                self.offpath.attach()
+            self._adopt(self.attach_wait_s)
+
+    def _let_go_card(self) -> bool:
+        """Hand the card of a session that is off to the background thread (after the copies
+        issued so far, see ``turnoff``); False while async loads still read it."""
+        if self.async_loads.in_flight:
+            return False
+        self.offpath.release(self.session.detach(),
+                             record_fences([self.handler, self.restorer], self.offpath.device))
+        return True
+
+    def _adopt(self, wait_s: float | None) -> None:
+        """Use a finished background attach (at a step boundary only)."""
+        att = self.offpath.take_attached(wait_s)
+        if att is not None:
+            old = self.session.adopt(att)  # [None, None]: the old card was detached before
+            if any(x is not None for x in old):
+                self.offpath.release(old, record_fences([self.handler, self.restorer],
+                                                        self.offpath.device))
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -247,6 +275,11 @@ class WorkerSide:
         for job in meta.loads:
             for gt in job.groups:
                 by_group.setdefault(gt.group, []).append(gt)
+        if (card is None or meta.epoch != epoch) and self.registry.multi_group \
+                and self.offpath.attaching:
+            # vLLM cannot take load errors of this model: wait for the card being attached
+            self._adopt(None)
+            card, epoch = self.session.card, self.session.epoch
         if card is None or meta.epoch != epoch:
             if card is not None:
                 self.session.turn_off(f"gateway epoch changed ({epoch} -> {meta.epoch})")
@@ -361,11 +394,10 @@ class WorkerSide:
 
     def _release_card_if_unused(self) -> None:
         """Off here and on the scheduler side: no load can come any more, so the card is
-        unregistered and unmapped (after the save copies still in flight finished)."""
-        if self._scheduler_off and self.session.turned_off and self.session.card is not None \
-                and not self.async_loads.in_flight:
-            self.saver.drain(10.0)
-            self.session.release_card()
+        unregistered and unmapped, in the background, after every copy issued so far and the
+        commit thread are done (``turnoff``: never on the engine thread)."""
+        if self._scheduler_off and self.session.turned_off and self.session.card is not None:
+            self._let_go_card()
 
     def take_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -414,4 +446,7 @@ class WorkerSide:
             self.fanout = None
         self.async_loads.poll(wait=True)
         self.saver.close(timeout_s=10.0)
+        left = self.offpath.close()  # a card being let go is let go first
+        if left is not None:
+            self.session.let_go(left)
         self.session.close()

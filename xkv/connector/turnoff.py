@@ -1,0 +1,202 @@
+"""A worker's slow gateway work, off the engine thread: letting go of the card, attaching again.
+
+Why: a worker that turns off (its gateway died) used to drain its commit thread and unregister
+the card (``cudaHostUnregister``: ~0.13 s per GiB on the H200, 5.6 s for a 40 GiB card) inside
+``get_finished``, on vLLM's engine thread: every running request waited. Attaching again
+(HELLO, map, ``cudaHostRegister`` of the whole card) cost the same inside ``bind``.
+
+:class:`OffPath` owns one daemon thread per worker rank that runs those jobs in order:
+
+* ``release(old, fences)``: the engine thread has already taken the card away from the session
+  (``GatewaySession.detach``: no load or save issued from now on sees it) and recorded one CUDA
+  event on every connector stream that may still read or write it (:func:`record_fences`: the
+  load and save streams, the fan-out copy stream, the compute stream). The thread waits for
+  those events, then for the commit thread to send what it holds (bounded), and only then
+  unregisters the card and closes the client (which unmaps it once no view is left). So no
+  kernel or copy can touch a card that is no longer registered or mapped.
+* ``attach()``: probe the gateway and connect afresh (``GatewaySession.connect_fresh``: HELLO,
+  map, register). Its result is taken by the engine thread at a step boundary
+  (:meth:`take_attached`, then ``GatewaySession.adopt``): the card and epoch loads read change
+  between steps only, never under a step.
+
+Jobs run in submission order, so an old card is unregistered before a new one is registered.
+The thread sets the CUDA device of the caches first (``torch.cuda.set_device``): the runtime
+calls it makes act on that device's context. The engine thread never waits here except
+(a) :meth:`take_attached` with a wait (bounded by the caller: one lookup deadline normally; a
+multi-group model whose promised loads need the new card waits for it, since vLLM cannot take
+their load errors), and (b) :meth:`close` at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("xkv.connector")
+
+#: How long the release job waits for the commit thread before letting go anyway (seconds):
+#: its batches wait on fences this job already waited for, then fail fast (the session is off).
+DRAIN_S = 10.0
+
+
+def record_fences(owners: Iterable[Any], device: Any) -> list:
+    """One CUDA event recorded now on every stream of ``owners`` (any ``torch.cuda.Stream``
+    attribute: a transfer handler's load/save streams, the fan-out copy stream) and on the
+    device's current stream; ``[]`` off CUDA. Recording never waits for the GPU."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return []
+    streams = [torch.cuda.current_stream(device)]
+    for o in owners:
+        for v in vars(o).values() if o is not None and hasattr(o, "__dict__") else ():
+            if isinstance(v, torch.cuda.Stream) and all(v != s for s in streams):
+                streams.append(v)
+    return [s.record_event() for s in streams]
+
+
+class OffPath:
+    """The background jobs of one worker rank's gateway session (see the module docstring).
+
+    ``session``: the worker's ``GatewaySession``; ``drain(timeout_s) -> bool``: waits for the
+    commit thread (``Saver.wait_committed``); ``device``: the caches' device (set at
+    ``register_kv_caches``; None = CPU, no device calls)."""
+
+    def __init__(self, session: Any, drain: Callable[[float], bool], *, name: str = "xkv-offpath"):
+        self.session = session
+        self._drain = drain
+        self.name = name
+        self.device: Any = None
+        self._cv = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._busy = 0  # jobs queued or running
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._attaching = False
+        self._attached: tuple | None = None  # connect_fresh's result, not yet taken
+        #: Seconds the release of the last card took on the thread (events, drain, unregister).
+        self.last_release_s = 0.0
+
+    # ------------------------------------------------------------------ engine thread
+
+    @property
+    def attaching(self) -> bool:
+        """An attach was submitted and its result not taken yet."""
+        with self._cv:
+            return self._attaching
+
+    def release(self, old: list | None, fences: list) -> None:
+        """Let go of ``old`` (``GatewaySession.detach``'s ``[client, card]``) once ``fences``
+        completed and the commit thread drained; returns at once."""
+        if old is None:
+            return
+        self._submit(lambda: self._release(old, fences))
+
+    def attach(self) -> None:
+        """Probe and connect afresh in the background (no-op while one is under way)."""
+        with self._cv:
+            if self._attaching:
+                return
+            self._attaching = True
+        self._submit(self._attach)
+
+    def take_attached(self, wait_s: float | None = 0.0) -> tuple | None:
+        """The finished attach's ``(client, infos, card)`` (for ``GatewaySession.adopt``), or
+        None: none submitted, it failed, or it is still running after ``wait_s`` seconds
+        (None: until it ends)."""
+        with self._cv:
+            if self._attaching and wait_s != 0:
+                self._cv.wait_for(lambda: self._attached is not None or not self._attaching,
+                                  timeout=wait_s)
+            att, self._attached = self._attached, None
+            if att is not None:
+                self._attaching = False
+            return att
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until every submitted job ran (tests, shutdown); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._busy == 0, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> list | None:
+        """Run what is queued, stop the thread. Returns an attach result nobody took (its card is
+        registered: the caller lets it go) or None."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():
+                log.warning("xkv: %s still letting go of a card after %.0f s at shutdown",
+                            self.name, timeout_s)
+        with self._cv:
+            att, self._attached, self._attaching = self._attached, None, False
+        return None if att is None else [att[0], att[2]]
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            if self._closed:  # shutting down: no thread would run it later
+                run_now = True
+            else:
+                run_now = False
+                self._jobs.append(job)
+                self._busy += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+                self._cv.notify_all()
+        if run_now:
+            job()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+            # the runtime calls below (event waits, cudaHostUnregister/Register) act on the
+            # current device of this thread: the caches' one, as on the engine thread
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:
+                log.exception("xkv: %s: a background gateway job failed", self.name)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def _release(self, old: list, fences: list) -> None:
+        t0 = time.perf_counter()
+        for ev in fences:
+            ev.synchronize()  # no copy or kernel issued before the detach still runs
+        if not self._drain(DRAIN_S):
+            log.warning("xkv: %s: save commits still pending after %.0f s; letting go of the "
+                        "card anyway (their copies are done; the gateway's write TTL frees "
+                        "their slots)", self.name, DRAIN_S)
+        self.session.let_go(old)
+        self.last_release_s = time.perf_counter() - t0
+        log.debug("xkv: %s: card released in %.2f s", self.name, self.last_release_s)
+
+    def _attach(self) -> None:
+        att = None
+        try:
+            # commits of the old session go first (they fail fast while it is off); sent later,
+            # to the new gateway, they would count as failures of the fresh session
+            self._drain(DRAIN_S)
+            att = self.session.connect_fresh()
+        finally:
+            with self._cv:
+                self._attached = att
+                if att is None:
+                    self._attaching = False
+                self._cv.notify_all()
