@@ -123,18 +123,14 @@ class OffPath:
             return self._cv.wait_for(lambda: self._busy == 0, timeout=timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> list | None:
-        """Run what is queued, stop the thread. Returns an attach result nobody took (its card is
-        registered: the caller lets it go) or None."""
+        """Run what is queued (up to ``timeout_s``), then let the thread end. Returns an attach
+        result nobody took (its card is registered: the caller lets it go) or None."""
+        if not self.wait(timeout_s):
+            log.warning("xkv: %s still letting go of a card after %.0f s at shutdown",
+                        self.name, timeout_s)
         with self._cv:
-            self._closed = True
+            self._closed = True  # the thread ends once its queue is empty
             self._cv.notify_all()
-            t = self._thread
-        if t is not None:
-            t.join(timeout_s)
-            if t.is_alive():
-                log.warning("xkv: %s still letting go of a card after %.0f s at shutdown",
-                            self.name, timeout_s)
-        with self._cv:
             att, self._attached, self._attaching = self._attached, None, False
         return None if att is None else [att[0], att[2]]
 
