@@ -5,7 +5,7 @@ Two ways to share it with clients on the same host (no KV byte ever crosses the 
 * ``memfd`` (default on Linux): anonymous memory from ``memfd_create``, sealed against shrinking
   and growing (a peer cannot ``ftruncate`` it and SIGBUS everyone else). Clients fetch both file
   descriptors over an AF_UNIX socket (SCM_RIGHTS) in the gateway's 0700 directory (see
-  transport.py); the gateway checks the peer's uid with SO_PEERCRED. The generation table is sealed with F_SEAL_FUTURE_WRITE after the
+  transport.py); the gateway checks the peer's uid with SO_PEERCRED, and the client the gateway's. The generation table is sealed with F_SEAL_FUTURE_WRITE after the
   gateway mapped it, so clients can map it read-only only. Memory is freed when the last process
   that maps it exits, even after a SIGKILL.
 * ``shm`` (fallback): two files ``/dev/shm/xkv-card-<random>`` and ``...-gen``, mode 0600,
@@ -31,6 +31,8 @@ import socket
 import struct
 import tempfile
 import threading
+
+from xkv.gateway.sockdir import check_peer
 
 log = logging.getLogger("xkv.gateway")
 
@@ -214,6 +216,7 @@ def open_card(kind: str, path: str, gen_path: str, capacity_bytes: int, epoch: i
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout_s)
             s.connect(path)
+            check_peer(s, path)  # a card served by another user is never mapped
             msg, fds, _, _ = socket.recv_fds(s, 64, 2)
         try:
             if len(fds) != 2 or msg != b"%s %d" % (_HANDOVER_MAGIC, epoch):
@@ -223,18 +226,30 @@ def open_card(kind: str, path: str, gen_path: str, capacity_bytes: int, epoch: i
             for fd in fds:
                 os.close(fd)
     if kind == "shm":
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            gen_fd = os.open(gen_path, os.O_RDONLY)
+            gen_fd = os.open(gen_path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             os.close(fd)
             raise
         try:
+            for f, p in ((fd, path), (gen_fd, gen_path)):
+                _check_own_file(f, p)
             return _map(fd, gen_fd, capacity_bytes)
         finally:
             os.close(fd)
             os.close(gen_fd)
     raise OSError(f"unknown card kind {kind!r}")
+
+
+def _check_own_file(fd: int, path: str) -> None:
+    """A ``shm`` card file must be this user's and closed to others (not one planted by another
+    user, whose bytes they could read and poison)."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"card file {path} belongs to uid {st.st_uid} with mode "
+                              f"{st.st_mode & 0o777:o}, expected uid {os.geteuid()} and mode "
+                              f"600: refusing to map it")
 
 
 def _map(fd: int, gen_fd: int, capacity_bytes: int) -> tuple[mmap.mmap, mmap.mmap]:

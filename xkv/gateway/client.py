@@ -1,9 +1,16 @@
 """The connector's side of the gateway: a DEALER socket with request ids and a deadline per call.
 
 Transport (see transport.py): without CURVE keys the client talks to the gateway of this user
-on its Unix socket (``<socket dir>/xkv-<uid>/gateway-<port>/control.sock``; the host must be
+on its Unix socket (``<socket base>/xkv-<uid>/gateway-<port>/control.sock``; the host must be
 this machine); with ``curve_server_key`` it uses TCP ``host:port`` with CURVE. The client keeps
 one random routing id for its life, so its leases stay its own across reconnects.
+
+Who it talks to (sockdir.py): before each Unix-socket connection the client finds the socket
+(every candidate base, in order), checks its directories (ours, 0700) and the listening
+process's uid (``SO_PEERCRED``), and only then lets ZMQ connect, with automatic reconnection
+off: a connection that drops is never silently re-made to whatever listens on the path later;
+the next call checks again. A socket whose gateway is gone is known at once (nothing listens on
+it): the call fails without waiting for its deadline.
 
 No call ever blocks past its deadline: a dead gateway, a restarted one (new epoch) or a deadline
 miss raise :class:`GatewayUnavailable`, and the client then stays unavailable (its layout ids and
@@ -29,7 +36,7 @@ import msgspec
 import zmq
 
 from xkv.gateway import protocol as P
-from xkv.gateway import transport
+from xkv.gateway import sockdir, transport
 from xkv.gateway.card import open_card
 from xkv.gateway.protocol import ChunkSlots, LayoutInfo, PingReply, ReserveStatus
 
@@ -151,14 +158,13 @@ class GatewayClient:
         self._ipv6 = ":" in self.host  # an IPv6 literal such as ::1
         #: Set when this client can never reach the gateway (the first call raises it).
         self._broken: str | None = None
-        self._ipc_dir: str | None = None
+        self._ipc = curve_server_key is None
+        self._used = False  # the current socket got a reply (its connection was made)
         if curve_server_key is not None:
             self.endpoint = (f"tcp://[{self.host}]:{port}" if self._ipv6
                              else f"tcp://{self.host}:{port}")
         else:
-            path = transport.control_path(port)
-            self.endpoint = f"ipc://{path}"
-            self._ipc_dir = os.path.dirname(os.path.dirname(path))
+            self.endpoint = f"ipc://{transport.control_path(port)}"  # until found (_socket)
             if not transport.is_local(self.host):
                 self._broken = (
                     f"the xkv gateway host {self.host!r} is not this machine: a remote gateway "
@@ -204,22 +210,24 @@ class GatewayClient:
         self._pid = os.getpid()
         self._identity = transport.routing_id()  # two live processes must not share one
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self, deadline: float) -> zmq.Socket:
         if self._sock is None:
+            if self._ipc:  # never talk to a socket another user could have planted
+                try:
+                    self.endpoint = "ipc://" + sockdir.find_control(self.port, deadline)
+                except PermissionError as e:
+                    raise GatewayUnavailable(f"xkv gateway socket refused: {e}") from None
+                except OSError as e:
+                    raise GatewayUnavailable(f"xkv gateway unreachable: {e.strerror or e} "
+                                             f"(is xkv-gateway running?)") from None
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a gateway that is not there
-            s.setsockopt(zmq.RECONNECT_IVL, 50)
+            # Unix socket: checked above, so never re-connected behind our back (-1: off)
+            s.setsockopt(zmq.RECONNECT_IVL, -1 if self._ipc else 50)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             s.setsockopt(zmq.ROUTING_ID, self._identity)
-            if self._ipc_dir is not None:
-                try:  # never talk to a socket another user could have planted
-                    transport.check_private_dir(self._ipc_dir)
-                except FileNotFoundError:
-                    pass  # no gateway yet: the call times out like any unreachable gateway
-                except PermissionError as e:
-                    s.close(linger=0)
-                    raise GatewayUnavailable(f"xkv gateway socket refused: {e}") from None
+            self._used = False
             if self._ipv6:
                 s.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
@@ -251,12 +259,15 @@ class GatewayClient:
         with self._lock:
             deadline = time.monotonic() + timeout
             rid = next(self._ids)
-            sock = self._socket()
+            sock = self._socket(deadline)
             try:
                 try:
                     sock.send(P.pack_id(rid), _MORE)
-                except zmq.Again:  # not connected yet (IMMEDIATE): wait for it within the deadline
-                    if not sock.poll(_ms(deadline), zmq.POLLOUT):
+                except zmq.Again:  # no connection (IMMEDIATE)
+                    if self._ipc and self._used:  # it dropped and is never re-made: check again
+                        self._drop_socket()
+                        sock = self._socket(deadline)
+                    if not sock.poll(_ms(deadline), zmq.POLLOUT):  # connecting: wait for it
                         raise
                     sock.send(P.pack_id(rid), _MORE)
                 sock.send(body, _NOBLOCK)
@@ -265,6 +276,7 @@ class GatewayClient:
                     sock.setsockopt(_RCVTIMEO, _ms(deadline))
                     frames = sock.recv_multipart()
                     if len(frames) == 2 and P.unpack_id(frames[0]) == rid:
+                        self._used = True
                         break  # anything else is a late reply to an abandoned request
             except zmq.Again:
                 self._drop_socket()

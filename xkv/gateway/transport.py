@@ -2,7 +2,9 @@
 
 Default (no keys configured): the control socket is a Unix socket,
 ``<base>/xkv-<uid>/gateway-<port>/control.sock``, next to the card hand-over socket
-``card.sock`` and a ``lock`` file. ``<base>`` is ``$XKV_GATEWAY_SOCKET_DIR``, else ``/tmp``;
+``card.sock`` and a ``lock`` file. ``<base>`` is ``$XKV_GATEWAY_SOCKET_DIR``, else the user's
+runtime directory (``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``), else ``/tmp`` (sockdir.py: how a
+planted directory or a fake gateway of another user is refused by both sides);
 ``<uid>`` is the user both the gateway and vLLM run as; ``<port>`` is ``xkv_gateway_port``
 (5557), which only names the instance here (no TCP port is opened). ``xkv-<uid>`` is mode 0700,
 so other users cannot even reach the socket; on top of that the gateway's ZAP handler checks the
@@ -29,11 +31,20 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import threading
 
 import zmq
 from zmq.utils import z85
+
+# where the sockets live and whose they are (re-exported: the names callers always used)
+from xkv.gateway.sockdir import (  # noqa: F401
+    check_base,
+    check_private_dir,
+    control_path,
+    instance_dir,
+    socket_base,
+    user_dir,
+)
 
 log = logging.getLogger("xkv.gateway")
 
@@ -58,41 +69,6 @@ def gateway_host(env=None) -> str:
     return host
 
 
-def socket_base() -> str:
-    return os.environ.get("XKV_GATEWAY_SOCKET_DIR") or "/tmp"
-
-
-def user_dir(uid: int | None = None, base: str | None = None) -> str:
-    return os.path.join(base or socket_base(), f"xkv-{os.geteuid() if uid is None else uid}")
-
-
-def instance_dir(port: int, uid: int | None = None, base: str | None = None) -> str:
-    return os.path.join(user_dir(uid, base), f"gateway-{port}")
-
-
-def control_path(port: int, uid: int | None = None, base: str | None = None) -> str:
-    return os.path.join(instance_dir(port, uid, base), "control.sock")
-
-
-def check_private_dir(path: str, create: bool = False) -> None:
-    """Raise PermissionError unless ``path`` is a real directory owned by this user (or root)
-    that nobody else may enter; with ``create`` make it (0700) when missing."""
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"{path} is not a directory (a symlink or file placed there by "
-                              f"someone else?); remove it or set XKV_GATEWAY_SOCKET_DIR")
-    if st.st_uid not in (os.geteuid(), 0):
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user "
-                              f"({os.geteuid()}): another user may have planted it; remove it "
-                              f"or set XKV_GATEWAY_SOCKET_DIR")
-    if st.st_mode & 0o077:
-        raise PermissionError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}: other users could "
-                              f"reach the gateway's sockets; chmod 700 {path}")
-
-
 class InstanceDir:
     """Gateway side: the 0700 directory of one gateway instance, locked for its life."""
 
@@ -100,6 +76,7 @@ class InstanceDir:
         self.port = port
         udir = user_dir()
         os.makedirs(os.path.dirname(udir), exist_ok=True)
+        check_base(os.path.dirname(udir))
         check_private_dir(udir, create=True)
         self.path = instance_dir(port)
         check_private_dir(self.path, create=True)
