@@ -25,8 +25,12 @@ Threads. ``pull`` runs existence checks and pulls (``batch_is_exist``, ``batch_g
 straight into the card's slots, the header into a registered side buffer); ``push`` runs the
 write-through (``batch_put_from_multi_buffers`` straight from the slots). Both post results to
 ``done`` (a SimpleQueue the loop drains). Mooncake calls block up to ~4.3 s each once the master
-is gone and ``setup`` blocks ~90 s while it is down (measured here), which is why
-none of them runs on the loop. The pull thread also owns the connection state (connecting / up /
+is gone, which is why none of them runs on the loop. ``setup`` is worse: while the master is
+down it retries for ~90 s *holding the interpreter lock* (measured here: the loop answered one
+PING in 90 s and SIGTERM went unhandled), so the pull thread calls it only after the master's
+RPC port and the metadata server accept a TCP connection (:func:`unreachable`, checked again
+every ``probe_interval_s`` while they do not): a master that appears later is attached within
+about a second. The pull thread also owns the connection state (connecting / up /
 down), logging one line per change. While idle it calls ``health_check`` once a second (it
 reads the client's own heartbeat state and returns at once) to notice a lost master; while down
 it also makes one real call before it says "up" again.
@@ -41,9 +45,11 @@ import hmac
 import logging
 import mmap
 import queue
+import socket
 import struct
 import threading
 import time
+import urllib.parse
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -119,6 +125,35 @@ class MooncakeSettings:
     local_buffer_bytes: int = 16 << 20
     probe_interval_s: float = 1.0
     secret: bytes | None = None  # shared by every gateway of the cluster: objects carry a MAC
+
+
+def _endpoints(s: MooncakeSettings) -> list[tuple[str, str, int]]:
+    """(what, host, port) of every TCP endpoint ``setup`` needs: the master's RPC, and the
+    metadata server when it names one (``http://HOST:PORT/...``, ``etcd://HOST:PORT``,
+    ``HOST:PORT``; not ``P2PHANDSHAKE``)."""
+    out = []
+    for what, addr in (("master", s.master), ("metadata server", s.metadata)):
+        scheme, sep, _ = addr.partition("://")
+        u = urllib.parse.urlsplit(addr if sep else f"//{addr}")
+        try:
+            port = u.port or {"http": 80, "https": 443}.get(scheme)
+        except ValueError:  # not a HOST:PORT
+            continue
+        if u.hostname and port:
+            out.append((what, u.hostname, port))
+    return out
+
+
+def unreachable(s: MooncakeSettings, timeout_s: float = 1.0) -> str | None:
+    """None when every endpoint of :func:`_endpoints` accepts a TCP connection within
+    ``timeout_s`` (the connect releases the interpreter lock), else which did not and why."""
+    for what, host, port in _endpoints(s):
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                pass
+        except OSError as e:
+            return f"{what} {host}:{port} unreachable ({e.strerror or e})"
+    return None
 
 
 def _address(buf) -> int:
@@ -211,6 +246,13 @@ class MooncakeBackend:
 
     def _connect(self) -> bool:
         s = self.settings
+        why = unreachable(s) if self._factory is None else None
+        if why is not None:
+            # never call setup then: it retries for ~90 s holding the interpreter lock (every
+            # thread of the gateway, the loop and signal handling included, stops meanwhile)
+            self._set_state("down", f"{why}; setup not attempted, checked again every "
+                                    f"{s.probe_interval_s:g} s")
+            return False
         if self._factory is not None:
             store = self._factory()
         else:
