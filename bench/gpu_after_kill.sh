@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 27 item 1 on the H200: the requests right after the gateway is SIGKILLed, on two models
+# (Llama-3-8B shape with a 40 GiB card, the DeepSeek-V2-like MLA model with a 30 GiB card), V2
+# runner, CUDA graphs: bench/e2e_ttft.py's `after_kill_ref` (the first request) and
+# `after_kill_cold` rows (6 more, one by one) against the same engine's cold TTFT.
+# From the repository root on the H200 machine with .gpucarry/ carried:
+#   OUT=/dir bash bench/gpu_after_kill.sh after             # this tree
+#   OUT=/dir BEFORE=DIR bash bench/gpu_after_kill.sh before # the library of DIR (e.g. the tree of
+#       b33136a: `git archive b33136a xkv xkv_vllm_connector | tar -x -C DIR`), this bench script
+# Each call runs both models (~4-5 min; MODELS="llama8b" or "mla" for one); the table lines land
+# in $OUT/<which>_<model>/run.txt.
+set -u
+WHICH=${1:-after}
+OUT=${OUT:-out/after_kill}
+eval "$(bash .gpucarry/install.sh)" >/dev/null 2>&1 || { echo "install of .gpucarry failed"; exit 1; }
+TREE=$PWD
+if [ "$WHICH" = before ]; then
+  TREE=$(realpath "${BEFORE:?BEFORE=DIR with the old xkv and xkv_vllm_connector packages}")
+fi
+export PYTHONPATH=$TREE:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -c "import xkv, sys; print('xkv from', xkv.__file__)"
+COMMON=(--kinds xkv --runner v2 --mode graphs --lens 4096 --reps 1 --cold-reps 5 --multi 0
+        --after-kill 6 --child-timeout 250)
+run() {  # name seconds e2e-args...
+  local name=$1 secs=$2; shift 2
+  mkdir -p "$OUT/$name"
+  timeout "$secs" python3 bench/e2e_ttft.py --out "$OUT/$name" "$@" > "$OUT/$name/run.txt" 2>&1
+  echo "=== $name (rc $?)"
+  grep -E "after_kill|after gateway SIGKILL| cold " "$OUT/$name/run.txt" | tail -12
+  rm -f "$OUT/$name"/*.png
+}
+for m in ${MODELS:-llama8b mla}; do
+  case $m in
+    llama8b) run "${WHICH}_llama8b" 270 --model bench/models/llama8b --card-gib 40 "${COMMON[@]}" ;;
+    mla) run "${WHICH}_mla" 270 --model bench/models/dsv2_mla16 --backend TRITON_MLA --card-gib 30 \
+           --vocab 100000 "${COMMON[@]}" ;;
+  esac
+done
