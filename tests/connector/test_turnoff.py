@@ -198,3 +198,28 @@ def test_fences_cover_every_stream_of_the_owners():
     assert len(evs) == 3  # the current stream and the two of the owner, once each
     for ev in evs:
         ev.synchronize()
+
+
+def test_after_kill_report_names_the_worst_extra_wait(tmp_path):
+    """bench/e2e_ttft.py's after-kill summary (the H200 figure of this issue), from rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rows = [dict(kind="xkv", phase="cold", tokens=4096, ttft_ms=v) for v in (40.0, 42.0, 44.0)]
+    rows += [dict(kind="xkv", phase="after_kill_ref", tokens=3073, ttft_ms=5600.0)]
+    rows += [dict(kind="xkv", phase="after_kill_cold", tokens=4096, ttft_ms=v, i=i)
+             for i, v in enumerate((95.0, 43.0))]
+    res = {"args": {"model": str(root / "bench" / "models" / "llama8b"), "backend": "FLASH_ATTN"},
+           "rows": rows, "ref": {"xkv": {"cold": {"ttft_ms": 30.0}}}, "verify": [], "rc": {},
+           "info": {}}
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    p = subprocess.run([sys.executable, str(root / "bench" / "e2e_ttft.py"), "--report-only",
+                        str(tmp_path / "r.json"), "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, cwd=root)
+    assert p.returncode == 0, p.stderr
+    assert ("first request (ref, 3073 tokens) 5600.0 ms vs cold 30.0 ms; then 4096-token requests "
+            "[95.0, 43.0] ms vs cold median 42.0 ms; worst extra 5570.0 ms (target <= 100 ms: "
+            "missed)") in p.stdout, p.stdout
