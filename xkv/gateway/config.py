@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="xkv gateway: owns the card (a shared-memory arena of KV slots) and its index. "
                     "vLLM workers on this host map the card; the connector talks to the gateway "
                     "over ZMQ on a Unix socket only this user reaches "
-                    "($XKV_GATEWAY_SOCKET_DIR or /tmp)/xkv-<uid>/gateway-<port>/control.sock; "
+                    "($XKV_GATEWAY_SOCKET_DIR, else $XDG_RUNTIME_DIR or /run/user/<uid>, else /tmp)"
+                    "/xkv-<uid>/gateway-<port>/control.sock; "
                     "TCP only with CURVE keys and an allow-list of clients.")
     p.add_argument("--capacity", type=parse_size, default="1G",
                    help="bytes of the card, e.g. 512M, 64G (default 1G); rounded down to the "
