@@ -75,6 +75,7 @@ class _Slow:
 def test_turn_off_lets_go_of_the_card_off_the_engine_thread(fake_gateway, llama_dir, monkeypatch):
     s, w, c = _engine(llama_dir)
     wk = w._worker
+    wk.offpath.idle_s = 0.5  # idle after half a second without a step (steps here: < 0.1 s)
     slow = _Slow()
     committer = wk.saver._committer
     monkeypatch.setattr(committer, "drain", slow.wrap("drain", committer.drain))
@@ -92,12 +93,15 @@ def test_turn_off_lets_go_of_the_card_off_the_engine_thread(fake_gateway, llama_
     assert wk.card is None  # taken from the session at once: no load or save can see it
     before = card.clone()
     assert longest < STEP_BUDGET_S, f"a step took {longest:.2f} s (slow parts: {slow.calls})"
-    assert wk.offpath.wait(10 * SLOW_S)
-    # drained first, then unregistered, both on the worker's background thread
-    assert slow.names() == ["drain", "unregister"], slow.calls
-    assert {t for _, t in slow.calls} == {"xkv-offpath-0"}, slow.calls
+    # retired, not let go while the engine steps (an unregister stalls every CUDA call)
+    assert wk.offpath.retired == 1 and "unregister" not in slow.names(), slow.calls
     for i in range(2):  # later steps never touch the old card
         _run_timed(s, w, c, H.make_request(f"y{i}", _prompt(300, base=700 + 50 * i)))
+    assert "unregister" not in slow.names(), slow.calls
+    assert wk.offpath.wait(10 * SLOW_S)  # the engine idles: let go now
+    # drained first, then unregistered, both on the worker's background thread
+    assert slow.names()[-2:] == ["drain", "unregister"], slow.calls
+    assert {t for w_, t in slow.calls if w_ == "unregister"} == {"xkv-offpath-0"}, slow.calls
     assert torch.equal(card, before)
     assert wk.offpath.last_release_s >= 2 * SLOW_S
 
@@ -175,6 +179,37 @@ def test_release_waits_for_fences_then_the_drain_then_lets_go_on_its_thread():
                    ("drain", "xkv-offpath-test"),
                    ("let_go", "xkv-offpath-test", ("client", "card"))]
     assert op.close() is None
+
+
+def test_a_retired_card_waits_for_an_idle_engine_or_an_attach():
+    """An unregister stalls every CUDA call of the process (H200: bench/cuda_register_lock.py):
+    never while the engine steps; an attach lets go of it first (never two cards registered)."""
+    log: list = []
+
+    class Session(_Session):
+        def connect_fresh(self):
+            log.append(("connect", threading.current_thread().name))
+            return ("client2", [], "card2")
+
+    op = OffPath(Session(log), lambda t: True, name="xkv-offpath-test")
+    op.idle_s = 0.3
+    op.release(["c1", "card1"], [])
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # an engine stepping every 50 ms
+        op.note_step()
+        time.sleep(0.05)
+    assert log == [] and op.retired == 1
+    assert op.wait(5) and log == [("let_go", "xkv-offpath-test", ("c1", "card1"))]
+    log.clear()
+    op.release(["c2", "card2"], [])
+    op.note_step()
+    op.attach()
+    assert op.take_attached(None) == ("client2", [], "card2")
+    assert log == [("let_go", "xkv-offpath-test", ("c2", "card2")),
+                   ("connect", "xkv-offpath-test")], log
+    op.release(["c3", "card3"], [])
+    op.note_step()
+    assert op.close() is None and log[-1][2] == ("c3", "card3")  # shutdown: let go at once
 
 
 def test_fences_are_recorded_only_on_cuda():

@@ -1,23 +1,30 @@
 """A worker's slow gateway work, off the engine thread: letting go of the card, attaching again.
 
-Why: a worker that turns off (its gateway died) used to drain its commit thread and unregister
-the card (``cudaHostUnregister``: ~0.13 s per GiB on the H200, 5.6 s for a 40 GiB card) inside
-``get_finished``, on vLLM's engine thread: every running request waited. Attaching again
-(HELLO, map, ``cudaHostRegister`` of the whole card) cost the same inside ``bind``.
+Why: a worker that turns off (its gateway died) used to drain its commit thread, unregister the
+card (``cudaHostUnregister``) and unmap it inside ``get_finished``, on vLLM's engine thread; the
+first requests after a gateway SIGKILL took 1.0-5.6 s on the H200 (issue 27), growing with the
+card. Attaching again (HELLO, map, ``cudaHostRegister`` of the whole card) cost the same in
+``bind``. Measured on the H200 (``bench/cuda_register_lock.py``, 16 GiB memfd card, a thread
+issuing CUDA work meanwhile): munmap takes 1.16 s and blocks nobody off the engine thread, but
+``cudaHostUnregister`` (0.27 s) and ``cudaHostRegister`` (0.68 s) block *every* CUDA call of the
+process for their whole duration, whichever thread makes them (a driver lock, not the GIL). So
+a thread alone is not enough: the unregister must also run when the engine does not need the GPU.
 
-:class:`OffPath` owns one daemon thread per worker rank that runs those jobs in order:
+:class:`OffPath` owns one daemon thread per worker rank:
 
 * ``release(old, fences)``: the engine thread has already taken the card away from the session
   (``GatewaySession.detach``: no load or save issued from now on sees it) and recorded one CUDA
   event on every connector stream that may still read or write it (:func:`record_fences`: the
-  load and save streams, the fan-out copy stream, the compute stream). The thread waits for
-  those events, then for the commit thread to send what it holds (bounded), and only then
-  unregisters the card and closes the client (which unmaps it once no view is left). So no
-  kernel or copy can touch a card that is no longer registered or mapped.
-* ``attach()``: probe the gateway and connect afresh (``GatewaySession.connect_fresh``: HELLO,
-  map, register). Its result is taken by the engine thread at a step boundary
-  (:meth:`take_attached`, then ``GatewaySession.adopt``): the card and epoch loads read change
-  between steps only, never under a step.
+  load and save streams, the fan-out copy stream, the compute stream). The card is *retired*:
+  still registered and mapped, touched by nobody. The thread lets go of it (waits for those
+  events, then for the commit thread to send what it holds, bounded; then unregisters it and
+  closes the client, which unmaps it) once the engine has been idle for ``idle_s`` (no step
+  bound meanwhile, :meth:`note_step`), or before an attach (which registers a card: a stall
+  anyway), or at :meth:`close`. A busy engine keeps the dead gateway's card (its RAM) until then.
+* ``attach()``: let go of a retired card, then probe the gateway and connect afresh
+  (``GatewaySession.connect_fresh``: HELLO, map, register). Its result is taken by the engine
+  thread at a step boundary (:meth:`take_attached`, then ``GatewaySession.adopt``): the card and
+  epoch that loads read change between steps only, never under a step.
 
 Jobs run in submission order, so an old card is unregistered before a new one is registered.
 The thread sets the CUDA device of the caches first (``torch.cuda.set_device``): the runtime
@@ -40,6 +47,8 @@ import torch
 
 log = logging.getLogger("xkv.connector")
 
+#: Seconds without a step after which a retired card is let go (see the module docstring).
+IDLE_S = 1.0
 #: How long the release job waits for the commit thread before letting go anyway (seconds):
 #: its batches wait on fences this job already waited for, then fail fast (the session is off).
 DRAIN_S = 10.0
@@ -78,6 +87,11 @@ class OffPath:
         self._closed = False
         self._attaching = False
         self._attached: tuple | None = None  # connect_fresh's result, not yet taken
+        self._retired: list[tuple[list, list]] = []  # (old [client, card], fences) to let go
+        self._last_step = time.monotonic()
+        #: Seconds without a step after which the engine counts as idle (a retired card is let
+        #: go then: its unregister stalls every CUDA call of the process).
+        self.idle_s = IDLE_S
         #: Seconds the release of the last card took on the thread (events, drain, unregister).
         self.last_release_s = 0.0
 
@@ -89,12 +103,23 @@ class OffPath:
         with self._cv:
             return self._attaching
 
+    def note_step(self) -> None:
+        """The engine bound a step (its thread; one clock read): it is not idle."""
+        self._last_step = time.monotonic()
+
     def release(self, old: list | None, fences: list) -> None:
-        """Let go of ``old`` (``GatewaySession.detach``'s ``[client, card]``) once ``fences``
-        completed and the commit thread drained; returns at once."""
+        """Retire ``old`` (``GatewaySession.detach``'s ``[client, card]``): let go of it once
+        ``fences`` completed, the commit thread drained, and the engine is idle (or an attach or
+        close comes first); returns at once."""
         if old is None:
             return
-        self._submit(lambda: self._release(old, fences))
+        with self._cv:
+            if not self._closed:
+                self._retired.append((old, fences))
+                self._start()
+                self._cv.notify_all()
+                return
+        self._release(old, fences)  # shutting down: no thread would do it later
 
     def attach(self) -> None:
         """Probe and connect afresh in the background (no-op while one is under way)."""
@@ -118,38 +143,62 @@ class OffPath:
             return att
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Until every submitted job ran (tests, shutdown); False on timeout."""
+        """Until every submitted job ran and every retired card was let go (which waits for an
+        idle engine); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._busy == 0, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._busy == 0 and not self._retired,
+                                     timeout=timeout_s)
+
+    @property
+    def retired(self) -> int:
+        """Cards retired and not let go yet."""
+        with self._cv:
+            return len(self._retired)
 
     def close(self, timeout_s: float = 30.0) -> list | None:
-        """Run what is queued (up to ``timeout_s``), then let the thread end. Returns an attach
-        result nobody took (its card is registered: the caller lets it go) or None."""
+        """Run what is queued and let go of retired cards now (up to ``timeout_s``), then let
+        the thread end. Returns an attach result nobody took (its card is registered: the
+        caller lets it go) or None."""
+        with self._cv:
+            self._closed = True  # retired cards go now; the thread ends once nothing is left
+            self._cv.notify_all()
         if not self.wait(timeout_s):
             log.warning("xkv: %s still letting go of a card after %.0f s at shutdown",
                         self.name, timeout_s)
         with self._cv:
-            self._closed = True  # the thread ends once its queue is empty
-            self._cv.notify_all()
             att, self._attached, self._attaching = self._attached, None, False
         return None if att is None else [att[0], att[2]]
 
     def _submit(self, job: Callable[[], None]) -> None:
         with self._cv:
-            if self._closed:  # shutting down: no thread would run it later
-                run_now = True
-            else:
-                run_now = False
+            if not self._closed:
                 self._jobs.append(job)
                 self._busy += 1
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                    self._thread.start()
+                self._start()
                 self._cv.notify_all()
-        if run_now:
-            job()
+                return
+        job()  # shutting down: no thread would run it later
+
+    def _start(self) -> None:
+        if self._thread is None:  # under self._cv
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ the thread
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next thing to do (under self._cv, waiting as needed); None: end the thread."""
+        while True:
+            if self._jobs:
+                return self._jobs.popleft()
+            idle_for = time.monotonic() - self._last_step
+            if self._retired and (self._closed or idle_for >= self.idle_s):
+                old, fences = self._retired[0]
+                self._busy += 1
+                return lambda: self._release(old, fences, retired=True)
+            if self._closed and not self._retired:
+                return None
+            self._cv.wait(max(0.01, self.idle_s - idle_for) if self._retired else None)
 
     def _run(self) -> None:
         if self.device is not None and getattr(self.device, "type", None) == "cuda":
@@ -158,10 +207,9 @@ class OffPath:
             torch.cuda.set_device(self.device)
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._closed)
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
+                job = self._next()
+            if job is None:
+                return
             try:
                 job()
             except Exception:
@@ -171,7 +219,10 @@ class OffPath:
                     self._busy -= 1
                     self._cv.notify_all()
 
-    def _release(self, old: list, fences: list) -> None:
+    def _release(self, old: list, fences: list, retired: bool = False) -> None:
+        if retired:
+            with self._cv:
+                self._retired.pop(0)  # only this thread pops: still the first
         t0 = time.perf_counter()
         for ev in fences:
             ev.synchronize()  # no copy or kernel issued before the detach still runs
@@ -186,6 +237,10 @@ class OffPath:
     def _attach(self) -> None:
         att = None
         try:
+            with self._cv:  # a retired card goes first: never two registered at once
+                retired, self._retired = self._retired, []
+            for old, fences in retired:
+                self._release(old, fences)
             # commits of the old session go first (they fail fast while it is off); sent later,
             # to the new gateway, they would count as failures of the fresh session
             self._drain(DRAIN_S)

@@ -226,6 +226,7 @@ class WorkerSide:
         (never old offsets on a new card) and its saves are aborted."""
         self.saver.bind(meta)
         self._meta = meta
+        self.offpath.note_step()  # a retired card waits for an idle engine
         ses = self.session
         same = meta.epoch == ses.epoch or not ses.epoch
         self._adopt(0.0)
@@ -394,8 +395,9 @@ class WorkerSide:
 
     def _release_card_if_unused(self) -> None:
         """Off here and on the scheduler side: no load can come any more, so the card is
-        unregistered and unmapped, in the background, after every copy issued so far and the
-        commit thread are done (``turnoff``: never on the engine thread)."""
+        retired: unregistered and unmapped in the background once every copy issued so far and
+        the commit thread are done and the engine is idle (``turnoff``: never on the engine
+        thread, never while it steps: an unregister stalls every CUDA call of the process)."""
         if self._scheduler_off and self.session.turned_off and self.session.card is not None:
             self._let_go_card()
 
