@@ -36,6 +36,10 @@ def _engine(llama_dir, reattach=True):
     wk, caches = H.make_worker_caches(vc, H.attention_cache_config(), layout="LBHNC")
     for side in (sched.connector._scheduler, wk._worker):
         side.session.reattach_interval_s = 0.0  # the test decides when time has passed
+    # the worker attaches on its background thread and uses the card from the step in which
+    # the attach finished (production waits one lookup deadline for it; test_turnoff.py covers
+    # a slow one): here bind waits for it, so the steps below see it on any machine load
+    wk._worker.attach_wait_s = 30.0
     return sched, wk, caches
 
 

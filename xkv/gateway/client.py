@@ -213,11 +213,16 @@ class GatewayClient:
     def _socket(self, deadline: float) -> zmq.Socket:
         if self._sock is None:
             if self._ipc:  # never talk to a socket another user could have planted
+                waited_ms = _ms(deadline)
                 try:
                     self.endpoint = "ipc://" + sockdir.find_control(self.port, deadline)
                 except PermissionError as e:
                     raise GatewayUnavailable(f"xkv gateway socket refused: {e}") from None
-                except OSError as e:
+                except FileNotFoundError as e:  # waited until the deadline
+                    raise GatewayUnavailable(
+                        f"no xkv gateway found within {waited_ms} ms: {e.strerror or e} "
+                        f"(is xkv-gateway running?)") from None
+                except OSError as e:  # a dead gateway's socket: known at once
                     raise GatewayUnavailable(f"xkv gateway unreachable: {e.strerror or e} "
                                              f"(is xkv-gateway running?)") from None
             s = self._ctx.socket(zmq.DEALER)
