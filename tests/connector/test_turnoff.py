@@ -145,6 +145,43 @@ def test_reattach_registers_the_new_card_in_the_background(fake_gateway, llama_d
                for i, bid in enumerate(gt.block_ids) for name, kv in c.items())
 
 
+def test_a_multi_group_model_waits_for_the_attach_its_promised_loads_need():
+    """vLLM cannot take block load errors of a model with several KV cache groups: a load
+    promised against the restarted gateway while this rank still attaches in the background
+    waits for the attach (instead of stopping the engine), then restores the stored state."""
+    import test_worker_states as S
+    from connector_fakes import FakeGateway
+
+    from xkv.connector.metadata import ChunkRef, GroupTransfer, StepMetadata, TransferJob
+
+    gw = FakeGateway()
+    w, _, buf = S._worker(gw)
+    w.session.reattach_enabled = True
+    slow = _Slow()
+    w.session._register_card = slow.wrap("register")
+    gw.restart()
+    c = gw.client()
+    spec = w.session._layouts[0]  # the state group's HELLO, as the rank will send it
+    lid = c.register_layout("t", spec.fingerprint, spec.num_shards, spec.shard_bytes).layout_id
+    want = torch.randint(-128, 127, (S.STATE,), dtype=torch.int8, generator=torch.Generator()
+                         .manual_seed(5))
+    (r,) = c.reserve(lid, [b"m" * 32])
+    torch.frombuffer(gw.card, dtype=torch.int8)[r.offsets[0]:r.offsets[0] + S.STATE] = want
+    c.commit(lid, 0, [r.key])
+    t0 = time.perf_counter()
+    w.bind(StepMetadata(epoch=gw.epoch, layout_ids=()))  # the scheduler is on the new gateway
+    assert time.perf_counter() - t0 < STEP_BUDGET_S and w.offpath.attaching
+    S._state_page(buf, 7).fill_(-91)
+    ref = ChunkRef(r.key, r.offsets, r.generations)
+    load = TransferJob(9, "z", (GroupTransfer(0, (7,), (0,), (0,), (ref,)),), S.BS)
+    w.bind(StepMetadata(loads=(load,), epoch=gw.epoch, layout_ids=(lid, lid + 1)))
+    w.start_load_kv()  # waits for the background attach, then restores
+    w.get_finished()
+    assert slow.calls == [("register", "xkv-offpath-0")]
+    assert w.session.epoch == gw.epoch and not w.turned_off
+    assert torch.equal(S._state_page(buf, 7)[:S.STATE], want) and not w.take_load_errors()
+
+
 class _Fence:
     def __init__(self, log):
         self.log = log
