@@ -346,7 +346,7 @@ class DiskStore:
             try:
                 crc = check_header(hdr, it.digest, it.key, it.num_shards, it.shard_bytes)
             except ValueError as e:
-                log.warning("disk tier: %s: %s: removed, a miss", path, e)
+                log.warning("disk tier: %s: %s: removed, a miss", path, str(e))  # str: no frames kept
                 self._unlink(path)
                 return "corrupt"
             if self.crc(it) != crc:

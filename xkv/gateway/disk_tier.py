@@ -181,7 +181,7 @@ class DiskTier:
             self.used_bytes -= size
             if st == "full":
                 self.counters["disk_full"] += 1
-                shrunk = max(self.used_bytes - size, 0)
+                shrunk = self.used_bytes  # what fits: the next write evicts to make room
                 if shrunk < self.capacity_bytes:
                     log.warning("disk tier: the disk under %s is full with %d B of objects; "
                                 "capacity lowered from %d to %d B (old objects make room)",
@@ -199,14 +199,27 @@ class DiskTier:
 
     # ------------------------------------------------------------------ lookup miss
 
-    def _on_disk(self, req, c: int) -> bool:
-        layouts = self.index.layouts
-        return all((self._digest(layouts[g.layout_id]), file_name(g.keys[c])) in self.entries
-                   for g in req.groups)
+    def _chunk(self, req, c: int) -> list | None:
+        """Chunk ``c`` of a lookup per group: the card's READY object, or None where the disk
+        must supply it; None for the whole chunk when some group has it in neither."""
+        layouts, entries, row = self.index.layouts, self.entries, []
+        for g in req.groups:
+            lay = layouts[g.layout_id]
+            obj = lay.objects.get(g.keys[c])
+            if obj is not None and obj.ready:
+                row.append(obj)
+            elif obj is None and (self._digest(lay), file_name(g.keys[c])) in entries:
+                row.append(None)
+            else:  # absent, or STAGED in the card (being written or restored): stop here
+                return None
+        return row
 
     def wants(self, req, num: int) -> bool:
         """Whether a lookup that found ``num`` chunks in the card should restore from disk."""
-        if num >= len(req.groups[0].keys) or not self.entries or not self._on_disk(req, num):
+        if num >= len(req.groups[0].keys) or not self.entries:
+            return False
+        row = self._chunk(req, num)
+        if row is None or None not in row:
             return False
         if len(self._live) + len(self._now) >= self.max_deferred:
             self.counters["disk_skipped"] += 1
@@ -217,13 +230,13 @@ class DiskTier:
               now: float) -> object:
         """Take over a lookup the server just ran on the card (``num`` hits, ``lease_id``)."""
         n = len(req.groups[0].keys)
-        m = num
-        while m < n and self._on_disk(req, m):
-            m += 1
+        rows = []
+        while num + len(rows) < n and (row := self._chunk(req, num + len(rows))) is not None:
+            rows.append(row)
         p = _Pending(frames, req, num, lease_id, now + self.wait_s)
         self.counters["disk_lookups"] += 1
-        self.counters["disk_asked_chunks"] += n - num
-        items = self._reserve(p, m - num, now)
+        self.counters["disk_asked_chunks"] += sum(None in row for row in rows)
+        items = self._reserve(p, rows, now)
         if not items:
             self._now.append(p)
             return DEFERRED
@@ -232,31 +245,42 @@ class DiskTier:
         self.store.read(token, items)
         return DEFERRED
 
-    def _reserve(self, p: _Pending, m: int, now: float) -> list[DiskItem]:
-        """Reserve chunks [num, num + m) in every group, up to the first chunk some group cannot
-        reserve (stored meanwhile, or no room or quota); those objects are *held*."""
-        keys = [g.keys[p.num:p.num + m] for g in p.req.groups]
-        results = [self.index.reserve(g.layout_id, ks, now)
-                   for g, ks in zip(p.req.groups, keys, strict=True)]
-        for out in results:
-            ok = 0
-            while ok < len(out) and out[ok][0] == ReserveStatus.OK:
-                ok += 1
-            m = min(m, ok)
-        self.counters["disk_misses"] += len(keys[0]) - m
+    def _reserve(self, p: _Pending, rows: list[list], now: float) -> list[DiskItem]:
+        """Reserve the disk's chunks of ``rows`` (chunks num, num+1, ... of the lookup) in the
+        card, up to the first one some group cannot reserve (stored meanwhile, no room or
+        quota); those objects are *held*. The card's own objects of ``rows`` are used first
+        (latest chunk first), so making room evicts other objects before them, and a later
+        chunk of this prefix before an earlier one (a prefix is worth its beginning)."""
+        for row in reversed(rows):
+            for obj in row:
+                if obj is not None and not obj.leases:
+                    self.index.pin(obj)
+                    self.index.unpin(obj)  # back at the most recently used end
+        m = len(rows)
+        results = []
+        for g, grp in enumerate(p.req.groups):
+            want = [c for c in range(len(rows)) if rows[c][g] is None]
+            out = self.index.reserve(grp.layout_id, [grp.keys[p.num + c] for c in want], now)
+            ok = {c for c, (st, _) in zip(want, out, strict=True) if st == ReserveStatus.OK}
+            m = min([m] + [c for c in want if c not in ok])
+            results.append((want, ok))
+        self.counters["disk_misses"] += sum(None in row for row in rows[m:])
         items = []
-        for g, ks, out in zip(p.req.groups, keys, results, strict=True):
-            layout = self.index.layouts[g.layout_id]
-            mine = [k for k, (st, _) in zip(ks, out, strict=True) if st == ReserveStatus.OK]
-            if mine[m:]:  # reserved past the first gap: give the room back
-                self.index.abort(g.layout_id, 0, mine[m:])
-            for key in mine[:m]:
+        for grp, (want, ok) in zip(p.req.groups, results, strict=True):
+            layout = self.index.layouts[grp.layout_id]
+            digest = self._digest(layout)
+            late = [grp.keys[p.num + c] for c in want if c in ok and c >= m]
+            if late:  # reserved past the first gap: give the room back
+                self.index.abort(grp.layout_id, 0, late)
+            for c in want:
+                if c >= m:
+                    break
+                key = grp.keys[p.num + c]
                 obj = layout.objects[key]
                 obj.leases = 1  # held: Index.commit/abort/expire leave it to us
                 name = file_name(key)
-                entry = self.entries[(self._digest(layout), name)]
-                entry[1] += 1
-                self.entries.move_to_end((self._digest(layout), name))  # a use
+                self.entries[(digest, name)][1] += 1
+                self.entries.move_to_end((digest, name))  # a use
                 p.held.append((obj, name))
                 items.append(self._item(obj, name))
         return items
