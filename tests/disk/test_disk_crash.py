@@ -10,6 +10,7 @@ the victim of the next."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -142,10 +143,8 @@ def test_sigkill_at_random_points(tmp_path):
                 t.join(20)
                 w.close()
                 del stop
-            try:
+            with contextlib.suppress(GatewayError):
                 c.close()
-            except GatewayError:
-                pass
         if errors:
             raise errors[0]
         expected = on_disk(d)
