@@ -87,6 +87,7 @@ class DiskTier:
         self._writing: dict[tuple[bytes, str], int] = {}
         self._deleting: set[tuple[bytes, str]] = set()
         self._backlog = 0
+        self._offer: list[DiskItem] = []
         self._digests: dict[int, bytes] = {}
         self._live: dict[int, _Pending] = {}
         self._now: list[_Pending] = []  # deferred lookups with nothing to read: answered next turn
@@ -162,7 +163,7 @@ class DiskTier:
         self._writing[k] = nbytes
         self.used_bytes += nbytes
         self._backlog += nbytes
-        self.store.write([self._item(obj, k[1])])
+        self._offer.append(self._item(obj, k[1]))  # handed to the threads once per loop turn
 
     def _written(self, items: list[DiskItem], status: list[str], nbytes: int,
                  seconds: float) -> None:
@@ -357,6 +358,9 @@ class DiskTier:
         """Apply the threads' results and answer lookups that are done or out of time; returns
         the reply frames to send."""
         out: list[list[bytes]] = []
+        if self._offer:
+            self.store.write(self._offer)
+            self._offer = []
         while self._now:
             out += self._finish(self._now.pop())
         done = self.store.done
