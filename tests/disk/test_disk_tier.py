@@ -251,3 +251,19 @@ def test_write_errors_take_the_tier_down_for_a_while(rig, monkeypatch):
     assert rig.tier.counters["disk_write_errors"] == 2 and not rig.tier.up
     rig.put(lay, keys(1))  # not offered while down
     assert rig.tier.counters["disk_write_dropped"] == 1 and rig.ix.leased_objects == 0
+
+
+def test_metrics_show_the_tier(rig):
+    from xkv.gateway.disk_metrics import DISK
+    from xkv.gateway.metrics import Histogram, render, series
+
+    snap = rig.tier.snapshot()
+    assert {key for _, key, *_ in DISK} <= snap.keys()  # every series has its number
+    lay = rig.layout()
+    rig.put(lay, keys(2))
+    rig.settle()
+    text = render(rig.tier.snapshot(), {}, {}, Histogram(), {})
+    assert 'xkv_gateway_disk_written_total{result="ok"} 2' in text
+    assert "xkv_gateway_disk_up 1" in text
+    assert series("disk_corrupt") == 'xkv_gateway_disk_bad_objects_total{reason="corrupt"}'
+    assert "xkv_gateway_disk_up" not in render({}, {}, {}, Histogram(), {})  # no tier, no series
