@@ -33,12 +33,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from xkv.gateway.disk_format import file_bytes, file_name
 from xkv.gateway.disk_store import DiskItem, DiskStore
 from xkv.gateway.protocol import ReserveStatus
-from xkv.gateway.tier import DEFERRED
+from xkv.gateway.tier import DEFERRED, _Pending  # one home: a deferred lookup; held = (obj, name)
 from xkv.gateway.tier_store import layout_digest
 
 log = logging.getLogger("xkv.gateway")
@@ -51,17 +50,6 @@ _COUNTERS = ("disk_lookups", "disk_skipped", "disk_deadline", "disk_asked_chunks
              "disk_scan_skipped", "disk_scan_removed")
 _FAILED = {"lost": "disk_lost", "corrupt": "disk_corrupt", "truncated": "disk_truncated",
            "foreign": "disk_foreign"}
-
-
-@dataclass(eq=False)
-class _Pending:
-    frames: tuple[bytes, bytes]  # ROUTER identity, request id
-    req: object  # the Lookup
-    num: int  # chunks the card held at the first pass
-    lease_id: int  # the first pass's lease, released once the reply went out
-    deadline: float
-    held: list = field(default_factory=list)  # (index object, disk name) reserved for the read
-    answered: bool = False
 
 
 class DiskTier:
@@ -103,11 +91,14 @@ class DiskTier:
     # ------------------------------------------------------------------ helpers
 
     def _digest(self, layout) -> bytes:
-        d = self._digests.get(layout.layout_id)
-        if d is None:
-            d = self._digests[layout.layout_id] = layout_digest(
-                layout.namespace, layout.fingerprint, layout.num_shards, layout.shard_bytes)
-        return d
+        """The layout's name on disk (the Mooncake tier's digest), computed once per layout."""
+        try:
+            return self._digests[layout.layout_id]
+        except KeyError:
+            lay = layout
+            d = layout_digest(lay.namespace, lay.fingerprint, lay.num_shards, lay.shard_bytes)
+            self._digests[lay.layout_id] = d
+            return d
 
     def _item(self, obj, name: str) -> DiskItem:
         lay = obj.layout
@@ -234,7 +225,7 @@ class DiskTier:
         rows = []
         while num + len(rows) < n and (row := self._chunk(req, num + len(rows))) is not None:
             rows.append(row)
-        p = _Pending(frames, req, num, lease_id, now + self.wait_s)
+        p = _Pending(frames, req, num, lease_id, now + self.wait_s)  # held: (obj, file name)
         self.counters["disk_lookups"] += 1
         self.counters["disk_asked_chunks"] += sum(None in row for row in rows)
         items = self._reserve(p, rows, now)
