@@ -13,9 +13,10 @@ bandwidth, measured in the same run on the same directory.
      and every object is looked up, ``--batch`` chunks per LOOKUP, one LOOKUP at a time; time
      of all lookups (each answered after its read and checksum); plus the latency of single
      LOOKUPs of 1, 4 and 16 chunks from disk (what a vLLM lookup waits for);
-   * meanwhile another client (a thread of this process with its own connection) sends
-     LOOKUPs that hit the card, back to back: their latency p50 / p99 / max while the disk
-     writes and while it reads.
+   * meanwhile another client (its own process and connection) sends LOOKUPs that hit the
+     card, back to back: their latency p50 / p99 / max with the gateway idle, while ``dd``
+     (not the gateway) writes and reads the disk (the machine's own share), while the tier
+     writes and while it restores.
 Numbers from a shared 2-core VM are lower bounds; the disk is whatever backs ``--dir``.
 """
 
@@ -170,7 +171,10 @@ def one(args, threads: int, d: str, log) -> dict:
         probe = Prober(port, samples)
         i0 = time.monotonic()
         time.sleep(1.0)  # the probe alone: the loop's baseline
-        i1 = t0m = time.monotonic()
+        i1 = time.monotonic()
+        # control: the same disk work by dd, not by the gateway (what the machine alone costs)
+        out["disk_during_probe"] = disk_bandwidth(d, min(args.size, 256 << 20))
+        d1 = t0m = time.monotonic()
         base = c.stats()["disk_written"]
         t0 = time.perf_counter()
         for i in range(0, n, 256):
@@ -182,6 +186,7 @@ def one(args, threads: int, d: str, log) -> dict:
         t1m = time.monotonic()
         probe.stop()
         out["probe_idle"] = probe.window(i0, i1)
+        out["probe_dd"] = probe.window(i1, d1)
         out["write"] = {"seconds": dt, "Bps": n * out["file_bytes"] / dt,
                         "dropped": s["disk_write_dropped"], "errors": s["disk_write_errors"],
                         "probe": probe.window(t0m, t1m)}
@@ -274,7 +279,8 @@ def main():
                   f"{run['restore']['Bps'] / 1e6:.0f} MB/s; probe p99 w "
                   f"{run['write']['probe'].get('p99_ms', 0):.2f} ms r "
                   f"{run['restore']['probe'].get('p99_ms', 0):.2f} ms (idle "
-                  f"{run['probe_idle'].get('p99_ms', 0):.2f} ms); single "
+                  f"{run['probe_idle'].get('p99_ms', 0):.2f} ms, while dd runs "
+                  f"{run['probe_dd'].get('p99_ms', 0):.2f} ms); single "
                   f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }",
                   flush=True)
     finally:
