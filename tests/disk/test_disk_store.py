@@ -203,11 +203,20 @@ def test_scan_finds_objects_and_removes_unfinished_writes(tmp_path, card):
     d = os.path.dirname(os.path.join(s.root, objs[0][0].rel))
     with open(os.path.join(d, objs[0][0].name + ".tmp-dead"), "wb") as f:
         f.write(b"\0" * BLOCK)  # a write a crash cut short
+    # junk that is no object's file: skipped, never an entry (nor a crash of the loop)
+    os.makedirs(os.path.join(s.root, "z" * 32, "zz"))
+    for junk in ("not-hex", "abc", objs[1][0].name[:2] + "0" * 62 + "zz"):
+        with open(os.path.join(d, junk), "wb") as f:
+            f.write(b"\0" * BLOCK)
+    wrong_dir = os.path.join(s.root, DIGEST.hex(), "00" if objs[0][0].name[:2] != "00" else "01")
+    os.makedirs(wrong_dir, exist_ok=True)
+    with open(os.path.join(wrong_dir, objs[0][0].name), "wb") as f:
+        f.write(b"\0" * BLOCK)
     s2 = DiskStore(str(tmp_path / "disk"), card, 4096, threads=1)
     s2.start()
     try:
         _, found, skipped, removed = wait(s2, "scanned")
-        assert removed == 1 and skipped == 0
+        assert removed == 1 and skipped == 5
         assert sorted(f[1] for f in found) == sorted(it.name for it, _ in objs)
         assert all(f[0] == DIGEST.hex() and f[2] == objs[0][0].nbytes for f in found)
         for it, data in objs:

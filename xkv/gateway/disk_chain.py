@@ -39,7 +39,10 @@ class Tiers:
     def poll(self, now: float) -> list:
         out = []
         for t in self._parts:
-            out += t.poll(now)
+            try:
+                out += t.poll(now)
+            except Exception:  # a bug in one tier must not stop the gateway's loop
+                log.exception("internal error in the %s tier", type(t).__name__)
         return out
 
     def timeout_ms(self) -> int:

@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import queue
+import re
 import secrets
 import stat
 import threading
@@ -53,6 +54,8 @@ from xkv.gateway.disk_format import (
 
 log = logging.getLogger("xkv.gateway")
 
+_HEX32 = re.compile(r"[0-9a-f]{32}")  # a layout digest's directory
+_NAME = re.compile(r"(?:[0-9a-f]{2}){1,64}|h[0-9a-f]{64}")  # disk_format.file_name
 _WRITE_BATCH = 8  # objects one thread writes before it syncs their directories once
 
 
@@ -190,7 +193,7 @@ class DiskStore:
         found, skipped, removed = [], 0, 0
         with os.scandir(self.root) as top:
             for d in top:
-                if not (d.is_dir(follow_symlinks=False) and len(d.name) == 32):
+                if not (d.is_dir(follow_symlinks=False) and _HEX32.fullmatch(d.name)):
                     skipped += not d.name.startswith("probe")
                     continue
                 with os.scandir(d.path) as mid:
@@ -208,6 +211,8 @@ class DiskStore:
                                     with contextlib.suppress(OSError):
                                         os.unlink(f.path)
                                     removed += 1
+                                elif not _NAME.fullmatch(f.name) or f.name[:2] != sub.name:
+                                    skipped += 1
                                 else:
                                     found.append((d.name, f.name, st.st_size, st.st_mtime))
         found.sort(key=lambda e: e[3])  # least recently written (or restored) first
