@@ -92,13 +92,12 @@ class DiskTier:
 
     def _digest(self, layout) -> bytes:
         """The layout's name on disk (the Mooncake tier's digest), computed once per layout."""
-        try:
-            return self._digests[layout.layout_id]
-        except KeyError:
-            lay = layout
-            d = layout_digest(lay.namespace, lay.fingerprint, lay.num_shards, lay.shard_bytes)
-            self._digests[lay.layout_id] = d
-            return d
+        d = self._digests.get(layout.layout_id)
+        if d is None:
+            d = layout_digest(layout.namespace, layout.fingerprint, layout.num_shards,
+                              layout.shard_bytes)
+            self._digests[layout.layout_id] = d
+        return d
 
     def _item(self, obj, name: str) -> DiskItem:
         lay = obj.layout
