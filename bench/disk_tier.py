@@ -43,6 +43,8 @@ from xkv.gateway.config import parse_size  # noqa: E402
 from xkv.gateway.disk_format import file_bytes  # noqa: E402
 from xkv.gateway.testing import spawn_gateway, stop_gateway  # noqa: E402
 
+GATEWAY_ARGS: list[str] = []  # --gateway-args
+
 
 def dd(args: list[str]) -> float:
     """Seconds dd reports for one run."""
@@ -136,7 +138,8 @@ def gateway(card: int, d: str, threads: int, log, cold: bool = False) -> tuple:
     return spawn_gateway(card, extra_args=["--disk", d, "--disk-threads", str(threads),
                                            "--disk-wait-ms", "60000", "--disk-backlog",
                                            str(2 * card), "--disk-capacity", str(4 * card),
-                                           "--log-level", "INFO", *prefault], stderr=log)
+                                           "--log-level", "INFO", *prefault,
+                                           *GATEWAY_ARGS], stderr=log)
 
 
 def one(args, threads: int, d: str, log) -> dict:
@@ -146,7 +149,8 @@ def one(args, threads: int, d: str, log) -> dict:
     card = (n + 16) * obj + (64 << 20)
     keys = [os.urandom(32) for _ in range(n)]
     probe_keys = [b"probe-%d" % i for i in range(4)]
-    out = {"threads": threads, "objects": n, "cold_card": args.cold_card, "object_bytes": obj,
+    out = {"threads": threads, "gateway_args": GATEWAY_ARGS, "objects": n,
+           "cold_card": args.cold_card, "object_bytes": obj,
            "file_bytes": file_bytes(shards, sb)}
     samples = os.path.join(d, "..", f"xkv-probe-{os.getpid()}.json")
 
@@ -253,8 +257,11 @@ def main():
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--cold-card", action="store_true",
                     help="restore into a card that was not pre-faulted (no --prefault)")
+    ap.add_argument("--gateway-args", default="", help="more xkv-gateway flags, e.g. "
+                    "'--disk-io-nice 0'")
     ap.add_argument("--json")
     args = ap.parse_args()
+    GATEWAY_ARGS.extend(args.gateway_args.split())
     d = args.dir
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d, mode=0o700)

@@ -24,7 +24,8 @@ def test_flags():
     assert cfg.disk_path is None
     cfg = parse_args(["--disk", "/x"])
     assert (cfg.disk_path, cfg.disk_capacity_bytes, cfg.disk_threads, cfg.disk_wait_ms,
-            cfg.disk_backlog_bytes, cfg.disk_direct) == ("/x", 0, 4, 20.0, 256 << 20, None)
+            cfg.disk_backlog_bytes, cfg.disk_direct, cfg.disk_io_nice) == (
+                "/x", 0, 4, 20.0, 256 << 20, None, 10)
     cfg = parse_args(["--disk", "/x", "--disk-capacity", "2T", "--disk-threads", "8",
                       "--disk-wait-ms", "5", "--disk-backlog", "1G", "--no-disk-direct"])
     assert (cfg.disk_capacity_bytes, cfg.disk_threads, cfg.disk_wait_ms,
@@ -32,7 +33,8 @@ def test_flags():
     for bad, msg in ((["--disk-capacity", "1G"], "needs --disk"),
                      (["--disk", "/x", "--disk-threads", "0"], "--disk-threads must be 1..64"),
                      (["--disk", "/x", "--disk-capacity", "4k"], "at least 1M"),
-                     (["--disk", "/x", "--disk-wait-ms", "-1"], ">= 0")):
+                     (["--disk", "/x", "--disk-wait-ms", "-1"], ">= 0"),
+                     (["--disk", "/x", "--disk-io-nice", "20"], "0..19")):
         with pytest.raises(SystemExit, match=msg):
             parse_args(bad)
 

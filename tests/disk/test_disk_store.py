@@ -274,3 +274,17 @@ def test_o_direct_refused_when_slots_are_not_aligned(tmp_path, card):
     s = DiskStore(str(tmp_path / "d"), card, 512)
     assert not s.direct  # falls back to buffered I/O
     s.close()
+
+
+def test_io_threads_run_below_the_loop(tmp_path, card):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    s = make_store(tmp_path, card, nice=5)
+    try:
+        want = min(base + 5, 19)
+        deadline = time.monotonic() + 10  # each thread sets its own as it starts
+        while any(os.getpriority(os.PRIO_PROCESS, t.native_id) != want for t in s._threads):
+            assert time.monotonic() < deadline, "I/O threads kept the loop's priority"
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the calling thread is unchanged
+    finally:
+        s.close()

@@ -76,6 +76,7 @@ class GatewayConfig:
     disk_wait_ms: float = 20.0
     disk_backlog_bytes: int = 256 << 20
     disk_direct: bool | None = None  # None: O_DIRECT where it works
+    disk_io_nice: int = 10
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -94,7 +94,8 @@ def start_tiers(gw) -> Tiers | None:
 
         try:
             store = DiskStore(cfg.disk_path, gw.card.arena, cfg.slot_alignment,
-                              threads=cfg.disk_threads, direct=cfg.disk_direct)
+                              threads=cfg.disk_threads, direct=cfg.disk_direct,
+                              nice=cfg.disk_io_nice)
         except DiskError as e:
             if moon is not None:
                 moon.close()

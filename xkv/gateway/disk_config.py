@@ -27,6 +27,10 @@ def add_disk_args(p: argparse.ArgumentParser, parse_size) -> None:
     d.add_argument("--disk-backlog", type=parse_size, default="256M", metavar="SIZE",
                    help="bytes of objects queued for writing at most (they stay pinned in the "
                         "card until written); more are not written and counted (default 256M)")
+    d.add_argument("--disk-io-nice", type=int, default=10, metavar="N",
+                   help="the I/O threads run N nice levels below the gateway's loop (0..19, "
+                        "default 10): on a busy CPU the loop, which answers lookups, comes "
+                        "first (bench/RESULTS.md \"Disk tier\")")
     d.add_argument("--disk-direct", action=argparse.BooleanOptionalAction, default=None,
                    help="O_DIRECT I/O (default: when the file system accepts it and the slot "
                         "alignment is a multiple of 4096; --disk-direct makes it a requirement, "
@@ -45,6 +49,8 @@ def disk_options(args: argparse.Namespace) -> dict:
         raise SystemExit("xkv-gateway: --disk needs a directory")
     if not 1 <= args.disk_threads <= 64:
         raise SystemExit(f"xkv-gateway: --disk-threads must be 1..64, got {args.disk_threads}")
+    if not 0 <= args.disk_io_nice <= 19:
+        raise SystemExit(f"xkv-gateway: --disk-io-nice must be 0..19, got {args.disk_io_nice}")
     if args.disk_wait_ms < 0 or args.disk_backlog < 0:
         raise SystemExit("xkv-gateway: --disk-wait-ms and --disk-backlog must be >= 0")
     if args.disk_capacity and args.disk_capacity < 1 << 20:
@@ -52,4 +58,5 @@ def disk_options(args: argparse.Namespace) -> dict:
                          f"{args.disk_capacity}")
     return dict(disk_path=args.disk_path, disk_capacity_bytes=args.disk_capacity,
                 disk_threads=args.disk_threads, disk_wait_ms=args.disk_wait_ms,
-                disk_backlog_bytes=args.disk_backlog, disk_direct=args.disk_direct)
+                disk_backlog_bytes=args.disk_backlog, disk_direct=args.disk_direct,
+                disk_io_nice=args.disk_io_nice)

@@ -90,10 +90,11 @@ class _Read:
 
 class DiskStore:
     """Owns the tier's directory and I/O threads. ``card``: the card's arena (an mmap);
-    ``alignment``: its slot alignment; ``direct``: None = O_DIRECT where the probe allows."""
+    ``alignment``: its slot alignment; ``direct``: None = O_DIRECT where the probe allows;
+    ``nice``: how much lower the I/O threads' CPU priority is than the gateway's (0: same)."""
 
     def __init__(self, path: str, card: mmap.mmap, alignment: int, *, threads: int = 4,
-                 direct: bool | None = None):
+                 direct: bool | None = None, nice: int = 10):
         self.root, can_direct = check_dir(path)
         self.direct = can_direct and alignment % BLOCK == 0 and direct is not False
         if direct and not self.direct:
@@ -102,6 +103,7 @@ class DiskStore:
                                f"the slot alignment {alignment} is not a multiple of {BLOCK}"))
         self._view = memoryview(card)
         self._uid = os.geteuid()
+        self._nice = nice  # added to the I/O threads' nice value (Linux: per thread)
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._reads: deque = deque()
@@ -162,6 +164,11 @@ class DiskStore:
             return None
 
     def _main(self) -> None:
+        if self._nice:  # bulk work: the loop thread (latency) gets the CPU first
+            tid = threading.get_native_id()
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               min(os.getpriority(os.PRIO_PROCESS, tid) + self._nice, 19))
         hdr = mmap.mmap(-1, BLOCK)  # page-aligned: O_DIRECT takes it as is
         while (job := self._next()) is not None:
             try:
