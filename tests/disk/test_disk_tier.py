@@ -267,3 +267,25 @@ def test_metrics_show_the_tier(rig):
     assert "xkv_gateway_disk_up 1" in text
     assert series("disk_corrupt") == 'xkv_gateway_disk_bad_objects_total{reason="corrupt"}'
     assert "xkv_gateway_disk_up" not in render({}, {}, {}, Histogram(), {})  # no tier, no series
+
+
+def test_directory_removed_while_running(rig):
+    import shutil
+
+    lay = rig.layout()
+    ks = keys(2)
+    rig.put(lay, ks)
+    rig.settle()
+    rig.put(lay, keys(8))  # evicts ks from the card
+    rig.settle()
+    shutil.rmtree(rig.store.root)  # the files are gone, the tier does not know yet
+    num, _, _, deferred = rig.lookup(lay, ks)
+    assert deferred and num == 0  # misses, not bytes
+    c = rig.tier.counters
+    assert c["disk_lost"] == 2 and (lay.objects.get(ks[0]), lay.objects.get(ks[1])) == (None, None)
+    assert not rig.tier._chunk(P.Lookup(1, [P.LookupGroup(lay.layout_id, ks)]), 0)  # forgotten
+    written = c["disk_written"]
+    new = keys(1)
+    rig.put(lay, new)  # writes recreate the directories
+    rig.settle()
+    assert c["disk_written"] == written + 1 and os.path.exists(rig.path(lay, new[0]))
