@@ -267,6 +267,11 @@ def test_metrics_show_the_tier(rig):
     assert "xkv_gateway_disk_up 1" in text
     assert series("disk_corrupt") == 'xkv_gateway_disk_bad_objects_total{reason="corrupt"}'
     assert "xkv_gateway_disk_up" not in render({}, {}, {}, Histogram(), {})  # no tier, no series
+    from xkv.gateway.stats_cli import rows
+
+    table = {series: raw for _s, _w, _v, raw, series in rows(rig.tier.snapshot())}
+    assert table['xkv_gateway_disk_written_total{result="ok"}'] == 2
+    assert not any("disk" in series for *_, series in rows({}))
 
 
 def test_directory_removed_while_running(rig):

@@ -50,3 +50,26 @@ DISK = (
     ("xkv_gateway_disk_evicted_total", "disk_evicted", "counter",
      "Files deleted to keep within --disk-capacity (least recently used first).", ""),
 )
+
+#: Rows of ``xkv-gateway stats`` (xkv/gateway/stats_cli.py): (section, what, key, unit).
+DISK_ROWS = (
+    ("disk", "taking writes", "disk_up", "count"),
+    ("disk", "capacity", "disk_capacity_bytes", "bytes"),
+    ("disk", "used", "disk_used_bytes", "bytes"),
+    ("disk", "objects", "disk_objects", "count"),
+    ("disk", "write backlog", "disk_write_backlog_bytes", "bytes"),
+    ("disk", "lookups restored", "disk_lookups", "count"),
+    ("disk", "objects restored", "disk_hits", "count"),
+    ("disk", "chunks missed", "disk_misses", "count"),
+    ("disk", "chunks served in time", "disk_served_chunks", "count"),
+    ("disk", "objects prefetched", "disk_late_objects", "count"),
+    ("disk", "bad: lost", "disk_lost", "count"),
+    ("disk", "bad: corrupt", "disk_corrupt", "count"),
+    ("disk", "bad: truncated", "disk_truncated", "count"),
+    ("disk", "bad: foreign", "disk_foreign", "count"),
+    ("disk", "written", "disk_written", "count"),
+    ("disk", "write errors", "disk_write_errors", "count"),
+    ("disk", "disk full", "disk_full", "count"),
+    ("disk", "writes dropped", "disk_write_dropped", "count"),
+    ("disk", "evicted", "disk_evicted", "count"),
+)
