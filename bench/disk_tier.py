@@ -154,7 +154,8 @@ def one(args, threads: int, d: str, log) -> dict:
     out = {"threads": threads, "gateway_args": GATEWAY_ARGS, "objects": n,
            "cold_card": args.cold_card, "object_bytes": obj,
            "file_bytes": file_bytes(shards, sb)}
-    samples = os.path.join(d, "..", f"xkv-probe-{os.getpid()}.json")
+    parent = os.path.dirname(os.path.abspath(d))
+    samples = os.path.join(parent, f"xkv-probe-{os.getpid()}.json")
 
     def probe_keys_stored(c):
         plid = c.register_layout("probe", "fp", 1, 4096).layout_id
@@ -274,7 +275,8 @@ def main():
                                        capture_output=True, text=True).stdout.strip(),
               "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.platform()}",
               "command": " ".join(sys.argv), "runs": []}
-    log_path = os.path.join(d, "..", f"xkv-disk-bench-{os.getpid()}.log")  # kept on failure
+    parent = os.path.dirname(os.path.abspath(d))
+    log_path = os.path.join(parent, f"xkv-disk-bench-{os.getpid()}.log")  # kept on failure
     log = open(log_path, "wb")  # noqa: SIM115
     ok = False
     try:
