@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass, field
 
 from xkv.gateway import transport
+from xkv.gateway.disk_config import add_disk_args, disk_options
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -68,6 +69,14 @@ class GatewayConfig:
     mooncake_backlog: int = 4096
     mooncake_secret: bytes | None = None
     metrics_allowed_uids: tuple[int, ...] = ()
+    # local disk tier (off unless disk_path is set): xkv/gateway/disk_tier.py, disk_config.py
+    disk_path: str | None = None
+    disk_capacity_bytes: int = 0  # 0: 90 % of the free space at start
+    disk_threads: int = 4
+    disk_wait_ms: float = 20.0
+    disk_backlog_bytes: int = 256 << 20
+    disk_direct: bool | None = None  # None: O_DIRECT where it works
+    disk_io_nice: int = 10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a secret shared by every gateway of the cluster (mode 0600, at least 16 "
                         "bytes): objects carry a keyed MAC and objects without a valid one are "
                         "misses (default: crc32 only)")
+    add_disk_args(p, parse_size)  # disk tier (issue 26)
     return p
 
 
@@ -318,7 +328,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         port_file=args.port_file, kv_events_port=events_port, kv_events_topic=args.kv_events_topic,
         kv_events_medium=args.kv_events_medium, kv_events_replay_port=_replay_port(args),
         kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0",
-        **_mooncake(args))
+        **_mooncake(args), **disk_options(args))
 
 
 def _replay_port(args: argparse.Namespace) -> int | None:

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from xkv.gateway.disk_metrics import DISK  # disk tier (issue 26)
 from xkv.gateway.protocol import ErrorCode, RequestType
 
 #: Upper bounds (seconds) of the request-duration histogram buckets; +Inf is implicit.
@@ -133,7 +134,7 @@ _TIER = (
 def series(key: str) -> str:
     """The Prometheus series (name and labels) that shows snapshot key ``key``: the one mapping
     the scrape, ``xkv-gateway stats`` and the dashboard share. ``KeyError`` for an unknown key."""
-    for name, k, _kind, _help, lab in _GAUGES + _TIER:
+    for name, k, _kind, _help, lab in _GAUGES + _TIER + DISK:
         if k == key:
             return f"{name}{{{lab}}}" if lab else name
     raise KeyError(f"{key!r}: no gateway metric shows this snapshot key")
@@ -162,7 +163,8 @@ def render(snapshot: dict, requests: dict[str, int], errors: dict[str, int], his
     out += ["# HELP xkv_gateway_info Gateway identity (value is always 1).",
             "# TYPE xkv_gateway_info gauge", f"xkv_gateway_info{{{labels}}} 1"]
     seen: set[str] = set()
-    for name, key, kind, help_, lab in _GAUGES + (_TIER if "tier_up" in snapshot else ()):
+    tiers = (_TIER if "tier_up" in snapshot else ()) + (DISK if "disk_up" in snapshot else ())
+    for name, key, kind, help_, lab in _GAUGES + tiers:
         if name not in seen:
             seen.add(name)
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]

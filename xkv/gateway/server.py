@@ -33,13 +33,13 @@ import zmq
 from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
+from xkv.gateway.disk_chain import start_tiers
 from xkv.gateway.hooks import (
     RESERVE_SLICE,
     Job,
     bind_events,
     reserve_announced,
     reserve_reply,
-    start_tier,
     step,
 )
 from xkv.gateway.index import Index, RequestError
@@ -116,7 +116,7 @@ class Gateway:
                            quarantine_s=cfg.quarantine_s,
                            default_quota_bytes=cfg.namespace_quota_bytes,
                            quotas=cfg.quotas, generations=self.card.generations)
-        self.tier = start_tier(self) if cfg.mooncake_master else None
+        self.tier = start_tiers(self)  # card -> disk -> Mooncake (disk_chain.py)
         self.events = bind_events(self)
         self.index.listener = self.events
         self.ipc = self._router(IPC_DOMAIN)

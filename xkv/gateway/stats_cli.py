@@ -12,6 +12,7 @@ import sys
 
 from xkv.gateway import metrics, transport
 from xkv.gateway.client import GatewayClient, GatewayUnavailable
+from xkv.gateway.disk_metrics import DISK_ROWS
 
 # (section, what, snapshot key, unit); the Prometheus series of a key is metrics.series(key)
 ROWS = (
@@ -83,7 +84,8 @@ def rows(stats: dict) -> list[tuple[str, str, str, float, str]]:
     """(section, what, shown value, raw value, series) for a STATS reply's ``stats``."""
     s = metrics.derived(stats)
     out = [(sec, what, _human(s.get(key, 0), unit), s.get(key, 0), metrics.series(key))
-           for sec, what, key, unit in ROWS + (TIER_ROWS if "tier_up" in s else ())]
+           for sec, what, key, unit in ROWS + (TIER_ROWS if "tier_up" in s else ())
+           + (DISK_ROWS if "disk_up" in s else ())]  # disk tier (issue 26)
     for prefix, sec, total in (("requests_", "requests", "xkv_gateway_requests_total"),
                                ("errors_", "errors", "xkv_gateway_errors_total")):
         for k in sorted(k for k in s if k.startswith(prefix)):

@@ -1,0 +1,314 @@
+"""Disk tier benchmark: write-behind and restores of a real xkv-gateway against the disk's own
+bandwidth, measured in the same run on the same directory.
+
+    python bench/disk_tier.py --dir /var/tmp/xkv-bench --size 512M --json bench/results/disk.json
+
+1. The disk: ``dd`` with O_DIRECT (oflag=direct conv=fdatasync / iflag=direct, 4 MiB blocks)
+   writes and reads a file of ``--size`` bytes of random data (copied from /dev/shm) in ``--dir``.
+2. Per ``--threads`` value, a gateway with ``--disk DIR`` and a card that holds every object:
+   * write-behind: ``--size`` bytes of objects (``--shards`` x ``--shard-size``, random bytes)
+     are reserved and filled, then committed in one burst; time from the first COMMIT until the
+     disk tier reports every object written (fdatasync'd, renamed, directory synced);
+   * restore: the gateway is stopped and started again on the same directory (an empty card),
+     and every object is looked up, ``--batch`` chunks per LOOKUP, one LOOKUP at a time; time
+     of all lookups (each answered after its read and checksum); plus the latency of single
+     LOOKUPs of 1, 4 and 16 chunks from disk (what a vLLM lookup waits for);
+   * meanwhile another client (its own process and connection) sends LOOKUPs that hit the
+     card, back to back: their latency p50 / p99 / max with the gateway idle, while ``dd``
+     (not the gateway) writes and reads the disk (the machine's own share), while the tier
+     writes and while it restores.
+Numbers from a shared 2-core VM are lower bounds; the disk is whatever backs ``--dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from xkv.gateway.client import GatewayClient  # noqa: E402
+from xkv.gateway.config import parse_size  # noqa: E402
+from xkv.gateway.disk_format import file_bytes  # noqa: E402
+from xkv.gateway.testing import spawn_gateway, stop_gateway  # noqa: E402
+
+GATEWAY_ARGS: list[str] = []  # --gateway-args
+
+
+def dd(args: list[str]) -> float:
+    """Seconds dd reports for one run."""
+    p = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    m = re.search(r"copied, ([\d.]+) s", p.stderr)
+    return float(m.group(1))
+
+
+def disk_bandwidth(d: str, size: int) -> dict:
+    src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
+    dst = os.path.join(d, "dd-test")
+    count = size // (4 << 20)
+    try:
+        with open(src, "wb") as f:
+            for _ in range(count):
+                f.write(os.urandom(4 << 20))
+        w = dd([f"if={src}", f"of={dst}", "bs=4M", f"count={count}", "oflag=direct",
+                "conv=fdatasync"])
+        r = dd([f"if={dst}", "of=/dev/null", "bs=4M", "iflag=direct"])
+    finally:
+        for p in (src, dst):
+            if os.path.exists(p):
+                os.unlink(p)
+    n = count * (4 << 20)
+    return {"bytes": n, "write_Bps": n / w, "read_Bps": n / r, "tool": "dd bs=4M O_DIRECT"}
+
+
+class Prober:
+    """Another client, in its own process (``--probe``): LOOKUPs of card-resident chunks, back
+    to back, each recorded as (monotonic end time, latency); :meth:`window` picks a span."""
+
+    def __init__(self, port: int, out: str):
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, __file__, "--probe", str(port), out])
+        while not os.path.exists(out + ".ready"):
+            assert self.proc.poll() is None, "prober died"
+            time.sleep(0.01)
+        self.samples: list = []
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+        with open(self.out) as f:
+            self.samples = json.load(f)
+        for p in (self.out, self.out + ".ready"):
+            os.unlink(p)
+
+    def window(self, t0: float, t1: float) -> dict:
+        lat = sorted(dt for t, dt in self.samples if t0 <= t <= t1)
+        if not lat:
+            return {}
+        return {"n": len(lat), "p50_ms": 1e3 * lat[len(lat) // 2],
+                "p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+                "max_ms": 1e3 * lat[-1]}
+
+
+def probe_main(port: int, out: str) -> None:
+    import signal
+
+    c = GatewayClient("127.0.0.1", port, timeout_s=5)
+    lid = c.register_layout("probe", "fp", 1, 4096).layout_id
+    keys = [b"probe-%d" % i for i in range(4)]
+    samples, stop = [], []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    open(out + ".ready", "w").close()
+    while not stop:
+        t0 = time.perf_counter()
+        r = c.lookup([(lid, keys)], lease=False)
+        dt = time.perf_counter() - t0
+        assert r.num_chunks == len(keys), "probe chunks left the card"
+        samples.append((time.monotonic(), dt))
+        time.sleep(0.0005)
+    with open(out, "w") as f:
+        json.dump(samples, f)
+    c.close()
+
+
+def wait_stats(c, pred, timeout_s=600.0, poll_s=0.005) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = c.stats()
+        if pred(s):
+            return s
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out: {s}")
+        time.sleep(poll_s)
+
+
+def gateway(card: int, d: str, threads: int, log, cold: bool = False) -> tuple:
+    """A gateway on ``d``; its card pre-faulted unless ``cold`` (a card whose pages were never
+    touched makes every restore pay the page allocation: measured apart)."""
+    prefault = [] if cold else ["--prefault"]
+    return spawn_gateway(card, extra_args=["--disk", d, "--disk-threads", str(threads),
+                                           "--disk-wait-ms", "60000", "--disk-backlog",
+                                           str(2 * card), "--disk-capacity", str(4 * card),
+                                           "--log-level", "INFO", *prefault,
+                                           *GATEWAY_ARGS], stderr=log)
+
+
+def one(args, threads: int, d: str, log) -> dict:
+    shards, sb = args.shards, args.shard_size
+    obj = shards * sb
+    n = args.size // obj
+    card = (n + 16) * obj + (64 << 20)
+    keys = [os.urandom(32) for _ in range(n)]
+    probe_keys = [b"probe-%d" % i for i in range(4)]
+    out = {"threads": threads, "gateway_args": GATEWAY_ARGS, "objects": n,
+           "cold_card": args.cold_card, "object_bytes": obj,
+           "file_bytes": file_bytes(shards, sb)}
+    parent = os.path.dirname(os.path.abspath(d))
+    samples = os.path.join(parent, f"xkv-probe-{os.getpid()}.json")
+
+    def probe_keys_stored(c):
+        plid = c.register_layout("probe", "fp", 1, 4096).layout_id
+        c.commit(plid, 0, c.reserve(plid, probe_keys))
+        wait_stats(c, lambda s: s["disk_write_backlog_bytes"] == 0)
+
+    proc, port = gateway(card, d, threads, log)
+    c = GatewayClient("127.0.0.1", port, timeout_s=60)
+    probe = None
+    try:
+        lid = c.register_layout("bench", "fp", shards, sb).layout_id
+        view = c.map_card()
+        probe_keys_stored(c)
+        res = []
+        for i in range(0, n, 256):
+            res += c.reserve(lid, keys[i:i + 256])
+        for r in res:
+            for off in r.offsets:
+                view[off:off + sb] = os.urandom(sb)
+        probe = Prober(port, samples)
+        i0 = time.monotonic()
+        time.sleep(1.0)  # the probe alone: the loop's baseline
+        i1 = time.monotonic()
+        # control: the same disk work by dd, not by the gateway (what the machine alone costs)
+        out["disk_during_probe"] = disk_bandwidth(d, min(args.size, 256 << 20))
+        d1 = t0m = time.monotonic()
+        base = c.stats()["disk_written"]
+        t0 = time.perf_counter()
+        for i in range(0, n, 256):
+            for s in range(shards):
+                c.commit(lid, s, res[i:i + 256])
+        s = wait_stats(c, lambda s: s["disk_written"] - base == n and
+                       s["disk_write_backlog_bytes"] == 0)
+        dt = time.perf_counter() - t0
+        t1m = time.monotonic()
+        probe.stop()
+        out["probe_idle"] = probe.window(i0, i1)
+        out["probe_dd"] = probe.window(i1, d1)
+        out["write"] = {"seconds": dt, "Bps": n * out["file_bytes"] / dt,
+                        "dropped": s["disk_write_dropped"], "errors": s["disk_write_errors"],
+                        "probe": probe.window(t0m, t1m)}
+    finally:
+        if probe is not None and probe.proc.poll() is None:
+            probe.proc.kill()
+        c.close()
+        stop_gateway(proc)
+    proc, port = gateway(card, d, threads, log, cold=args.cold_card)
+    c = GatewayClient("127.0.0.1", port, timeout_s=120)
+    probe = None
+    try:
+        lid = c.register_layout("bench", "fp", shards, sb).layout_id
+        wait_stats(c, lambda s: s["disk_scanned"] == 1)
+        probe_keys_stored(c)  # card-resident chunks for the prober (stored anew)
+        single = {}
+        pos = 0
+        for k in (1, 4, 16):  # latency of one lookup restoring k chunks, twice each
+            if pos + 2 * k > n // 2:  # keep half of the objects for the bulk restore
+                break
+            lat = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                r = c.lookup([(lid, keys[pos:pos + k])])
+                lat.append(time.perf_counter() - t0)
+                assert r.num_chunks == k, (r.num_chunks, k)
+                c.release(r.lease_id)
+                pos += k
+            single[k] = {"median_ms": 1e3 * statistics.median(lat), "mib": k * obj / 2**20}
+        out["restore_latency"] = single
+        rest = keys[pos:]
+        probe = Prober(port, samples)
+        s0 = c.stats()
+        t0m = time.monotonic()
+        t0 = time.perf_counter()
+        for i in range(0, len(rest), args.batch):
+            r = c.lookup([(lid, rest[i:i + args.batch])])
+            assert r.num_chunks == len(rest[i:i + args.batch]), r.num_chunks
+            c.release(r.lease_id)
+        dt = time.perf_counter() - t0
+        t1m = time.monotonic()
+        probe.stop()
+        s = c.stats()
+        nb = len(rest) * out["file_bytes"]
+        out["restore"] = {"seconds": dt, "objects": len(rest), "Bps": nb / dt,
+                          "read_seconds": s["disk_read_seconds"] - s0["disk_read_seconds"],
+                          "corrupt": s["disk_corrupt"], "direct": s["disk_direct"],
+                          "probe": probe.window(t0m, t1m)}
+    finally:
+        if probe is not None and probe.proc.poll() is None:
+            probe.proc.kill()
+        c.close()
+        stop_gateway(proc)
+    return out
+
+
+def main():
+    if sys.argv[1:2] == ["--probe"]:
+        return probe_main(int(sys.argv[2]), sys.argv[3])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/var/tmp/xkv-disk-bench")
+    ap.add_argument("--size", type=parse_size, default="512M")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--shard-size", type=parse_size, default="2M")
+    ap.add_argument("--batch", type=int, default=16, help="chunks per restore LOOKUP")
+    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--cold-card", action="store_true",
+                    help="restore into a card that was not pre-faulted (no --prefault)")
+    ap.add_argument("--gateway-args", default="", help="more xkv-gateway flags, e.g. "
+                    "'--disk-io-nice 0'")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    GATEWAY_ARGS.extend(args.gateway_args.split())
+    d = args.dir
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d, mode=0o700)
+    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       capture_output=True, text=True).stdout.strip(),
+              "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.platform()}",
+              "command": " ".join(sys.argv), "runs": []}
+    parent = os.path.dirname(os.path.abspath(d))
+    log_path = os.path.join(parent, f"xkv-disk-bench-{os.getpid()}.log")  # kept on failure
+    log = open(log_path, "wb")  # noqa: SIM115
+    ok = False
+    try:
+        for t in [int(x) for x in args.threads.split(",")]:
+            disk = disk_bandwidth(d, args.size)
+            shutil.rmtree(os.path.join(d, "xkv-disk-1"), ignore_errors=True)
+            run = one(args, t, d, log)
+            run["disk"] = disk
+            run["write_vs_dd"] = run["write"]["Bps"] / disk["write_Bps"]
+            run["restore_vs_dd"] = run["restore"]["Bps"] / disk["read_Bps"]
+            result["runs"].append(run)
+            print(json.dumps({k: run[k] for k in ("threads", "write_vs_dd", "restore_vs_dd")}),
+                  f"dd w {disk['write_Bps'] / 1e6:.0f} MB/s r {disk['read_Bps'] / 1e6:.0f} MB/s;"
+                  f" tier w {run['write']['Bps'] / 1e6:.0f} MB/s r "
+                  f"{run['restore']['Bps'] / 1e6:.0f} MB/s; probe p99 w "
+                  f"{run['write']['probe'].get('p99_ms', 0):.2f} ms r "
+                  f"{run['restore']['probe'].get('p99_ms', 0):.2f} ms (idle "
+                  f"{run['probe_idle'].get('p99_ms', 0):.2f} ms, while dd runs "
+                  f"{run['probe_dd'].get('p99_ms', 0):.2f} ms); single "
+                  f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }",
+                  flush=True)
+        ok = True
+    finally:
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+        if ok:
+            os.unlink(log_path)
+        else:
+            print(f"gateway logs: {log_path}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
