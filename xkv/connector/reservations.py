@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from xkv.connector.keys import chunk_keys, event_fields
-from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
+from xkv.connector.ledger import Admitted, RequestLedger
+from xkv.connector.metadata import GroupTransfer, TransferJob
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.states import saved_boundaries
@@ -27,17 +27,6 @@ from xkv.connector.windows import saved_tail
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
-
-
-@dataclass
-class RequestState:
-    """What the scheduler side keeps per admitted request."""
-
-    request: Any
-    block_ids: list[list[int]]  # per vLLM KV cache group index
-    next_save_chunk: int = 0
-    present: set[int] = field(default_factory=set)  # chunks the gateway reported stored
-    lease_ids: set[int] = field(default_factory=set)
 
 
 class SavePlanner:
@@ -52,18 +41,16 @@ class SavePlanner:
         self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
         self._window = [g for g, p in enumerate(registry.groups) if p.is_window]
 
-    def plan(self, st: RequestState, computed: int, n_sched: int,
+    def plan(self, ledger: RequestLedger, st: Admitted, computed: int, n_sched: int,
              job_id: Callable[[], int]) -> TransferJob | None:
         """The save job of ``st``'s request for a step computing ``[computed, computed +
-        n_sched)``, or None. Stops at the first unanswered RESERVE (a later one would be
-        refused the same way)."""
+        n_sched)``, or None (the chunks it covers are claimed in ``ledger``). Stops at the
+        first unanswered RESERVE (a later one would be refused the same way)."""
         req = st.request
         end = min(computed + n_sched, req.num_prompt_tokens)
         hashed = len(req.block_hashes) // self.hashes_per_chunk
         c_end = min(end // self.chunk_size, hashed)
-        new = range(st.next_save_chunk, c_end)
-        cands = [c for c in new if c not in st.present]
-        st.next_save_chunk = max(st.next_save_chunk, c_end)
+        new, cands = ledger.claim_saves(req.request_id, c_end)
         groups: list[GroupTransfer] = []
         for g in self._attn if cands else ():
             plan = self.registry.groups[g]
@@ -110,7 +97,7 @@ class SavePlanner:
             kw = (event_fields(req.block_hashes, self.hashes_per_chunk, chunks,  # KV events
                                self.chunk_size // self.hashes_per_chunk,
                                self.registry.groups[g].group.index)
-                  if getattr(gw, "events_enabled", False) is True else {})
+                  if gw.events_enabled else {})
             return gw.reserve(self.session.layout_ids[g], keys, **kw)
 
         try:
@@ -128,7 +115,7 @@ class SavePlanner:
                 continue
             b = list(blocks_of(c))
             chunk_of.extend([len(refs)] * len(b))
-            refs.append(ChunkRef.at(r.key, r))
+            refs.append(r)  # the object RESERVE answered: key and COMMIT token
             blocks.extend(b)
             pos.extend(positions_of(c) if positions_of else range(len(b)))
         if refs:
