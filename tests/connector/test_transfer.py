@@ -163,10 +163,12 @@ def test_contiguous_runs_match_a_plain_scan(steps, step):
 
 # ---------------------------------------------------------------- group loads, prepared saves
 class _Plan:
-    """The two things layer_offsets reads of a GroupPlan: its layer names, object_offset."""
+    """What layer_offsets reads of a GroupPlan: its layer names and page sizes (one for all
+    layers here), object_offset."""
 
     def __init__(self, layers: int, blocks_per_object: int, block_bytes: int):
-        self.group = type("G", (), {"layer_names": tuple(f"l{i}" for i in range(layers))})()
+        self.group = type("G", (), {"layer_names": tuple(f"l{i}" for i in range(layers)),
+                                    "layer_bytes": ()})()
         self.k, self.bb = blocks_per_object, block_bytes
 
     def object_offset(self, layer, block):
