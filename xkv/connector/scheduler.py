@@ -34,21 +34,19 @@ from typing import Any
 from xkv.connector import compat
 from xkv.connector.async_loads import AsyncLoadPlanner
 from xkv.connector.config import ConnectorConfig
+from xkv.connector.group_rules import rule_of
 from xkv.connector.keys import chunk_keys
 from xkv.connector.ledger import Lookup, RequestLedger
 from xkv.connector.metadata import (
-    ChunkRef,
     StepMetadata,
     TransferJob,
     WorkerReport,
-    load_transfer,
 )
 from xkv.connector.registry import Registry
 from xkv.connector.reservations import SavePlanner
 from xkv.connector.session import GatewaySession, LayoutSpec, SessionOff
-from xkv.connector.states import add_running_blocks, probe_states, state_load
+from xkv.connector.states import add_running_blocks, probe_states
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.windows import window_load
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
@@ -224,26 +222,9 @@ class SchedulerSide:
                 f"xkv: request {req_id} admitted with {num_external_tokens} external tokens but "
                 f"the connector offered {lk.ext if lk else 'none'}"
             )
-        groups = []
-        for g, plan in enumerate(self.registry.groups):
-            bs, k = plan.group.block_size, plan.blocks_per_chunk
-            ids = st.block_ids[plan.group.index]
-            if plan.at_boundary:
-                ref = ChunkRef.at(lk.keys[lk.hits - 1], lk.state_slots[g])
-                end = lk.local + num_external_tokens
-                gt = (state_load(g, ids, end, bs, ref, req_id) if plan.is_state
-                      else window_load(g, plan, ids, lk.local, end, ref, req_id))
-                groups.extend([gt] if gt.block_ids else [])
-                continue
-            first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
-            if last > len(ids):
-                raise RuntimeError(
-                    f"xkv: request {req_id} group {g}: {len(ids)} blocks allocated, "
-                    f"{last} needed for {lk.local + num_external_tokens} tokens"
-                )
-            groups.append(load_transfer(
-                g, ids, first, last, k,
-                lambda c, g=g: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start])))
+        groups = [gt for g, plan in enumerate(self.registry.groups)
+                  if (gt := rule_of(plan).load(g, plan, st.block_ids[plan.group.index], lk,
+                                               num_external_tokens, req_id)) is not None]
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
         self.ledger.add_load(job.job_id, job, is_async=lk.load_async)
         self.stats.add("tokens_promised", num_external_tokens)
