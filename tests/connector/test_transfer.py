@@ -240,3 +240,20 @@ def test_load_group_refuses_bad_offsets_before_any_byte_moves():
     with pytest.raises(ValueError):
         transfer.SyncTransferHandler().load_group(("a", "b"), card, bad, [pool, pool], ids)
     assert torch.equal(kv, before)
+
+
+def test_every_handler_implements_the_whole_interface():
+    """The CUDA handler cannot be built on a CPU machine: its class at least leaves no method of
+    ``TransferHandler`` abstract (instantiating it would raise), as the CPU one and the bench's
+    state-page checker."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import e2e_models
+
+    for cls in (transfer.CudaTransferHandler, transfer.SyncTransferHandler, e2e_models.StateCheck):
+        assert issubclass(cls, transfer.TransferHandler) and not cls.__abstractmethods__, cls
+    inner = transfer.SyncTransferHandler(verify=True)
+    assert e2e_models.StateCheck(inner).verifier is inner.verifier
+    assert inner.load_fence() is None  # inline copies: already landed
