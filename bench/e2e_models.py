@@ -10,7 +10,7 @@ verify child's state-page check. Split from e2e_ttft.py (its line budget); no vL
   ``hybrid_block_size``), else 256 (the connector's default).
 * ``fresh_engine`` (``--verify-fresh-engine``): the verify child restores its ref prompt in a
   second engine, so the restored objects were written by another engine (a restart).
-* ``StateCheck``: wraps the worker's transfer handler in the verify child (engine in-process):
+* ``StateCheck`` (a ``TransferHandler``): wraps the worker's transfer handler in the verify child (engine in-process):
   every restored STATE page is compared with its card bytes right after its copy, before the
   forward (which advances an ``align``-mode running block in place, so the handler's own
   ``verify_restores`` check, which runs after the forward, must not see state pages), and every
@@ -20,6 +20,7 @@ verify child's state-page check. Split from e2e_ttft.py (its line budget); no vL
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from pathlib import Path
@@ -131,12 +132,6 @@ def fresh_engine(box: list, build):
     return build()
 
 
-def _sync(inner, stream_name: str) -> None:
-    s = getattr(inner, stream_name, None)
-    if s is not None:
-        s.synchronize()
-
-
 def _compare(kind: str, card, offsets, pool, block_ids) -> None:
     for off, b in zip(offsets.tolist(), block_ids.tolist(), strict=True):
         page = pool.block(b).cpu()
@@ -144,35 +139,80 @@ def _compare(kind: str, card, offsets, pool, block_ids) -> None:
         COUNTS[kind + "_differ"] += int(not bool((page == card[off:off + page.numel()].cpu()).all()))
 
 
-class StateCheck:
-    """A transfer handler (``xkv.connector.transfer``) that also checks state pages (above)."""
+def _land(fence) -> None:
+    if fence is not None:  # None: the copies ran inline
+        fence.synchronize()
 
-    def __init__(self, inner) -> None:
-        self.inner, self.loads = inner, {}
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+def __getattr__(name: str):
+    if name == "StateCheck":  # built on first use: the connector's handler base imports torch
+        return state_check_class()
+    raise AttributeError(name)
 
-    def load_group(self, names, card, offsets, pools, block_ids):
-        self.inner.load_group(names, card, offsets, pools, block_ids)
-        for name, offs, pool in zip(names, offsets, pools, strict=True):
+
+@functools.cache
+def state_check_class():
+    """``StateCheck``'s class (see the module docstring)."""
+    from xkv.connector.transfer import TransferHandler
+
+    class StateCheck(TransferHandler):
+        """A transfer handler wrapping the connector's own (``inner``) that also checks state
+        pages (above); every other call is the inner handler's."""
+
+        def __init__(self, inner: TransferHandler) -> None:
+            self.inner, self.loads = inner, {}
+            self.verifier = inner.verifier
+
+        def begin_loads(self):
+            self.inner.begin_loads()
+
+        def load_group(self, names, card, offsets, pools, block_ids):
+            self.inner.load_group(names, card, offsets, pools, block_ids)
+            for name, offs, pool in zip(names, offsets, pools, strict=True):
+                if pool.kind == STATE_KIND:
+                    self.loads[name] = (card, offs.clone(), pool, block_ids.clone())
+            v = self.inner.verifier
+            if v is not None:  # checked here, before the forward, not after it
+                v.pending["restore"] = [x for x in v.pending["restore"]
+                                        if x[2].kind != STATE_KIND]
+
+        def wait_layer(self, name):
+            self.inner.wait_layer(name)
+            if name in self.loads:
+                _land(self.inner.load_fence())
+                _compare("state_restores", *self.loads.pop(name))
+
+        def pending_layers(self):
+            return self.inner.pending_layers()
+
+        def fence_loads(self):
+            self.inner.fence_loads()
+
+        def sync_loads(self):
+            self.inner.sync_loads()
+
+        def load_fence(self):
+            return self.inner.load_fence()
+
+        def verify_layers(self, names):
+            self.inner.verify_layers(names)
+
+        def prepare_saves(self, pools, block_ids, card, offsets):
+            return self.inner.prepare_saves(pools, block_ids, card, offsets)
+
+        def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
+            self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)
             if pool.kind == STATE_KIND:
-                self.loads[name] = (card, offs.clone(), pool, block_ids.clone())
-        v = getattr(self.inner, "verifier", None)
-        if v is not None:  # checked here, before the forward, not after it
-            v.pending["restore"] = [x for x in v.pending["restore"] if x[2].kind != STATE_KIND]
+                self.inner.flush_saves()  # the save copies landed (and the verifier's checked)
+                _compare("state_saves", card, offsets, pool, block_ids)
 
-    def wait_layer(self, name):
-        self.inner.wait_layer(name)
-        if name in self.loads:
-            _sync(self.inner, "load_stream")
-            _compare("state_restores", *self.loads.pop(name))
+        def flush_saves(self):
+            self.inner.flush_saves()
 
-    def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
-        self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)
-        if pool.kind == STATE_KIND:
-            _sync(self.inner, "save_stream")
-            _compare("state_saves", card, offsets, pool, block_ids)
+        def fence_saves(self):
+            return self.inner.fence_saves()
+
+    return StateCheck
 
 
 def install_state_check() -> None:
@@ -181,8 +221,10 @@ def install_state_check() -> None:
 
     make = setup.make_handler
 
+    cls = state_check_class()
+
     def checked(device, verify=False):
-        return StateCheck(make(device, verify=verify))
+        return cls(make(device, verify=verify))
 
     setup.make_handler = checked
 

@@ -242,7 +242,7 @@ def test_lease_released_only_when_every_rank_finished(fake_gateway, llama_dir):
     _stored(llama_dir, fake_gateway, p)
     sched, _, _ = _engine(llama_dir, "async")
     side = sched.connector._scheduler
-    side.world_size = 2  # two TP ranks
+    side.ledger.world_size = 2  # two TP ranks (every load job needs both reports)
     r = H.make_request("b", p)
     sched.add_request(r)
     so, meta = H.step(sched)

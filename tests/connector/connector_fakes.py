@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.gateway.client import ChunkRef, GatewayError, GatewayUnavailable
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,6 @@ class LookupResult:
     num_chunks: int
     lease_id: int
     slots: list
-
-
-@dataclass(frozen=True)
-class Reservation:
-    key: bytes
-    offsets: tuple[int, ...]
-    generations: tuple[int, ...]
 
 
 class FakeGateway:
@@ -82,7 +75,15 @@ class FakeGateway:
                 if lid == layout_id and o["committed"] == set(range(o["shards"]))}
 
 
+def _tokens(refs) -> list[bytes]:
+    """The keys of COMMIT/ABORT's ChunkRefs (the connector's); tests that store objects
+    themselves may pass bare keys (the real client refuses those: tests/gateway)."""
+    return [r.key if isinstance(r, ChunkRef) else bytes(r) for r in refs]
+
+
 class FakeClient:
+    events_enabled = False  # as a GatewayClient whose gateway publishes no KV events
+
     def __init__(self, gw: FakeGateway):
         self.gw = gw
         self.epoch = gw.epoch
@@ -144,19 +145,21 @@ class FakeClient:
                 g.gens[g._next_slot] = g.gens.get(g._next_slot, 0) + 1
                 g._next_slot += slot
             g.objects[(layout_id, k)] = {"offsets": offs, "shards": shards, "committed": set()}
-            out.append(Reservation(k, tuple(offs), tuple(g.gens[o] for o in offs)))
+            out.append(ChunkRef(k, tuple(offs), tuple(g.gens[o] for o in offs)))
         return out
 
-    def commit(self, layout_id, shard, keys):
+    def commit(self, layout_id, shard, refs):
         g = self.gw
-        g._check("commit", layout_id, shard, list(keys))
+        keys = _tokens(refs)
+        g._check("commit", layout_id, shard, keys)
         for k in keys:
             g.objects[(layout_id, k)]["committed"].add(shard)
         return len(keys)
 
-    def abort(self, layout_id, shard, keys):
+    def abort(self, layout_id, shard, refs):
         g = self.gw
-        g._check("abort", layout_id, shard, list(keys))
+        keys = _tokens(refs)
+        g._check("abort", layout_id, shard, keys)
         for k in keys:
             g.objects.pop((layout_id, k), None)
         return len(keys)

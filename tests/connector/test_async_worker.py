@@ -12,18 +12,21 @@ import torch
 
 from xkv.connector import async_loads
 from xkv.connector.async_loads import AsyncLoadWorker
+from xkv.connector.loads import LoadOutcomes
 from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
 from xkv.connector.registry import CacheGroup, build_registry
 from xkv.connector.stats import ConnectorStats
+from xkv.connector.transfer import SyncTransferHandler
 
 BB = 256  # bytes per block and layer
 LAYERS = ("l0", "l1")
 
 
-class _Handler:
+class _Handler(SyncTransferHandler):
     """Records what it was asked to copy; ``sync_loads`` must only come once copies landed."""
 
     def __init__(self, fences):
+        super().__init__()
         self.fences, self.loads, self.synced = fences, [], 0
 
     def begin_loads(self):
@@ -57,40 +60,53 @@ def _job(job_id, req, blocks, offsets, gens=(1,)):
     return TransferJob(job_id, req, (gt,), len(blocks) * 32)
 
 
+class _Outcomes(LoadOutcomes):
+    """The restore bookkeeping the sync path shares, recording what it was told."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.errors: set[int] = set()
+        self.done: Counter = Counter()
+
+    def fail(self, block_ids):
+        block_ids = list(block_ids)
+        self.errors.update(block_ids)
+        super().fail(block_ids)
+
+    def finished(self, job):
+        self.done[job.job_id] += 1
+        super().finished(job)
+
+
+CARD = torch.zeros(1 << 16, dtype=torch.uint8)
+
+
 @pytest.fixture
 def side(monkeypatch):
     fences = _Fences(monkeypatch)
     reg = build_registry([CacheGroup(0, "attention", LAYERS, 32, BB)], tp_size=1, pp_size=1,
                          chunk_size=64)
     gens: dict[int, int] = {}
-    session = NS(slot_generation=lambda off: gens.get(off, 1))
-    done: Counter = Counter()
-    errors: set[int] = set()
+    session = NS(slot_generation=lambda off: gens.get(off, 1), card=CARD, epoch=7)
+    stats = ConnectorStats()
+    outcomes = _Outcomes(reg, 0, session, stats)
     handlers: list[_Handler] = []
-
-    def no_block_errors(why):
-        if reg.multi_group:
-            raise RuntimeError(why)
-
-    w = AsyncLoadWorker(reg, 0, session, ConnectorStats(), fail=errors.update,
-                        no_block_errors=no_block_errors, on_done=lambda j: done.update((j,)))
-    w.pools = dict.fromkeys(LAYERS, object())
 
     def new_handler():
         handlers.append(_Handler(fences))
         return handlers[-1]
 
-    w.new_handler = new_handler
-    return NS(w=w, fences=fences, gens=gens, done=done, errors=errors, handlers=handlers)
+    w = AsyncLoadWorker(reg, 0, outcomes, stats, pools=dict.fromkeys(LAYERS, object()),
+                        new_handler=new_handler)
+    return NS(w=w, fences=fences, gens=gens, done=outcomes.done, errors=outcomes.errors,
+              handlers=handlers, outcomes=outcomes)
 
-
-CARD = torch.zeros(1 << 16, dtype=torch.uint8)
 
 
 def test_batches_complete_independently_and_handlers_are_reused(side):
     w = side.w
-    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD, True)
-    w.start([_job(2, "b", [9, 10], [8192])], CARD, True)
+    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD)
+    w.start([_job(2, "b", [9, 10], [8192])], CARD)
     assert len(side.handlers) == 2 and w.in_flight
     (names, offs, ids), = side.handlers[0].loads
     # one call for both layers of the group: layer l at slot + (l * k + j) * block bytes
@@ -103,7 +119,7 @@ def test_batches_complete_independently_and_handlers_are_reused(side):
     assert w.take_finished() == {"b"} and side.done == Counter({2: 1})
     assert w.take_finished() == set()  # reported once
     assert side.handlers[1].synced == 1 and side.handlers[0].synced == 0 and w.in_flight
-    w.start([_job(3, "c", [11, 12], [12288])], CARD, True)
+    w.start([_job(3, "c", [11, 12], [12288])], CARD)
     assert len(side.handlers) == 2  # the idle handler of batch 2 is reused
     w.poll(wait=True)  # drain (before the card is let go)
     assert w.take_finished() == {"a", "c"} and not w.in_flight and not side.errors
@@ -113,7 +129,7 @@ def test_batches_complete_independently_and_handlers_are_reused(side):
 
 def test_reused_slot_fails_only_its_blocks(side):
     w = side.w
-    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD, True)
+    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4096])], CARD)
     side.gens[4096] = 2  # chunk 1's slot was reused while the copy ran
     w.poll(wait=True)
     assert side.errors == {7, 8} and w.take_finished() == {"a"} and side.done == Counter({1: 1})
@@ -121,12 +137,14 @@ def test_reused_slot_fails_only_its_blocks(side):
 
 def test_no_card_fails_every_block_and_reports_at_once(side):
     w = side.w
-    w.start([_job(1, "a", [5, 6], [0]), _job(2, "b", [9, 10], [4096])], None, True)
+    w.start([_job(1, "a", [5, 6], [0]), _job(2, "b", [9, 10], [4096])], None)
     assert side.errors == {5, 6, 9, 10} and w.take_finished() == {"a", "b"}
     assert not side.handlers and not w.in_flight
-    w.start([_job(3, "c", [11, 12], [8192])], CARD, False)  # offsets of another gateway epoch
+    card = side.outcomes.usable_card(8)  # offsets of another gateway epoch than the card's (7)
+    assert card is None and side.outcomes.usable_card(7) is CARD
+    w.start([_job(3, "c", [11, 12], [8192])], card)
     assert side.errors >= {11, 12} and w.take_finished() == {"c"}
-    w.start([], CARD, True)  # an empty step: nothing issued
+    w.start([], CARD)  # an empty step: nothing issued
     assert not side.handlers and not w.in_flight
 
 

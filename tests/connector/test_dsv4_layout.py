@@ -128,7 +128,7 @@ def test_one_classification_for_registry_and_fanout():
     inner = kvc.kv_cache_groups[0].kv_cache_spec.kv_cache_specs
     assert g.kind == kinds.MLA_COMPRESSED
     assert {vllm_specs.fanout_spec_kind(s) for s in inner.values()} == {kinds.MLA_COMPRESSED}
-    assert {kinds.classify(s) for s in inner.values()} == {kinds.MLA_COMPRESSED}
+    assert {vllm_specs.layer_kind(s) for s in inner.values()} == {kinds.MLA_COMPRESSED}
     # per-layer page sizes: latent C4 64 states x 1024 B, C128 2 states, indexer 64 x 132 B
     want = {"l0.attn": 65536, "l1.attn": 2048, "l0.indexer": 8448}
     for name, size in want.items():

@@ -85,9 +85,9 @@ def _registry(groups=1):
 
 def _worker(reg, gw, kv, hooks):
     w = WorkerSide(reg, [f"fp{i}" for i in range(len(reg.groups))], namespace="default",
-                   tp_rank=0, gateway_factory=gw.client)
+                   tp_rank=0, gateway_factory=gw.client,
+                   handler_factory=lambda device: StreamLikeHandler())
     w.register_kv_caches(kv, num_blocks=NB, hooks=hooks)
-    w.handler = StreamLikeHandler()
     return w
 
 
@@ -232,10 +232,10 @@ def test_missed_fence_aborts_that_requests_saves():
 def test_missed_fence_on_a_multi_group_model_stops_with_a_clear_error():
     gw = FakeGateway(capacity=1 << 22)
     reg = _registry(groups=2)
-    w = WorkerSide(reg, ["fp0", "fp1"], namespace="default", tp_rank=0, gateway_factory=gw.client)
+    w = WorkerSide(reg, ["fp0", "fp1"], namespace="default", tp_rank=0, gateway_factory=gw.client,
+                   handler_factory=lambda device: StreamLikeHandler())
     kv = {**_caches(), "m0": _caches(seed=9)["l0"]}
     w.register_kv_caches(kv, num_blocks=NB, hooks={n: (True, "Attention") for n in kv})
-    w.handler = StreamLikeHandler()
     w.handler.queued["l1"] = []  # as after a load whose l1 fence never came
     w._check_fences = True
 
@@ -334,9 +334,9 @@ def test_missed_fanout_fence_is_a_load_error():
 
     dst = mla_caches(poison=POISON)
     w = WorkerSide(reg, ["fp0"], namespace="default", tp_rank=0, gateway_factory=gw.client,
-                   fanout_factory=lambda kv, dev: FakeRestorer())
+                   fanout_factory=lambda kv, dev: FakeRestorer(),
+                   handler_factory=lambda device: StreamLikeHandler())
     w.register_kv_caches(dst, num_blocks=NB, hooks={n: (True, "MLAAttention") for n in LAYERS})
-    w.handler = StreamLikeHandler()
     s = _sched(reg, gw)
     with Warnings() as warned:
         ids = [9, 4, 17, 11, 2]

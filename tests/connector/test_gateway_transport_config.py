@@ -7,7 +7,7 @@ import pytest
 import zmq.auth
 
 from xkv.connector.config import ConfigError, ConnectorConfig
-from xkv.gateway import GatewayClient, ReservedKey
+from xkv.gateway import GatewayClient
 from xkv.gateway.testing import running_gateway
 
 ENV = {"PYTHONHASHSEED": "0"}
@@ -42,6 +42,6 @@ def test_client_from_the_connector_settings_reaches_a_curve_gateway(tmp_path):
         assert c.endpoint == f"tcp://127.0.0.1:{port}"
         lid = c.register_layout("ns", "fp", 1, 100).layout_id
         [r] = c.reserve(lid, [b"k"])
-        # the worker keeps keys as bytes that carry their reservation token
-        assert c.commit(lid, 0, [ReservedKey.of(r)]) == 1
+        # the worker commits the ChunkRef reserve() returned (it carries the token)
+        assert c.commit(lid, 0, [r]) == 1
         assert c.lookup([(lid, [b"k"])], lease=False).num_chunks == 1

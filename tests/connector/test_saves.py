@@ -7,11 +7,13 @@ moment it arrives, that every committed chunk's card bytes equal the pages they 
 """
 
 import threading
+from unittest import mock
 
 import pytest
 import torch
 
 from xkv import kernels
+from xkv.connector import setup
 from xkv.connector.saves import Committer, SaveBatch
 from xkv.connector.transfer import SyncTransferHandler
 
@@ -75,9 +77,11 @@ def _engine(llama_dir):
     kcfg = H.attention_cache_config(block_size=BS)
     kcfg.kv_cache_layout = "LBHNC"
     sched = H.make_scheduler(vc, kcfg)
-    conn, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=BS), layout="LBHNC")
+    with mock.patch.object(setup, "make_handler", lambda device, verify=False: DeferredHandler()):
+        conn, caches = H.make_worker_caches(vc, H.attention_cache_config(block_size=BS),
+                                            layout="LBHNC")
     w = conn._worker
-    w.handler = DeferredHandler()
+    assert isinstance(w.handler, DeferredHandler)
     return sched, conn, w, caches
 
 
@@ -94,8 +98,9 @@ def _watch(w, caches, commits):
                     blocks_of.setdefault(gt.chunks[c].key, []).append((b, j, gt.chunks[c]))
         bind(meta)
 
-    def commit_check(layout_id, shard, keys):
+    def commit_check(layout_id, shard, refs):
         names = list(caches)
+        keys = [r.key for r in refs]
         for key in keys:
             for b, j, ref in blocks_of[key]:
                 for li, name in enumerate(names):
@@ -104,8 +109,8 @@ def _watch(w, caches, commits):
                     off = ref.offsets[shard] + (li * (CHUNK // BS) + j) * bb
                     card = torch.frombuffer(client.gw.card, dtype=torch.uint8)[off:off + bb]
                     assert torch.equal(card, page), f"torn chunk {key.hex()[:12]} committed"
-        commits.append(list(keys))
-        return commit(layout_id, shard, keys)
+        commits.append(keys)
+        return commit(layout_id, shard, refs)
 
     w.bind = bind_rec
     client.commit = commit_check

@@ -163,10 +163,12 @@ def test_contiguous_runs_match_a_plain_scan(steps, step):
 
 # ---------------------------------------------------------------- group loads, prepared saves
 class _Plan:
-    """The two things layer_offsets reads of a GroupPlan: its layer names, object_offset."""
+    """What layer_offsets reads of a GroupPlan: its layer names and page sizes (one for all
+    layers here), object_offset."""
 
     def __init__(self, layers: int, blocks_per_object: int, block_bytes: int):
-        self.group = type("G", (), {"layer_names": tuple(f"l{i}" for i in range(layers))})()
+        self.group = type("G", (), {"layer_names": tuple(f"l{i}" for i in range(layers)),
+                                    "layer_bytes": ()})()
         self.k, self.bb = blocks_per_object, block_bytes
 
     def object_offset(self, layer, block):
@@ -238,3 +240,20 @@ def test_load_group_refuses_bad_offsets_before_any_byte_moves():
     with pytest.raises(ValueError):
         transfer.SyncTransferHandler().load_group(("a", "b"), card, bad, [pool, pool], ids)
     assert torch.equal(kv, before)
+
+
+def test_every_handler_implements_the_whole_interface():
+    """The CUDA handler cannot be built on a CPU machine: its class at least leaves no method of
+    ``TransferHandler`` abstract (instantiating it would raise), as the CPU one and the bench's
+    state-page checker."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import e2e_models
+
+    for cls in (transfer.CudaTransferHandler, transfer.SyncTransferHandler, e2e_models.StateCheck):
+        assert issubclass(cls, transfer.TransferHandler) and not cls.__abstractmethods__, cls
+    inner = transfer.SyncTransferHandler(verify=True)
+    assert e2e_models.StateCheck(inner).verifier is inner.verifier
+    assert inner.load_fence() is None  # inline copies: already landed

@@ -85,3 +85,31 @@ def test_fanout_facts_from_real_vllm_specs():
     mla = M(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     full = F(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     assert fanout_spec_kind(mla) == "mla" and fanout_spec_kind(full) == "attention"
+
+
+class _Spec:  # duck-typed specs: the classification reads class names and fields only
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _spec(cls_name, *bases, **kw):
+    base = tuple(type(b, (_Spec,), {}) for b in bases) or (_Spec,)
+    return type(cls_name, base, {})(**kw)
+
+
+def test_one_classification():
+    """vLLM's per-layer specs read into ``xkv.layout.kinds`` names, here beside compat (the
+    one place that knows vLLM), for the registry and fan-out alike."""
+    from xkv.connector.vllm_specs import layer_kind
+    from xkv.layout import kinds
+
+    assert layer_kind(_spec("MLAAttentionSpec", tokens_per_state=1)) == kinds.MLA
+    assert layer_kind(_spec("MLAAttentionSpec", tokens_per_state=4,
+                            model_version="deepseek_v4")) == kinds.MLA_COMPRESSED
+    assert layer_kind(_spec("MLAAttentionSpec", tokens_per_state=4)) == kinds.MLA_COMPRESSED
+    assert layer_kind(_spec("SlidingWindowMLASpec", "SlidingWindowSpec")) == kinds.SLIDING_WINDOW
+    assert layer_kind(_spec("FullAttentionSpec", attention_chunk_size=None)) == kinds.ATTENTION
+    assert layer_kind(_spec("FullAttentionSpec", attention_chunk_size=64)) == kinds.OTHER
+    assert layer_kind(_spec("Mamba2Spec", "MambaSpec")) == kinds.MAMBA
+    assert layer_kind(_spec("CrossAttentionSpec")) == kinds.OTHER
+    assert not hasattr(kinds, "classify")  # the lowest layer knows no vLLM class

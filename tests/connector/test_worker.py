@@ -6,12 +6,13 @@ pages must equal the saved bytes exactly, block for block and layer for layer.
 """
 
 import logging
+from unittest import mock
 
 import pytest
 import torch
 from connector_fakes import Warnings
 
-from xkv.connector.fences import HookPlan
+from xkv.connector import compat
 
 pytestmark = pytest.mark.vllm
 
@@ -105,11 +106,10 @@ def test_layers_without_a_save_hook_are_saved_after_the_forward(fake_gateway, ll
     """Only the first layer's save_kv_layer comes (the other's class bypasses vLLM's decorated
     op): the other layer is saved in wait_for_save, every chunk is committed, a fresh engine
     restores both layers bit-exact, and the miss is warned about once, not every step."""
-    s1, w1, c1, bs = _engine(llama_dir)
-    wk = w1._worker  # both layers known to call the hooks: the miss is unexpected
-    wk.hooks = HookPlan([p.group.layer_names for p in wk.registry.groups], [],
-                        {n: (True, "Attention") for n in c1})
-    wk.saver.on_bulk_saves = wk.hooks.note_bulk_saves
+    # both layers known to call the hooks: the miss is unexpected
+    with mock.patch.object(compat, "layer_hooks",
+                           lambda vc, kv: {n: (True, "Attention") for n in kv}):
+        s1, w1, c1, bs = _engine(llama_dir)
     p = _prompt(300)
     with Warnings() as warned:
         _run(s1, w1, c1, bs, H.make_request("a", p), layers_saved=1)

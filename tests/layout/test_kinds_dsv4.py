@@ -1,4 +1,4 @@
-"""``xkv.layout.kinds`` (one classification for registry and fan-out) and DeepSeek-V4's
+"""``xkv.layout.kinds`` (one vocabulary for registry and fan-out) and DeepSeek-V4's
 block-outermost packed block, without vLLM.
 
 The packed block is the one vLLM 0.29 / 0.33 allocate for DeepSeek-V4's compressed-MLA group with
@@ -34,26 +34,9 @@ def _views(nb, fill=None):
     return raw, out
 
 
-class Spec:  # duck-typed specs: the classification reads class names and fields only
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _spec(cls_name, *bases, **kw):
-    base = tuple(type(b, (Spec,), {}) for b in bases) or (Spec,)
-    return type(cls_name, base, {})(**kw)
-
-
-def test_one_classification():
-    assert kinds.classify(_spec("MLAAttentionSpec", tokens_per_state=1)) == kinds.MLA
-    assert kinds.classify(_spec("MLAAttentionSpec", tokens_per_state=4,
-                                model_version="deepseek_v4")) == kinds.MLA_COMPRESSED
-    assert kinds.classify(_spec("MLAAttentionSpec", tokens_per_state=4)) == kinds.MLA_COMPRESSED
-    assert kinds.classify(_spec("SlidingWindowMLASpec", "SlidingWindowSpec")) == kinds.SLIDING_WINDOW
-    assert kinds.classify(_spec("FullAttentionSpec", attention_chunk_size=None)) == kinds.ATTENTION
-    assert kinds.classify(_spec("FullAttentionSpec", attention_chunk_size=64)) == kinds.OTHER
-    assert kinds.classify(_spec("Mamba2Spec", "MambaSpec")) == kinds.MAMBA
-    assert kinds.classify(_spec("CrossAttentionSpec")) == kinds.OTHER
+def test_one_vocabulary():
+    """The names both the registry and fan-out use (reading vLLM's specs into them:
+    tests/connector/test_vllm_specs.py::test_one_classification)."""
     assert kinds.group_kind([kinds.MLA, kinds.MLA]) == kinds.MLA
     assert kinds.group_kind([kinds.MLA, kinds.MLA_COMPRESSED]) == kinds.MLA_COMPRESSED
     assert kinds.group_kind([kinds.MLA, kinds.ATTENTION]) == kinds.OTHER

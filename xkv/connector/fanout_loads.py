@@ -17,7 +17,7 @@ import torch
 
 from xkv.connector.metadata import GroupTransfer
 from xkv.connector.registry import Registry
-from xkv.connector.transfer import layer_offsets
+from xkv.connector.transfer import copy_table
 
 log = logging.getLogger("xkv.connector")
 
@@ -45,10 +45,8 @@ class FanoutLoads:
             if plan.group.kind != "mla" or plan.is_state:
                 continue
             # host index tensors: the restorer validates and plans on the host
-            blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-            base = torch.tensor(plan.card_offsets(self.tp_rank, transfers), dtype=torch.int64)
+            blocks, offs = copy_table(plan, self.tp_rank, transfers)
             groups.append(g)
-            offs = layer_offsets(plan, base, transfers)
             loads += [LayerLoad(name, offs[layer], self.pools[name], blocks)
                       for layer, name in enumerate(plan.group.layer_names)]
         if not loads or not self.restorer.begin(src, loads):
@@ -63,7 +61,7 @@ class FanoutLoads:
     def unfenced(self) -> list[str]:
         """Layers of this step's layer-wise batch whose ``wait_for_layer_load`` never came: the
         forward read them before their exchange (bulk mode exchanges everything in ``begin``)."""
-        if getattr(getattr(self.restorer, "mode", None), "value", "layerwise") != "layerwise":
+        if self.restorer.mode.value != "layerwise":  # xkv.fanout.Mode
             return []
         return sorted(self.layers - self.waited)
 

@@ -13,22 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+# One stored object of one group from LOOKUP to COMMIT: its key and, per shard, slot offset and
+# generation (the COMMIT/ABORT token). The gateway client's type, so it crosses unchanged.
+from xkv.gateway.client import ChunkRef
 
-@dataclass(frozen=True)
-class ChunkRef:
-    """One stored object of one group: its key and, per shard, slot offset and generation."""
-
-    key: bytes
-    offsets: tuple[int, ...]
-    generations: tuple[int, ...]
-
-    @classmethod
-    def at(cls, key: bytes, where: Any) -> ChunkRef:
-        """``key`` stored where the gateway said: ``where`` has per-shard ``offsets`` and
-        ``generations`` (a LOOKUP's ``ChunkSlots``, a RESERVE's ``Reservation``)."""
-        return cls(bytes(key), tuple(where.offsets), tuple(where.generations))
+__all__ = ["ChunkRef", "GroupTransfer", "StepMetadata", "TransferJob", "WorkerReport",
+           "load_transfer"]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ all layers of the group, layer-major):
 Groups may differ in block size (DeepSeek-V4: 256, 64, 8 and 4 tokens) when no state group is
 present; ``chunk_size`` is then a multiple of every group's block size.
 
-Kinds come from :mod:`xkv.layout.kinds` (shared with ``xkv.fanout``). Any other kind
+Kinds are the names of :mod:`xkv.layout.kinds` (shared with ``xkv.fanout``), read from vLLM's
+specs by ``vllm_specs.layer_kind``. Any other kind
 (chunked-local or cross-attention caches, ...) would be a cache that nobody writes, so restoring
 the others would resume from a state that was never stored: the registry refuses the model at
 start with ``RegistryError`` naming the group, its spec and its layers.

@@ -14,30 +14,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from xkv.connector.group_rules import rule_of
 from xkv.connector.keys import chunk_keys, event_fields
-from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
+from xkv.connector.ledger import Admitted, RequestLedger
+from xkv.connector.metadata import GroupTransfer, TransferJob
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
-from xkv.connector.states import saved_boundaries
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.windows import saved_tail
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
-
-
-@dataclass
-class RequestState:
-    """What the scheduler side keeps per admitted request."""
-
-    request: Any
-    block_ids: list[list[int]]  # per vLLM KV cache group index
-    next_save_chunk: int = 0
-    present: set[int] = field(default_factory=set)  # chunks the gateway reported stored
-    lease_ids: set[int] = field(default_factory=set)
 
 
 class SavePlanner:
@@ -48,51 +36,27 @@ class SavePlanner:
         self.registry, self.session, self.stats = registry, session, stats
         self.hashes_per_chunk = hashes_per_chunk
         self.chunk_size = registry.groups[0].chunk_size
-        self._attn = [g for g, p in enumerate(registry.groups) if not p.at_boundary]
-        self._state = [g for g, p in enumerate(registry.groups) if p.is_state]
-        self._window = [g for g, p in enumerate(registry.groups) if p.is_window]
+        # prefix groups first, then window, then state groups (each kind's rule: group_rules)
+        self._save_order = sorted(range(len(registry.groups)),
+                                  key=lambda g: rule_of(registry.groups[g]).save_order)
 
-    def plan(self, st: RequestState, computed: int, n_sched: int,
+    def plan(self, ledger: RequestLedger, st: Admitted, computed: int, n_sched: int,
              job_id: Callable[[], int]) -> TransferJob | None:
         """The save job of ``st``'s request for a step computing ``[computed, computed +
-        n_sched)``, or None. Stops at the first unanswered RESERVE (a later one would be
-        refused the same way)."""
+        n_sched)``, or None (the chunks it covers are claimed in ``ledger``). Stops at the
+        first unanswered RESERVE (a later one would be refused the same way)."""
         req = st.request
         end = min(computed + n_sched, req.num_prompt_tokens)
         hashed = len(req.block_hashes) // self.hashes_per_chunk
         c_end = min(end // self.chunk_size, hashed)
-        new = range(st.next_save_chunk, c_end)
-        cands = [c for c in new if c not in st.present]
-        st.next_save_chunk = max(st.next_save_chunk, c_end)
+        new, cands = ledger.claim_saves(req.request_id, c_end)
         groups: list[GroupTransfer] = []
-        for g in self._attn if cands else ():
+        for g in self._save_order:
             plan = self.registry.groups[g]
-            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
-            todo = [c for c in cands if (c + 1) * k <= len(ids)]
-            if todo and not self._reserve(
-                req, g, todo, lambda c, k=k, ids=ids: ids[c * k : (c + 1) * k], groups
-            ):
-                return None
-        for g in self._window:
-            # the window's tail at each chunk end, where no tail block may be gone (windows.py);
-            # also chunks the lookup found: their window object may be the one missing
-            plan = self.registry.groups[g]
-            ids = st.block_ids[plan.group.index]
-            tails = {c: t for c in new if (t := saved_tail(plan, ids, c, computed)) is not None}
-            if tails and not self._reserve(req, g, sorted(tails), lambda c, t=tails: t[c][0],
-                                           groups, lambda c, t=tails: t[c][1]):
-                return None
-        for g in self._state:
-            plan = self.registry.groups[g]
-            k, ids = plan.blocks_per_chunk, st.block_ids[plan.group.index]
-            # the state after chunk c is in block (c + 1) * k - 1 (align: the step's running
-            # block; all: also every boundary the step crossed); a null block holds none
-            todo = [c for c in saved_boundaries(plan.group.state_mode or "align", computed,
-                                                n_sched, req.num_prompt_tokens,
-                                                self.chunk_size, hashed)
-                    if (c + 1) * k <= len(ids) and ids[(c + 1) * k - 1] != 0]
-            if todo and not self._reserve(
-                    req, g, todo, lambda c, k=k, ids=ids: [ids[(c + 1) * k - 1]], groups):
+            todo, blocks_of, positions_of = rule_of(plan).saves(
+                plan, st.block_ids[plan.group.index], new, cands, computed, n_sched,
+                req.num_prompt_tokens, hashed)
+            if todo and not self._reserve(req, g, todo, blocks_of, groups, positions_of):
                 return None
         if not groups:
             return None
@@ -110,7 +74,7 @@ class SavePlanner:
             kw = (event_fields(req.block_hashes, self.hashes_per_chunk, chunks,  # KV events
                                self.chunk_size // self.hashes_per_chunk,
                                self.registry.groups[g].group.index)
-                  if getattr(gw, "events_enabled", False) is True else {})
+                  if gw.events_enabled else {})
             return gw.reserve(self.session.layout_ids[g], keys, **kw)
 
         try:
@@ -128,7 +92,7 @@ class SavePlanner:
                 continue
             b = list(blocks_of(c))
             chunk_of.extend([len(refs)] * len(b))
-            refs.append(ChunkRef.at(r.key, r))
+            refs.append(r)  # the object RESERVE answered: key and COMMIT token
             blocks.extend(b)
             pos.extend(positions_of(c) if positions_of else range(len(b)))
         if refs:

@@ -31,18 +31,16 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from xkv.connector.metadata import StepMetadata
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.transfer import layer_offsets
-from xkv.gateway.client import GatewayError, GatewayUnavailable, ReservedKey
+from xkv.connector.transfer import TransferHandler, copy_table
+from xkv.gateway.client import ChunkRef, GatewayError, GatewayUnavailable
 from xkv.gateway.protocol import MAX_KEYS
 
 log = logging.getLogger("xkv.connector")
@@ -50,12 +48,13 @@ log = logging.getLogger("xkv.connector")
 
 @dataclass
 class SaveBatch:
-    """One step's save decisions on one rank: ``items[(group, shard, commit?)]`` = the keys and the
-    request id of each job (for log lines)."""
+    """One step's save decisions on one rank: ``items[(group, shard, commit?)]`` = the objects
+    (``ChunkRef``: key and COMMIT/ABORT token) and the request id of each job (for log lines)."""
 
-    items: dict[tuple[int, int, bool], list[tuple[list[bytes], str]]] = field(default_factory=dict)
+    items: dict[tuple[int, int, bool], list[tuple[list[ChunkRef], str]]] = field(
+        default_factory=dict)
 
-    def add(self, group: int, shard: int, ok: bool, keys: list[bytes], req_id: str) -> None:
+    def add(self, group: int, shard: int, ok: bool, keys: list[ChunkRef], req_id: str) -> None:
         if keys:
             self.items.setdefault((group, shard, ok), []).append((list(keys), req_id))
 
@@ -161,18 +160,20 @@ class Committer:
 class Saver:
     """Saves of one worker rank (see the module docstring).
 
-    ``pools``/``layer_pos`` (layer -> PagePool, layer -> (group, index in group)) and ``handler``
-    (the transfer handler) are set by the worker once its caches are registered. COMMIT/ABORT go
-    through ``session``; their counters, counted on the committer thread, reach ``stats`` on the
-    engine thread (:meth:`merge_counts`).
+    ``pools``/``layer_pos``: layer -> PagePool, layer -> (group, index in group) of the registered
+    caches; ``handler``: the transfer handler; ``on_bulk_saves(names)``: told which non-state
+    layers were saved in bulk (the worker's ``HookPlan.note_bulk_saves`` warns once). COMMIT/ABORT
+    go through ``session``; their counters, counted on the committer thread, reach ``stats`` on
+    the engine thread (:meth:`merge_counts`).
     """
 
     def __init__(self, registry: Registry, tp_rank: int, session: GatewaySession,
-                 stats: ConnectorStats, handler: Any):
+                 stats: ConnectorStats, handler: TransferHandler, *,
+                 pools: Mapping[str, Any], layer_pos: Mapping[str, tuple[int, int]],
+                 on_bulk_saves: Callable[[list[str]], None]):
         self.registry, self.tp_rank, self.session, self.stats = registry, tp_rank, session, stats
-        self.handler = handler
-        self.pools: dict[str, Any] = {}
-        self.layer_pos: dict[str, tuple[int, int]] = {}
+        self.handler, self.pools, self.layer_pos = handler, pools, layer_pos
+        self.on_bulk_saves = on_bulk_saves
         self._meta: StepMetadata | None = None
         # the layers written this step per group (every job of a group is saved by one call);
         # the step whose saves were issued and not yet fenced; whether this step's
@@ -186,8 +187,6 @@ class Saver:
         self._counts_lock = threading.Lock()
         # requests whose saves of this step are aborted (their forward read unfenced pages)
         self._tainted: set[str] = set()
-        # told which non-state layers were saved in bulk (the worker's HookPlan warns once)
-        self.on_bulk_saves: Callable[[list[str]], None] = lambda names: None
 
     @property
     def pending(self) -> int:
@@ -228,11 +227,7 @@ class Saver:
         if g not in self._plan:
             # once per group and step: every layer's offsets, validated and uploaded together
             transfers = [(job, gt) for job in meta.saves for gt in job.groups if gt.group == g]
-            blocks = torch.tensor([b for _, gt in transfers for b in gt.block_ids],
-                                  dtype=torch.int64)
-            base = torch.tensor(plan.card_offsets(self.tp_rank, [gt for _, gt in transfers]),
-                                dtype=torch.int64)
-            offs = layer_offsets(plan, base, [gt for _, gt in transfers])
+            blocks, offs = copy_table(plan, self.tp_rank, [gt for _, gt in transfers])
             prep = None
             if transfers:
                 pools = [self.pools[n] for n in plan.group.layer_names]
@@ -290,7 +285,7 @@ class Saver:
                 plan = self.registry.groups[gt.group]
                 if not plan.writes(self.tp_rank):
                     continue
-                keys = [ReservedKey.of(c) for c in gt.chunks]  # COMMIT/ABORT need the token
+                keys = list(gt.chunks)  # COMMIT/ABORT present each one's token
                 complete = len(saved.get(gt.group, ())) == len(plan.group.layer_names)
                 if not complete and keys:
                     # Still a layer not written (the session turned off mid-step, or the step's
@@ -311,7 +306,7 @@ class Saver:
             for i in range(0, len(keys), MAX_KEYS):
                 self._send_one(g, shard, ok, keys[i:i + MAX_KEYS], reqs)
 
-    def _send_one(self, g: int, shard: int, ok: bool, keys: list[bytes], reqs: str) -> None:
+    def _send_one(self, g: int, shard: int, ok: bool, keys: list[ChunkRef], reqs: str) -> None:
         what = f"{'COMMIT' if ok else 'ABORT'} for request(s) {reqs}"
         lids = self.session.layout_ids  # () if the session never opened: call() raises first
         try:

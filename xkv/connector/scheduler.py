@@ -15,6 +15,9 @@ One request's life (see docs/architecture.md):
    rank finished, and in any case when the request finishes (unless its asynchronous load is
    still copying: ``load_mode``, ``async_loads.AsyncLoadPlanner``).
 
+Who holds which lease, when, is the :class:`~xkv.connector.ledger.RequestLedger`'s alone: every
+event above goes through it and it hands back the leases to release (``_release_all``).
+
 Failure (``session.GatewaySession``): ``MAX_FAILURES`` consecutive calls without an answer
 (dead, restarted, or deadlines missed; a single slow answer only costs that request its hit) turn
 the connector off: zero hits, no saves, and ``StepMetadata.turned_off`` tells every worker to
@@ -25,51 +28,28 @@ gateway answering again (a restarted one only with ``reattach``).
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from xkv.connector import compat
 from xkv.connector.async_loads import AsyncLoadPlanner
 from xkv.connector.config import ConnectorConfig
+from xkv.connector.group_rules import rule_of
 from xkv.connector.keys import chunk_keys
+from xkv.connector.ledger import Lookup, RequestLedger
 from xkv.connector.metadata import (
-    ChunkRef,
     StepMetadata,
     TransferJob,
     WorkerReport,
-    load_transfer,
 )
 from xkv.connector.registry import Registry
-from xkv.connector.reservations import RequestState, SavePlanner
+from xkv.connector.reservations import SavePlanner
 from xkv.connector.session import GatewaySession, LayoutSpec, SessionOff
-from xkv.connector.states import add_running_blocks, probe_states, state_load
+from xkv.connector.states import add_running_blocks, probe_states
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.windows import window_load
 from xkv.gateway.client import GatewayError, GatewayUnavailable
 
 log = logging.getLogger("xkv.connector")
-
-
-@dataclass
-class _Lookup:
-    """A LOOKUP answer, reused while vLLM asks the same question again."""
-
-    local: int  # tokens vLLM already had (block aligned)
-    num_hashes: int
-    start: int  # first chunk looked up
-    hits: int  # chunks present from `start`
-    ext: int  # tokens promised
-    lease_id: int | None
-    slots: dict[int, list[Any]]  # {cache group: [chunk - start] -> ChunkSlots}
-    keys: list[bytes]
-    state_lease_id: int | None = None  # state groups: the lease of the hit boundary's state
-    state_slots: dict[int, Any] = field(default_factory=dict)  # {state group: ChunkSlots}
-    load_async: bool = False  # restored asynchronously (async_loads.py)
-
-    def leases(self) -> list[int]:
-        return [x for x in (self.lease_id, self.state_lease_id) if x is not None]
 
 
 class SchedulerSide:
@@ -104,13 +84,8 @@ class SchedulerSide:
                 f"{hash_block_size}"
             )
         self.hashes_per_chunk = self.chunk_size // hash_block_size
-        self.world_size = world_size
         self.stats = ConnectorStats()
-        self._lookups: dict[str, _Lookup] = {}
-        self._states: dict[str, RequestState] = {}
-        self._pending_loads: list[TransferJob] = []
-        self._load_leases: dict[int, tuple[str, list[int]]] = {}  # job -> (req id, leases)
-        self._loads_done: Counter = Counter()
+        self.ledger = RequestLedger(world_size)
         self._next_job = 1
         self._async = AsyncLoadPlanner(cfg.load_mode, sync_only=(
             "recurrent-state groups" if any(p.is_state for p in registry.groups)
@@ -154,11 +129,10 @@ class SchedulerSide:
             return 0
         req_id = request.request_id
         num_hashes = len(request.block_hashes)
-        cached = self._lookups.get(req_id)
+        cached = self.ledger.lookup(req_id)
         if cached and cached.local == num_computed_tokens and cached.num_hashes == num_hashes:
             return cached.ext
-        if cached:
-            self._drop_lookup(req_id)
+        self._release_all(self.ledger.drop_lookup(req_id))
         stop = num_hashes // self.hashes_per_chunk
         if self._boundary:
             # a state is stored at chunk ends only: a hit must end on a chunk vLLM will not compute
@@ -184,7 +158,7 @@ class SchedulerSide:
         try:
             res, hits = self.session.call(f"LOOKUP for request {req_id}", ask)
         except GatewayError as e:
-            self._release_all(got["lease"], got["state_lease"])
+            self._release_all([got["lease"], got["state_lease"]])
             self.stats.add("gateway_errors")
             if not isinstance(e, GatewayUnavailable | SessionOff):
                 log.warning("xkv: LOOKUP refused for request %s: %s", req_id, e)
@@ -205,10 +179,10 @@ class SchedulerSide:
             # ends exactly on the stored state's boundary).
             ext = 0
         if ext == 0:
-            self._release_all(lease, state_lease)
+            self._release_all([lease, state_lease])
             lease = state_lease = None
         self.stats.add("lookup_chunks_hit", hits)
-        self._lookups[req_id] = _Lookup(
+        self._release_all(self.ledger.set_lookup(req_id, Lookup(
             local=num_computed_tokens,
             num_hashes=num_hashes,
             start=start,
@@ -219,14 +193,14 @@ class SchedulerSide:
             keys=keys,
             state_lease_id=state_lease,
             state_slots=state_slots,
-            load_async=self._async.choose(ext, busy=len(self._states) > (req_id in self._states)),
-        )
+            load_async=self._async.choose(ext, busy=self.ledger.others_admitted(req_id)),
+        )))
         return ext
 
     def load_async(self, req_id: str) -> bool:
         """Whether the tokens just offered to ``req_id`` are restored asynchronously (vLLM's
         second return value of ``get_num_new_matched_tokens``; async_loads.py)."""
-        lk = self._lookups.get(req_id)
+        lk = self.ledger.lookup(req_id)
         return bool(lk is not None and lk.ext and lk.load_async)
 
     def update_state_after_alloc(
@@ -234,54 +208,25 @@ class SchedulerSide:
     ) -> None:
         """After vLLM allocated the request's blocks (all groups); plan the load if any."""
         req_id = request.request_id
-        lk = self._lookups.pop(req_id, None)
-        if self._async.resumed(req_id, lk is not None) and req_id in self._states:
-            # the parked request is scheduled after its async load: same request, new blocks
-            self._states[req_id].block_ids = [list(b) for b in block_ids]
+        # a parked request scheduled after its async load keeps its state (resumed); one
+        # re-admitted after preemption drops its earlier leases
+        adm = self.ledger.admit(req_id, request, block_ids, num_external_tokens)
+        self._release_all(adm.release)
+        lk = adm.lookup
+        if adm.resumed or num_external_tokens == 0:
             return
-        old = self._states.pop(req_id, None)
-        if old:  # re-admitted after preemption: its earlier leases are useless now
-            for lease in old.lease_ids:
-                self._release(lease)
-        st = RequestState(request=request, block_ids=[list(b) for b in block_ids])
-        self._states[req_id] = st
-        if lk is not None:
-            st.present.update(range(lk.start, lk.start + lk.hits))
-        if num_external_tokens == 0:
-            if lk is not None:
-                self._release_all(*lk.leases())
-            return
+        st = self.ledger.admitted(req_id)
         if lk is None or lk.ext != num_external_tokens:
             # vLLM never admits external tokens we did not offer; refusing beats loading garbage.
             raise RuntimeError(
                 f"xkv: request {req_id} admitted with {num_external_tokens} external tokens but "
                 f"the connector offered {lk.ext if lk else 'none'}"
             )
-        groups = []
-        for g, plan in enumerate(self.registry.groups):
-            bs, k = plan.group.block_size, plan.blocks_per_chunk
-            ids = st.block_ids[plan.group.index]
-            if plan.at_boundary:
-                ref = ChunkRef.at(lk.keys[lk.hits - 1], lk.state_slots[g])
-                end = lk.local + num_external_tokens
-                gt = (state_load(g, ids, end, bs, ref, req_id) if plan.is_state
-                      else window_load(g, plan, ids, lk.local, end, ref, req_id))
-                groups.extend([gt] if gt.block_ids else [])
-                continue
-            first, last = lk.local // bs, (lk.local + num_external_tokens) // bs
-            if last > len(ids):
-                raise RuntimeError(
-                    f"xkv: request {req_id} group {g}: {len(ids)} blocks allocated, "
-                    f"{last} needed for {lk.local + num_external_tokens} tokens"
-                )
-            groups.append(load_transfer(
-                g, ids, first, last, k,
-                lambda c, g=g: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start])))
+        groups = [gt for g, plan in enumerate(self.registry.groups)
+                  if (gt := rule_of(plan).load(g, plan, st.block_ids[plan.group.index], lk,
+                                               num_external_tokens, req_id)) is not None]
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
-        (self._async.add if lk.load_async else self._pending_loads.append)(job)
-        if lk.leases():
-            st.lease_ids.update(lk.leases())
-            self._load_leases[job.job_id] = (req_id, lk.leases())
+        self.ledger.add_load(job.job_id, job, is_async=lk.load_async)
         self.stats.add("tokens_promised", num_external_tokens)
 
     # ------------------------------------------------------------------ per step
@@ -289,13 +234,13 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> StepMetadata:
         """The step's loads and saves. ``so``: vLLM's SchedulerOutput (duck-typed)."""
         epoch = self.session.epoch
-        if not self._pending_loads and not self._async.pending and self.session.reattach_due() \
+        if not self.ledger.loads_queued and self.session.reattach_due() \
                 and self.session.reattach() and self.session.epoch != epoch:
-            self._forget_leases()
+            self.ledger.forget()
         saves: list[TransferJob] = []
         computed: dict[str, int] = {}  # tokens each request had before this step
         for req_id, num_computed, blocks, replace in compat.scheduled_blocks(so):
-            st = self._states.get(req_id)
+            st = self.ledger.admitted(req_id)
             if st is None:
                 continue
             computed[req_id] = num_computed
@@ -305,22 +250,21 @@ class SchedulerSide:
                 for g, b in enumerate(blocks):
                     st.block_ids[g].extend(b)
             if self.save and self._eligible(st.request):
-                job = self._saves.plan(st, num_computed,
+                job = self._saves.plan(self.ledger, st, num_computed,
                                        so.num_scheduled_tokens.get(req_id, 0), self._job_id)
                 if job is not None:
                     saves.append(job)
-        loads, self._pending_loads = tuple(self._pending_loads), []
+        loads, async_loads = self.ledger.take_loads()
         if self._boundary:
-            loads = tuple(
-                add_running_blocks(job, self.registry, self._states[job.req_id].block_ids,
-                                   computed.get(job.req_id),
+            loads = [
+                add_running_blocks(job, self.registry, st.block_ids, computed.get(job.req_id),
                                    so.num_scheduled_tokens.get(job.req_id, 0))
-                if job.req_id in self._states else job
+                if (st := self.ledger.admitted(job.req_id)) is not None else job
                 for job in loads
-            )
+            ]
         return StepMetadata(
-            loads=loads,
-            async_loads=self._async.take(),
+            loads=tuple(loads),
+            async_loads=tuple(async_loads),
             saves=tuple(saves),
             epoch=self.epoch,
             layout_ids=self.layout_ids,
@@ -331,43 +275,16 @@ class SchedulerSide:
         if report is None:
             return
         for job_id, n in report.loads_done.items():
-            self._loads_done[job_id] += n
-            if self._loads_done[job_id] >= self.world_size:
-                del self._loads_done[job_id]
-                self._async.done(job_id)
-                req_lease = self._load_leases.pop(job_id, None)
-                if req_lease:
-                    req_id, leases = req_lease
-                    st = self._states.get(req_id)
-                    if st:
-                        st.lease_ids.difference_update(leases)
-                    self._release_all(*leases)
+            self._release_all(self.ledger.load_done(job_id, n))
 
     def request_finished(self, request: Any) -> None:
-        req_id = request.request_id
-        self._drop_lookup(req_id)
         # an async load still copying keeps its lease until every rank finished it
         # (update_connector_output releases it then); vLLM keeps the blocks meanwhile
-        self._async.finished(req_id)
-        copying = self._async.in_flight(req_id)
-        held = {x for j in copying for x in self._load_leases.get(j, ("", []))[1]}
-        st = self._states.pop(req_id, None)
-        if st:
-            for lease in st.lease_ids - held:
-                self._release(lease)
-        for job_id in [j for j, (r, _) in self._load_leases.items()
-                       if r == req_id and j not in copying]:
-            del self._load_leases[job_id]
-            self._loads_done.pop(job_id, None)
+        self._release_all(self.ledger.finished(request.request_id))
 
     # ------------------------------------------------------------------ helpers
 
-    def _drop_lookup(self, req_id: str) -> None:
-        lk = self._lookups.pop(req_id, None)
-        if lk:
-            self._release_all(*lk.leases())
-
-    def _release_all(self, *leases: int | None) -> None:
+    def _release_all(self, leases: Iterable[int | None]) -> None:
         for lease in leases:
             if lease is not None:
                 self._release(lease)
@@ -387,17 +304,6 @@ class SchedulerSide:
         self._next_job += 1
         return self._next_job - 1
 
-    def _forget_leases(self) -> None:
-        """After a re-attach: the old gateway's leases, slots and 'stored' answers died with it
-        (its lease ids may be valid, someone else's, on the new one: never release them)."""
-        for st in self._states.values():
-            st.lease_ids.clear()
-            st.present.clear()
-        self._lookups.clear()
-        self._load_leases.clear()
-        self._loads_done.clear()
-        self._async.forget()
-
     def _log_reattach(self, epoch: int) -> None:
         log.warning("xkv scheduler: re-attached to gateway %s:%d (epoch %d); serving hits again",
                     self.cfg.gateway_host, self.cfg.xkv_gateway_port, epoch)
@@ -413,14 +319,5 @@ class SchedulerSide:
         )
 
     def shutdown(self) -> None:
-        for req_id, leases in self._load_leases.values():  # async loads of finished requests
-            if req_id not in self._states:
-                self._release_all(*leases)
-        self._load_leases.clear()
-        for req_id in list(self._states):
-            st = self._states.pop(req_id)
-            for lease in st.lease_ids:
-                self._release(lease)
-        for req_id in list(self._lookups):
-            self._drop_lookup(req_id)
+        self._release_all(self.ledger.close())
         self.session.close()

@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xkv.connector import compat, vllm_specs
+from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.config import ConfigError, ConnectorConfig
+from xkv.connector.fanout_loads import FanoutLoads
+from xkv.connector.fences import HookPlan
 from xkv.connector.keys import fingerprint
+from xkv.connector.loads import LoadOutcomes
 from xkv.connector.registry import Registry, build_registry
+from xkv.connector.saves import Saver
 from xkv.connector.scheduler import SchedulerSide
-from xkv.connector.worker import WorkerSide
+from xkv.connector.stats import ConnectorStats
+from xkv.connector.transfer import TransferHandler
+
+if TYPE_CHECKING:  # worker.py builds its parts with worker_parts below (it imports this)
+    from xkv.connector.worker import WorkerParts, WorkerSide
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
@@ -93,6 +102,8 @@ def scheduler_side(s: Setup, vllm_config: Any, kv_cache_config: Any) -> Schedule
 
 
 def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> WorkerSide:
+    from xkv.connector.worker import WorkerSide
+
     fanout = (functools.partial(_fanout_factory, s, vllm_config, kv_cache_config, tp_rank)
               if s.cfg.fanout.enabled else None)
     return WorkerSide(
@@ -106,7 +117,32 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
     )
 
 
-def make_handler(device: Any, verify: bool = False) -> Any:
+def worker_parts(registry: Registry, tp_rank: int, session: Any, stats: ConnectorStats,
+                 outcomes: LoadOutcomes, pools: dict[str, Any],
+                 layer_pos: dict[str, tuple[int, int]],
+                 hooks: Mapping[str, tuple[bool, str]] | None,
+                 new_handler: Callable[[], TransferHandler], restorer: Any) -> WorkerParts:
+    """Everything a worker rank builds once its caches are registered, each piece whole:
+    ``pools``/``layer_pos`` from ``register_kv_caches``; ``hooks`` from ``compat.layer_hooks``
+    (the fence plan); ``new_handler()`` makes a transfer handler (one for sync loads and saves,
+    one per in-flight async batch); ``restorer``: the fan-out restorer (None: off)."""
+    from xkv.connector.worker import WorkerParts
+
+    plan = HookPlan([p.group.layer_names for p in registry.groups],
+                    [i for i, p in enumerate(registry.groups) if p.is_state], hooks)
+    handler = new_handler()
+    return WorkerParts(
+        pools=pools, layer_pos=layer_pos, hooks=plan, handler=handler,
+        saver=Saver(registry, tp_rank, session, stats, handler, pools=pools, layer_pos=layer_pos,
+                    on_bulk_saves=plan.note_bulk_saves),
+        async_loads=AsyncLoadWorker(registry, tp_rank, outcomes, stats, pools=pools,
+                                    new_handler=new_handler),
+        fanout=(FanoutLoads(restorer, registry, tp_rank, pools)
+                if restorer is not None else None),
+    )
+
+
+def make_handler(device: Any, verify: bool = False) -> TransferHandler:
     """The transfer handler for the device the caches live on (``xkv.connector.transfer``)."""
     from xkv.connector.transfer import CudaTransferHandler, SyncTransferHandler
 

@@ -6,7 +6,9 @@ Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
 layer, so a layer's attention waits for its own pages only) and a save stream ordered after the
-layer's compute. Both have the same methods; the worker never touches streams itself.
+layer's compute. Both implement :class:`TransferHandler` (the interface every caller, test fake
+and the bench's checking wrapper is written against; no attribute is probed); the worker never
+touches streams itself.
 ``pending_layers`` (layers whose per-layer fence no ``wait_layer`` consumed this step) and
 ``fence_loads`` (whatever runs next waits for every load) serve the worker's safety net for a
 ``wait_for_layer_load`` that never came (``xkv.connector.fences``). A group whose layers differ
@@ -24,9 +26,11 @@ every layer with the card bytes it came from (went to), byte for byte, and logs 
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -113,7 +117,7 @@ def layer_offsets(plan, base: torch.Tensor, transfers=()) -> torch.Tensor:
     starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(g.layer_names))],
                           dtype=torch.int64)
     out = base.reshape(1, -1) + starts.reshape(-1, 1)
-    lb = getattr(g, "layer_bytes", ())
+    lb = g.layer_bytes
     if lb and plan.blocks_per_object > 1:
         pos = torch.tensor([j for gt in transfers for j in gt.block_in_chunk], dtype=torch.int64)
         if pos.numel() != base.numel():
@@ -121,6 +125,16 @@ def layer_offsets(plan, base: torch.Tensor, transfers=()) -> torch.Tensor:
         step = torch.tensor([b - lb[0] for b in lb], dtype=torch.int64)
         out = out + step.reshape(-1, 1) * pos.reshape(1, -1)
     return out
+
+
+def copy_table(plan, tp_rank: int, transfers) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group's copy table for a step: ``(block_ids, offsets)``, host int64 tensors, block
+    ids ``[n]`` of every ``GroupTransfer`` in ``transfers`` (in order) and their card offsets
+    ``[L, n]`` in this rank's shard (:func:`layer_offsets`). The one builder of restores
+    (sync, async, fan-out) and saves."""
+    blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
+    base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
+    return blocks, layer_offsets(plan, base, transfers)
 
 
 class _BySize:
@@ -153,7 +167,71 @@ def _verifier(verify: bool) -> PageVerifier | None:
     return PageVerifier() if verify else None
 
 
-class SyncTransferHandler:
+class TransferHandler(abc.ABC):
+    """How a worker rank moves pages between its paged cache and the card (shapes and units:
+    the module docstring). Loads: ``begin_loads`` once per batch, ``load_group`` per group,
+    ``wait_layer`` per layer (the forward reads it next), ``sync_loads`` when the batch must have
+    landed; ``load_fence`` marks everything issued so far (None: it already landed). Saves:
+    ``prepare_saves`` once per group and step, ``save_prepared`` per layer, ``fence_saves`` once
+    per step (the commit waits on what it returns; None: the bytes are on the card).
+    ``verifier``: the ``verify_restores`` debug check (None when off)."""
+
+    verifier: PageVerifier | None = None
+
+    @abc.abstractmethod
+    def begin_loads(self) -> None:
+        """A batch of loads follows: order it after the compute stream's work so far."""
+
+    @abc.abstractmethod
+    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+        """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]``
+        is layer ``names[l]``, ``block_ids`` int64 ``[n]`` (host)."""
+
+    @abc.abstractmethod
+    def wait_layer(self, name: str) -> None:
+        """What runs next on the compute stream waits for layer ``name``'s loads."""
+
+    @abc.abstractmethod
+    def pending_layers(self) -> list[str]:
+        """Layers loaded this step whose :meth:`wait_layer` has not come."""
+
+    @abc.abstractmethod
+    def fence_loads(self) -> None:
+        """Whatever runs next waits for every load issued (no host wait)."""
+
+    @abc.abstractmethod
+    def sync_loads(self) -> None:
+        """Block until every load issued landed (then the verifier checks them)."""
+
+    def load_fence(self) -> Any:
+        """A marker after every load issued so far (``query()``/``synchronize()``), or None
+        when they already landed (copies run inline)."""
+        return None
+
+    def verify_layers(self, names) -> None:
+        """``verify_restores``: compare these (waited-for) layers' restored pages now, before
+        the forward may change them (a Mamba ``align`` running block)."""
+        if self.verifier is not None:
+            self.verifier.check("restore", set(names))
+
+    @abc.abstractmethod
+    def prepare_saves(self, pools, block_ids, card, offsets) -> Any:
+        """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host)."""
+
+    @abc.abstractmethod
+    def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
+        """Save layer ``layer`` of ``prep`` (its pool ``pool``, card offsets ``offsets`` [n])."""
+
+    @abc.abstractmethod
+    def flush_saves(self) -> None:
+        """Block until every save issued landed (then the verifier checks them)."""
+
+    @abc.abstractmethod
+    def fence_saves(self) -> Any:
+        """A fence after every save issued (``synchronize()``), or None: already on the card."""
+
+
+class SyncTransferHandler(TransferHandler):
     """Copies run inline, in call order; every method returns once the bytes moved."""
 
     def __init__(self, verify: bool = False) -> None:
@@ -178,12 +256,6 @@ class SyncTransferHandler:
 
     def wait_layer(self, name: str) -> None:
         self._pending.discard(name)
-
-    def verify_layers(self, names) -> None:
-        """``verify_restores``: compare these layers' restored pages now (they were waited
-        for), before the forward may change them (a Mamba ``align`` running block)."""
-        if self.verifier is not None:
-            self.verifier.check("restore", set(names))
 
     def pending_layers(self) -> list[str]:
         """Layers loaded this step whose :meth:`wait_layer` has not come (their copies already
@@ -226,7 +298,7 @@ def _engine(var: str) -> str:
     return e
 
 
-class CudaTransferHandler:
+class CudaTransferHandler(TransferHandler):
     """Loads on a side stream with one event per layer; saves on a save stream.
 
     Loads are ordered after everything already queued on the compute stream (vLLM zeroes newly
@@ -286,15 +358,15 @@ class CudaTransferHandler:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
-    def verify_layers(self, names) -> None:
-        """``verify_restores``: compare these (waited-for) layers' pages now, on the compute
-        stream, before the forward may change them (a Mamba ``align`` running block)."""
-        if self.verifier is not None:
-            self.verifier.check("restore", set(names))
-
     def pending_layers(self) -> list[str]:
         """Layers whose per-layer event no :meth:`wait_layer` consumed this step (no GPU work)."""
         return list(self._events)
+
+    def load_fence(self) -> torch.cuda.Event:
+        """A CUDA event on the load stream after every load issued so far."""
+        ev = torch.cuda.Event()
+        ev.record(self.load_stream)
+        return ev
 
     def fence_loads(self) -> None:
         """The compute stream waits (on the GPU) for every load issued so far: whatever is queued
@@ -360,13 +432,11 @@ class CudaTransferHandler:
         return ev
 
 
-def load_transfers(handler, plan, tp_rank: int, card, transfers, pools) -> int:
+def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools) -> int:
     """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
     number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
     offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
     The one home of the sync (worker) and async (``async_loads``) issue."""
-    names = plan.group.layer_names
-    blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-    base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
-    handler.load_group(names, card, layer_offsets(plan, base, transfers), pools, blocks)
+    blocks, offsets = copy_table(plan, tp_rank, transfers)
+    handler.load_group(plan.group.layer_names, card, offsets, pools, blocks)
     return int(blocks.numel())

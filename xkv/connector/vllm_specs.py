@@ -23,6 +23,28 @@ from xkv.fanout.eligibility import CacheFacts
 from xkv.layout import kinds
 
 
+def layer_kind(spec: Any) -> str:
+    """The kind (one of ``xkv.layout.kinds.KINDS``) of one per-layer vLLM KV cache spec, read
+    duck-typed (class names along the MRO and a few fields), never by model name: the single
+    classification of the registry and fan-out (the module docstring of ``kinds`` says what each
+    kind is)."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    if "MambaSpec" in names:
+        return kinds.MAMBA
+    if "SlidingWindowSpec" in names or "SlidingWindowMLASpec" in names:
+        return kinds.SLIDING_WINDOW
+    if names[0] == "MLAAttentionSpec":
+        tps = getattr(spec, "tokens_per_state", 1)
+        if (isinstance(tps, int) and tps != 1) or getattr(spec, "model_version", None) == "deepseek_v4":
+            return kinds.MLA_COMPRESSED
+        return kinds.MLA
+    if names[0] == "FullAttentionSpec" and getattr(spec, "attention_chunk_size", None) is None:
+        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
+        # blocks all exist, so its pages are complete and storable like any other.
+        return kinds.ATTENTION
+    return kinds.OTHER
+
+
 def spec_kind(spec: Any) -> str:
     """The registry's kind of a group's KV cache spec (``xkv.layout.kinds``, the classification
     fan-out uses too). A ``UniformTypeKVCacheSpecs`` group (layers of one type, different page
@@ -31,8 +53,8 @@ def spec_kind(spec: Any) -> str:
     group stays ``other`` and refused (its sharding or state rules were never checked per
     layer)."""
     if not isinstance(getattr(spec, "kv_cache_specs", None), Mapping):
-        return kinds.classify(spec)
-    k = kinds.group_kind([kinds.classify(s) for s in _iter_layer_specs(spec)])
+        return layer_kind(spec)
+    k = kinds.group_kind([layer_kind(s) for s in _iter_layer_specs(spec)])
     return k if k in (*kinds.REPLICATED, kinds.SLIDING_WINDOW) else kinds.OTHER
 
 
@@ -210,8 +232,8 @@ def state_fields(kv_cache_config: Any, plan: Any) -> dict[str, Any]:
 
 def fanout_spec_kind(spec: Any) -> str:
     """Kind of one per-layer vLLM cache spec for fan-out: the registry's classification
-    (``xkv.layout.kinds.classify``; fan-out takes ``kinds.FANOUT`` only)."""
-    return kinds.classify(spec)
+    (:func:`layer_kind`; fan-out takes ``kinds.FANOUT`` only)."""
+    return layer_kind(spec)
 
 
 def _iter_layer_specs(group_spec: Any) -> Iterable[Any]:

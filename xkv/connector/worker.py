@@ -14,15 +14,19 @@ each rank copies 1/N of a layer and the group all-gathers the rest at ``wait_for
 ``save_kv_layer``/``wait_for_save`` are the :class:`~xkv.connector.saves.Saver`'s;
 ``get_finished`` checks the generation of every slot read (an evicted-and-reused slot is a load
 error, never wrong bytes) and collects the step's load errors. Restores of parked requests
-(``load_mode`` async) are issued whole and polled by an ``async_loads.AsyncLoadWorker``. The gateway connection (HELLO,
-card, failures, turn-off) is a :class:`~xkv.connector.session.GatewaySession`.
+(``load_mode`` async) are issued whole and polled by an ``async_loads.AsyncLoadWorker``; both
+restore paths share ``loads.py`` (card check, issue, slot-generation check, load errors). The
+gateway connection (HELLO, card, failures, turn-off) is a
+:class:`~xkv.connector.session.GatewaySession`. Everything that needs the registered caches
+(page pools, fence plan, transfer handler, saver, async loader, fan-out) is built together at
+``register_kv_caches`` by ``setup.worker_parts`` (:class:`WorkerParts`), never wired afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,12 +36,14 @@ from xkv import kernels
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
-from xkv.connector.metadata import GroupTransfer, StepMetadata, WorkerReport
+from xkv.connector.loads import LoadOutcomes, by_group, issue
+from xkv.connector.metadata import StepMetadata, TransferJob, WorkerReport
 from xkv.connector.registry import Registry
 from xkv.connector.saves import Saver
 from xkv.connector.session import GatewaySession, LayoutSpec
+from xkv.connector.setup import worker_parts
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.transfer import SyncTransferHandler, load_transfers
+from xkv.connector.transfer import SyncTransferHandler, TransferHandler
 from xkv.connector.turnoff import OffPath, record_fences
 from xkv.layout import PagePool, describe_cache, kinds
 
@@ -67,6 +73,22 @@ def _unregister_card(card: torch.Tensor) -> None:
     kernels.unregister_host(card)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerParts:
+    """What a worker rank builds once its caches are registered (``setup.worker_parts``):
+    ``pools`` layer -> ``PagePool``; ``layer_pos`` layer -> (group, index in group); the fence
+    plan; the transfer handler of sync loads and saves; the saver; the async loader (a handler
+    of its own per batch); the NVLink fan-out restores (None: off on this rank)."""
+
+    pools: dict[str, PagePool]
+    layer_pos: dict[str, tuple[int, int]]
+    hooks: HookPlan
+    handler: TransferHandler
+    saver: Saver
+    async_loads: AsyncLoadWorker
+    fanout: FanoutLoads | None
+
+
 class WorkerSide:
     """The worker-role half of FusIOnXConnector (one per TP rank)."""
 
@@ -78,18 +100,19 @@ class WorkerSide:
         namespace: str,
         tp_rank: int,
         gateway_factory: Callable[[], Any],
-        handler_factory: Callable[[torch.device], Any] | None = None,
+        handler_factory: Callable[[torch.device], TransferHandler] | None = None,
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
     ):
-        """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`)."""
+        """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
+        ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
         self.registry = registry
         self.tp_rank = tp_rank
-        self._handler_factory = handler_factory
+        self._handler_factory = handler_factory or (lambda device: SyncTransferHandler())
         # (kv_caches, device) -> FanoutRestorer | None; collective over the TP group, so every rank
         # calls it exactly once, in register_kv_caches, whatever happens to its gateway
         self._fanout_factory = fanout_factory
-        self.fanout: FanoutLoads | None = None  # MLA restores over NVLink, when on
+        self.parts: WorkerParts | None = None  # built by register_kv_caches
         self.stats = ConnectorStats()
         self.session = GatewaySession(
             gateway_factory,
@@ -99,36 +122,33 @@ class WorkerSide:
             on_reattach=self._log_reattach)
         self._scheduler_off = False  # the scheduler side is off too: no load will come
         self._last_attach = 0.0  # monotonic time of this rank's last attach attempt
-        self.pools: dict[str, PagePool] = {}
-        self.layer_pos: dict[str, tuple[int, int]] = {}  # layer -> (group, index in group)
-        self.saver = Saver(registry, tp_rank, self.session, self.stats, SyncTransferHandler())
+        self.outcomes = LoadOutcomes(registry, tp_rank, self.session, self.stats)
         # letting go of the card and attaching again run on this thread, never the engine's
-        self.offpath = OffPath(self.session, self.saver.wait_committed,
-                               name=f"xkv-offpath-{tp_rank}")
+        self.offpath = OffPath(self.session, self._wait_committed, name=f"xkv-offpath-{tp_rank}")
         #: Seconds bind waits for a background attach to finish (one lookup deadline: a small
         #: card is in use at once, a large one from a later step).
         self.attach_wait_s = 0.05
         self._meta: StepMetadata | None = None
-        self._load_checks: list[GroupTransfer] = []  # read this step: generations checked
-        self._loads_done: Counter = Counter()
-        self._load_errors: set[int] = set()
+        self._load_checks: list[TransferJob] = []  # read this step: generations checked
         self._t_load = 0.0
-        self.async_loads = AsyncLoadWorker(
-            registry, tp_rank, self.session, self.stats, fail=self._fail,
-            no_block_errors=self._no_block_errors,
-            on_done=lambda job_id: self._loads_done.update((job_id,)))
-        self.hooks = HookPlan([p.group.layer_names for p in registry.groups],
-                              [i for i, p in enumerate(registry.groups) if p.is_state])
         self._check_fences = False  # this step issued per-layer fenced loads: check after forward
 
-    # the handler is shared by loads and saves
-    @property
-    def handler(self) -> Any:
-        return self.saver.handler
+    def _part(self) -> WorkerParts:
+        if self.parts is None:
+            raise RuntimeError("xkv: the worker is used before register_kv_caches")
+        return self.parts
 
-    @handler.setter
-    def handler(self, h: Any) -> None:
-        self.saver.handler = h
+    # the parts, once registered (the handler is shared by sync loads and saves)
+    pools = property(lambda self: self._part().pools)
+    layer_pos = property(lambda self: self._part().layer_pos)
+    hooks = property(lambda self: self._part().hooks)
+    handler = property(lambda self: self._part().handler)
+    saver = property(lambda self: self._part().saver)
+    async_loads = property(lambda self: self._part().async_loads)
+
+    @property
+    def fanout(self) -> FanoutLoads | None:
+        return self.parts.fanout if self.parts is not None else None
 
     @property
     def restorer(self) -> Any:
@@ -167,6 +187,7 @@ class WorkerSide:
         missing = sorted(set(expected) - set(kv_caches))
         if missing:
             raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
+        pools: dict[str, PagePool] = {}
         for plan in self.registry.groups:
             for i, name in enumerate(plan.group.layer_names):
                 # layout: the name vLLM resolved for attention pages; describe_cache checks
@@ -180,24 +201,14 @@ class WorkerSide:
                         f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
                         f"{plan.group.bytes_of(i)} expected from the KV cache spec"
                     )
-                self.pools[name] = pool
-        self.layer_pos = expected
-        self.saver.pools, self.saver.layer_pos = self.pools, self.layer_pos
-        self.hooks = HookPlan([p.group.layer_names for p in self.registry.groups],
-                              [i for i, p in enumerate(self.registry.groups) if p.is_state], hooks)
-        self.saver.on_bulk_saves = self.hooks.note_bulk_saves
-        device = next(iter(self.pools.values())).base.device if self.pools else torch.device("cpu")
-        if self._handler_factory is not None:
-            self.handler = self._handler_factory(device)
-        # async loads: a handler per in-flight step (own stream on CUDA), made the same way
-        self.async_loads.pools = self.pools
-        self.async_loads.new_handler = (
-            (lambda: self._handler_factory(device)) if self._handler_factory is not None
-            else (lambda: self.handler))
-        if self._fanout_factory is not None:
-            restorer = self._fanout_factory(kv_caches, device)
-            if restorer is not None:
-                self.fanout = FanoutLoads(restorer, self.registry, self.tp_rank, self.pools)
+                pools[name] = pool
+        device = next(iter(pools.values())).base.device if pools else torch.device("cpu")
+        # collective over the TP group: every rank calls it, whatever happens to its gateway
+        restorer = (self._fanout_factory(kv_caches, device)
+                    if self._fanout_factory is not None else None)
+        self.parts = worker_parts(self.registry, self.tp_rank, self.session, self.stats,
+                                  self.outcomes, pools, expected, hooks,
+                                  lambda: self._handler_factory(device), restorer)
         cuda = device.type == "cuda"
         self.offpath.device = device if cuda else None
         self.session.open(register_card=_register_card if cuda else None,
@@ -246,13 +257,19 @@ class WorkerSide:
                 self.offpath.attach()
             self._adopt(self.attach_wait_s)
 
+    def _wait_committed(self, timeout_s: float) -> bool:
+        return self.parts is None or self.parts.saver.wait_committed(timeout_s)
+
+    def _fence_owners(self) -> list:
+        return [self.handler, self.restorer] if self.parts is not None else []
+
     def _let_go_card(self) -> bool:
         """Hand the card of a session that is off to the background thread (after the copies
         issued so far, see ``turnoff``); False while async loads still read it."""
-        if self.async_loads.in_flight:
+        if self.parts is not None and self.async_loads.in_flight:
             return False
         self.offpath.release(self.session.detach(),
-                             record_fences([self.handler, self.restorer], self.offpath.device))
+                             record_fences(self._fence_owners(), self.offpath.device))
         return True
 
     def _adopt(self, wait_s: float | None) -> None:
@@ -261,7 +278,7 @@ class WorkerSide:
         if att is not None:
             old = self.session.adopt(att)  # [None, None]: the old card was detached before
             if any(x is not None for x in old):
-                self.offpath.release(old, record_fences([self.handler, self.restorer],
+                self.offpath.release(old, record_fences(self._fence_owners(),
                                                         self.offpath.device))
 
     def start_load_kv(self) -> None:
@@ -271,61 +288,51 @@ class WorkerSide:
         # Loads promised before a turn-off still run: they need no gateway message, the card
         # stays mapped, and the generation check below catches a reused slot. A card that was
         # never mapped, or offsets from another gateway process (epoch), cannot be read.
-        card, epoch = self.session.card, self.session.epoch
-        by_group: dict[int, list[GroupTransfer]] = {}
-        for job in meta.loads:
-            for gt in job.groups:
-                by_group.setdefault(gt.group, []).append(gt)
-        if (card is None or meta.epoch != epoch) and self.registry.multi_group \
-                and self.offpath.attaching:
+        groups = by_group(meta.loads)
+        card = self.outcomes.usable_card(meta.epoch)
+        if card is None and self.registry.multi_group and self.offpath.attaching:
             # vLLM cannot take load errors of this model: wait for the card being attached
             self._adopt(None)
-            card, epoch = self.session.card, self.session.epoch
-        if card is None or meta.epoch != epoch:
-            if card is not None:
-                self.session.turn_off(f"gateway epoch changed ({epoch} -> {meta.epoch})")
-            self._no_block_errors("the card is not mapped on this rank, or its gateway changed")
+            card = self.outcomes.usable_card(meta.epoch)
+        if card is None:
+            if self.session.card is not None:
+                self.session.turn_off(
+                    f"gateway epoch changed ({self.session.epoch} -> {meta.epoch})")
             # The other ranks are inside the restorer's agreement for this batch: join it with
             # an empty source, which this rank refuses, so every rank restores as usual.
             if self.fanout is not None:
-                self.fanout.begin(torch.empty(0, dtype=torch.uint8), by_group)
-            for job in meta.loads:
-                self._fail(job.block_ids())
-                self._loads_done[job.job_id] += 1
+                self.fanout.begin(torch.empty(0, dtype=torch.uint8), groups)
+            self.outcomes.fail_unusable(meta.loads)
             return
         t0 = time.perf_counter()
         self.handler.begin_loads()
         for job in meta.loads:
-            self._load_checks.extend(job.groups)
-            self._loads_done[job.job_id] += 1
-        fanned = self.fanout.begin(card, by_group) if self.fanout is not None else set()
+            self.outcomes.finished(job)
+        self._load_checks.extend(meta.loads)
+        fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
-        for g, transfers in by_group.items():
-            plan = self.registry.groups[g]
-            nblocks = sum(len(gt.block_ids) for gt in transfers)
-            if g not in fanned:
-                names = plan.group.layer_names
-                load_transfers(self.handler, plan, self.tp_rank, card, transfers,
-                               [self.pools[n] for n in names])
-                # State layers and layers whose class never calls wait_for_layer_load: the
-                # forward must start after their pages (states: boundary and running block)
-                # landed. The others keep their per-layer fence, checked after the forward.
-                bulk = self.hooks.bulk_layers(g)
-                for name in bulk:
-                    self.handler.wait_layer(name)
-                if bulk and getattr(self.handler, "verifier", None) is not None:
-                    self.handler.verify_layers(bulk)  # debug: before the forward rewrites any
-                self._check_fences = self._check_fences or len(bulk) < len(names)
-            self.stats.add("bytes_restored", nblocks * plan.group.bytes_all_layers)
-            self.stats.add("blocks_restored", nblocks)
+        issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
+              skip=fanned)
+        for g in groups:
+            if g in fanned:
+                continue
+            # State layers and layers whose class never calls wait_for_layer_load: the forward
+            # must start after their pages (states: boundary and running block) landed. The
+            # others keep their per-layer fence, checked after the forward.
+            bulk = self.hooks.bulk_layers(g)
+            for name in bulk:
+                self.handler.wait_layer(name)
+            if bulk:
+                self.handler.verify_layers(bulk)  # debug: before the forward rewrites any
+            self._check_fences = self._check_fences or len(bulk) < len(
+                self.registry.groups[g].group.layer_names)
         self._t_load = time.perf_counter() - t0
 
     def start_async_loads(self) -> None:
         """Issue the step's async loads (after the sync ones: those feed this step)."""
         meta = self._meta
         if meta is not None and meta.async_loads:
-            self.async_loads.start(meta.async_loads, self.session.card,
-                                   meta.epoch == self.session.epoch)
+            self.async_loads.start(meta.async_loads, self.outcomes.usable_card(meta.epoch))
 
     def finished_async_loads(self) -> set[str]:
         """Requests whose async load completed on this rank (``finished_recving``); polls."""
@@ -351,9 +358,9 @@ class WorkerSide:
             self.fanout.finish()
         jobs = self.hooks.missed_fences(self.handler, loads, self.layer_pos, fanned)
         if jobs:
-            self._no_block_errors("a layer did not call wait_for_layer_load (warned above)")
+            self.outcomes.no_block_errors("a layer did not call wait_for_layer_load (warned above)")
             for job in jobs:
-                self._fail(job.block_ids())
+                self.outcomes.fail(job.block_ids())
             self.saver.taint({job.req_id for job in jobs})
 
     # ------------------------------------------------------------------ saves
@@ -382,12 +389,7 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         self.handler.sync_loads()
-        for gt in self._load_checks:
-            shard = self.registry.groups[gt.group].shard_of(self.tp_rank)
-            stale = gt.stale_blocks(shard, self.session.slot_generation)
-            if stale:
-                self._no_block_errors(f"a slot read by group {gt.group} was reused")
-                self._fail(stale)
+        self.outcomes.check_stale(self._load_checks)
         self._load_checks = []
         self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
         self._t_load = 0.0
@@ -402,36 +404,15 @@ class WorkerSide:
             self._let_go_card()
 
     def take_load_errors(self) -> set[int]:
-        errs, self._load_errors = self._load_errors, set()
-        return errs
+        return self.outcomes.take_errors()
 
     def take_report(self) -> WorkerReport | None:
-        if not self._loads_done:
-            return None
-        done, self._loads_done = self._loads_done, Counter()
-        return WorkerReport(loads_done=done)
+        return self.outcomes.take_report()
 
     def clear(self) -> None:
         self._meta = None
-        self.saver.clear()
-
-    # ------------------------------------------------------------------ failure
-
-    def _no_block_errors(self, why: str) -> None:
-        """vLLM <= 0.29 crashes its scheduler on block load errors of multi-group (hybrid)
-        models, and 0.33 refuses them; the scheduler side only promises leased data there, so
-        this is a broken invariant: stop with a clear message rather than hand vLLM errors it
-        cannot take (or restore bytes that are not the request's)."""
-        if self.registry.multi_group:
-            raise RuntimeError(
-                f"xkv: a promised load cannot be completed on tp rank {self.tp_rank} ({why}); "
-                "vLLM cannot recompute blocks of a model with several KV cache groups"
-            )
-
-    def _fail(self, block_ids) -> None:
-        before = len(self._load_errors)
-        self._load_errors.update(block_ids)
-        self.stats.add("load_errors", len(self._load_errors) - before)
+        if self.parts is not None:
+            self.saver.clear()
 
     def turn_off(self, reason: str) -> None:
         self.session.turn_off(reason)
@@ -443,11 +424,13 @@ class WorkerSide:
         log.warning("%s (tp rank %d: gateway epoch %d)", REATTACHED_LINE, self.tp_rank, epoch)
 
     def shutdown(self) -> None:
-        if self.fanout is not None:
-            self.fanout.close()
-            self.fanout = None
-        self.async_loads.poll(wait=True)
-        self.saver.close(timeout_s=10.0)
+        parts = self.parts
+        if parts is not None:
+            if parts.fanout is not None:
+                parts.fanout.close()
+                self.parts = dataclasses.replace(parts, fanout=None)
+            parts.async_loads.poll(wait=True)
+            parts.saver.close(timeout_s=10.0)
         left = self.offpath.close()  # a card being let go is let go first
         if left is not None:
             self.session.let_go(left)

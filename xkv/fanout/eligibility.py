@@ -59,7 +59,7 @@ class Decision:
 
 
 #: what one transferable per-layer cache spec is: the connector registry's classification
-#: (``xkv.layout.kinds.classify``); fan-out restores ``kinds.FANOUT`` (a plain MLA latent) only
+#: (``xkv.connector.vllm_specs.layer_kind``); fan-out restores ``kinds.FANOUT`` (a plain MLA latent) only
 SPEC_MLA = kinds.MLA  # MLAAttentionSpec, one token per state, not DeepSeek-V4: identical on all ranks
 SPEC_MLA_COMPRESSED = kinds.MLA_COMPRESSED  # DeepSeek-V4 C4/C128 latent and indexer
 SPEC_SLIDING_WINDOW = kinds.SLIDING_WINDOW  # DeepSeek-V4 SWA and compressor-state caches

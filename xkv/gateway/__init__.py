@@ -6,12 +6,12 @@ Start it with ``xkv-gateway`` (or ``python -m xkv.gateway``); tests and demos ca
 """
 
 from xkv.gateway.client import (
+    ChunkRef,
     GatewayClient,
     GatewayError,
     GatewayUnavailable,
     LookupResult,
     Reservation,
-    ReservedKey,
     ReserveResult,
 )
 from xkv.gateway.protocol import (
@@ -25,6 +25,7 @@ from xkv.gateway.protocol import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "ChunkRef",
     "ChunkSlots",
     "ErrorCode",
     "GatewayClient",
@@ -35,6 +36,5 @@ __all__ = [
     "PingReply",
     "Reservation",
     "ReserveResult",
-    "ReservedKey",
     "ReserveStatus",
 ]

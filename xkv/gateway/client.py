@@ -59,33 +59,22 @@ class GatewayUnavailable(GatewayError):
     """The gateway is dead, restarted (its epoch changed) or missed a deadline."""
 
 
-class Reservation(msgspec.Struct, frozen=True, gc=False):
-    """Slots to write one key: per shard, the byte offset in the card and its generation. The
-    (offset, generation) of a shard is the token its COMMIT/ABORT presents: pass this object
-    (or any object with ``key``, ``offsets``, ``generations``) to ``commit``/``abort``."""
+class ChunkRef(msgspec.Struct, frozen=True, gc=False):
+    """One stored object, from LOOKUP (or RESERVE) to COMMIT/ABORT: its key and, per shard, the
+    byte offset of its slot in the card and the slot's generation. The (offset, generation) of a
+    shard is the token its COMMIT/ABORT presents (only a ChunkRef is accepted there)."""
 
     key: bytes
     offsets: tuple[int, ...]
     generations: tuple[int, ...]
 
-
-class ReservedKey(bytes):
-    """A key (it compares and hashes as its bytes) that carries its reservation's token, for
-    callers that keep keys as bytes: ``ReservedKey.of(ref)`` for any object with ``key``,
-    ``offsets`` and ``generations`` (a Reservation, the connector's ChunkRef)."""
-
-    offsets: tuple[int, ...] = ()
-    generations: tuple[int, ...] = ()
-
     @classmethod
-    def of(cls, ref) -> ReservedKey:
-        k = cls(ref.key)
-        k.offsets, k.generations = tuple(ref.offsets), tuple(ref.generations)
-        return k
+    def at(cls, key: bytes, slots: ChunkSlots) -> ChunkRef:
+        """``key`` stored where a LOOKUP said (``slots``: its ``ChunkSlots``)."""
+        return cls(bytes(key), tuple(slots.offsets), tuple(slots.generations))
 
-    @property
-    def key(self) -> bytes:
-        return bytes(self)
+
+Reservation = ChunkRef  # what RESERVE answers per key: the object it may write
 
 
 class LookupResult:
@@ -135,7 +124,7 @@ class LookupResult:
 
 
 class ReserveResult(list):
-    """``list[Reservation | None]`` (None = not reserved) with ``status[i]``: a ReserveStatus
+    """``list[ChunkRef | None]`` (None = not reserved) with ``status[i]``: a ReserveStatus
     (OK, EXISTS: stored or being written by someone else, NO_SPACE)."""
 
     status: list[ReserveStatus]
@@ -360,7 +349,7 @@ class GatewayClient:
             req.blocks = [P.BlockInfo(list(h), p) for h, p in blocks]
             req.block_size, req.group_idx = block_size, group_idx
         reply = self._call(req, P.ReserveReply, timeout_s)
-        out = ReserveResult(None if c is None else Reservation(k, c.offsets, c.generations)
+        out = ReserveResult(None if c is None else ChunkRef(k, c.offsets, c.generations)
                             for k, c in zip(keys, reply.slots, strict=False))
         out.status = [ReserveStatus(s) for s in reply.status]
         return out
@@ -368,8 +357,8 @@ class GatewayClient:
     def commit(self, layout_id: int, shard: int, reservations: Sequence, *,
                timeout_s: float | None = None) -> int:
         """This shard of each reservation is written; an object is visible once all shards
-        committed. ``reservations``: what ``reserve`` returned for the keys (Reservation, or any
-        object with ``key``, ``offsets``, ``generations``). If the card is mapped, a reservation
+        committed. ``reservations``: the ChunkRefs ``reserve`` returned for the keys (None entries
+        skipped; anything else raises TypeError). If the card is mapped, a reservation
         whose slot generation moved (it expired or was aborted: the bytes went to a quarantined
         slot) is not sent. Returns how many the gateway applied."""
         items = self._live_tokens(shard, reservations)
@@ -396,10 +385,10 @@ class GatewayClient:
         for r in reservations:
             if r is None:  # a key reserve() did not reserve (EXISTS / NO_SPACE)
                 continue
-            if isinstance(r, (bytes, bytearray, memoryview, str)) and not isinstance(
-                    r, ReservedKey):
-                raise TypeError(f"commit/abort take the reservations reserve() returned, not "
-                                f"{type(r).__name__}: the gateway needs each one's token")
+            if not isinstance(r, ChunkRef):
+                raise TypeError(f"commit/abort take the reservations (ChunkRefs) reserve() "
+                                f"returned, not {type(r).__name__}: the gateway needs each "
+                                "one's token")
             off, gen = r.offsets[shard], r.generations[shard]
             if table is not None and table[off // align] != gen:
                 self.stale_reservations += 1
@@ -480,6 +469,6 @@ def _ms(deadline: float) -> int:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-__all__ = ["ChunkSlots", "GatewayClient", "GatewayError", "GatewayUnavailable", "LayoutInfo",
-           "LookupResult", "PingReply", "Reservation", "ReserveResult", "ReserveStatus",
-           "ReservedKey"]
+__all__ = ["ChunkRef", "ChunkSlots", "GatewayClient", "GatewayError", "GatewayUnavailable",
+           "LayoutInfo", "LookupResult", "PingReply", "Reservation", "ReserveResult",
+           "ReserveStatus"]

@@ -22,8 +22,9 @@ Forms understood (the first dim of size ``num_blocks * kernel_block_ratio`` is t
 A tensor whose pages are not what the description says raises :class:`LayoutError` naming its shape,
 strides, dtype and layout. No vLLM import here: layouts are recognised from strides.
 
-:mod:`xkv.layout.kinds` classifies a per-layer KV cache spec (attention, MLA, compressed MLA,
-sliding window, Mamba, other) for both the connector's registry and ``xkv.fanout``.
+:mod:`xkv.layout.kinds` names what a per-layer KV cache spec is (attention, MLA, compressed MLA,
+sliding window, Mamba, other) for both the connector's registry and ``xkv.fanout`` (the
+connector's ``vllm_specs.layer_kind`` reads vLLM's specs into those names).
 """
 
 from xkv.layout import kinds

@@ -1,9 +1,8 @@
-"""What one per-layer KV cache spec is: the single classification the connector's registry and
-``xkv.fanout``'s eligibility both use (``connector -> fanout -> kernels -> layout``: this is the
-lowest layer both may import).
-
-Specs are read duck-typed (class names along the MRO and a few fields), never by importing vLLM
-and never by model name:
+"""The names of what one per-layer KV cache spec is: the single vocabulary the connector's registry
+and ``xkv.fanout``'s eligibility both use (``connector -> fanout -> kernels -> layout``: this is
+the lowest layer both may import). Reading a vLLM spec into one of them is the connector's
+vLLM-facing side's job (``xkv.connector.vllm_specs.layer_kind``, beside ``compat``); this module
+knows no vLLM class:
 
 * ``attention`` — exactly ``FullAttentionSpec`` without chunked-local attention: K/V per token,
   heads split by tensor parallelism (one shard per rank);
@@ -25,8 +24,6 @@ and never by model name:
 
 from __future__ import annotations
 
-from typing import Any
-
 ATTENTION = "attention"
 MLA = "mla"
 MLA_COMPRESSED = "mla_compressed"
@@ -39,25 +36,6 @@ KINDS = (ATTENTION, MLA, MLA_COMPRESSED, SLIDING_WINDOW, MAMBA, OTHER)
 REPLICATED = (MLA, MLA_COMPRESSED)
 #: what NVLink fan-out may restore (a plain per-token latent)
 FANOUT = (MLA,)
-
-
-def classify(spec: Any) -> str:
-    """The kind (one of :data:`KINDS`) of one per-layer vLLM KV cache spec."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    if "MambaSpec" in names:
-        return MAMBA
-    if "SlidingWindowSpec" in names or "SlidingWindowMLASpec" in names:
-        return SLIDING_WINDOW
-    if names[0] == "MLAAttentionSpec":
-        tps = getattr(spec, "tokens_per_state", 1)
-        if (isinstance(tps, int) and tps != 1) or getattr(spec, "model_version", None) == "deepseek_v4":
-            return MLA_COMPRESSED
-        return MLA
-    if names[0] == "FullAttentionSpec" and getattr(spec, "attention_chunk_size", None) is None:
-        # With the hybrid allocator off a sliding-window layer is a FullAttentionSpec whose
-        # blocks all exist, so its pages are complete and storable like any other.
-        return ATTENTION
-    return OTHER
 
 
 def group_kind(kinds: list[str]) -> str:
