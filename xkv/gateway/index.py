@@ -158,7 +158,8 @@ class Index:
         self._layouts_of[owner] = mine + 1
         return layout
 
-    def _layout(self, layout_id: int) -> Layout:
+    def layout(self, layout_id: int) -> Layout:
+        """The registered layout ``layout_id``; RequestError UNKNOWN_LAYOUT if there is none."""
         layout = self.layouts.get(layout_id)
         if layout is None:
             raise RequestError(ErrorCode.UNKNOWN_LAYOUT, f"unknown layout_id {layout_id}")
@@ -177,7 +178,7 @@ class Index:
         With ``lease`` the hit objects are leased (kept from eviction) until ``owner`` releases
         the lease or ``lease_ttl_s`` passed; lease_id (random, 63 bits) is 0 when nothing was hit
         or ``lease`` is False."""
-        layouts = [self._layout(layout_id) for layout_id, _ in groups]
+        layouts = [self.layout(layout_id) for layout_id, _ in groups]
         n = len(groups[0][1]) if groups else 0
         if any(len(keys) != n for _, keys in groups):
             raise RequestError(ErrorCode.BAD_REQUEST,
@@ -277,7 +278,7 @@ class Index:
         The slots are the reservation's token: COMMIT/ABORT must present them. ``present``: the
         keys stored when the request arrived (default: now; a request served in slices passes
         the set it found at its start)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         out: list[tuple[ReserveStatus, ChunkSlots | None]] = []
         pages = layout.object_pages
         nbytes = pages * self.alignment
@@ -360,7 +361,7 @@ class Index:
         """Mark ``shard`` written for each STAGED key; returns how many keys it applied to
         (a key whose reservation expired, was aborted, or does not match its token is
         skipped and counted in ``refused_commits``)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         self._check_shard(layout, shard)
         full = (1 << layout.num_shards) - 1
         done = 0
@@ -390,7 +391,7 @@ class Index:
               tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None) -> int:
         """Free the STAGED objects of ``keys`` (every shard: the object can no longer complete);
         their pages are quarantined (other shards' writers may still be writing)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         self._check_shard(layout, shard)
         done = 0
         for obj in self._live(layout, shard, keys, tokens, now):
