@@ -143,6 +143,9 @@ class Gateway:
         poller = zmq.Poller()
         for sock, _ in socks:
             poller.register(sock, zmq.POLLIN)
+        ev = self.events
+        if ev is not None and ev.replay is not None:
+            poller.register(ev.replay, zmq.POLLIN)  # a replay request wakes the loop
         # plain ints: pyzmq's enum flags cost more than the send itself on a slow CPU
         more, last = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
         events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -161,7 +164,8 @@ class Gateway:
 
         while not self._stop:
             wait = 100 if self.tier is None else self.tier.timeout_ms()
-            poller.poll(0 if jobs else wait)  # wake up for TTLs, stats, metrics and SIGTERM
+            # wake up for TTLs, stats, metrics and SIGTERM; not at all while work is waiting
+            poller.poll(0 if jobs or (ev is not None and ev.replaying) else wait)
             # Take turns between the sockets (each ROUTER between its connections) and the
             # slices of big RESERVEs in progress.
             for _ in range(256):
