@@ -13,7 +13,12 @@ each shard's COMMIT sets its bit; when all shards committed it is READY (visible
 shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in two
 LRUs (their namespace's and a global one; a lookup hit is a use) and are evicted, least recently
 used first, only when a RESERVE needs room (or its namespace quota). A leased object is taken out
-of both LRUs while leased, so every eviction step is O(1) however many objects are leased.
+of every LRU while leased, so every eviction step is O(1) however many objects are leased.
+
+Placement and eviction (alloc.py, room.py). Objects are placed by size class over extents, so
+one size never cuts another size's room into pieces. A key that finds no room evicts at most
+MAX_EVICTIONS_PER_KEY objects, and one RESERVE call at most EVICTIONS_PER_CALL beyond one per
+key; past the bound the key answers NO_SPACE. Leased and STAGED objects are never evicted.
 
 Late writers. The pages of a STAGED object that is freed (ABORT, or the write deadline) may still
 receive bytes from a writer that outlived the deadline, so they go to a *quarantine* for
@@ -27,8 +32,9 @@ object is freed, the generation at each of its slots' first page is incremented,
 noted the generation at lookup and finds the same value after copying knows the object it read
 was still the one stored there.
 
-Work per call is bounded: lookups, reserves, commits and aborts are O(keys) (eviction O(1) per
-victim), ``expire`` is O(expired items), ``snapshot`` O(1) (every gauge is kept incrementally).
+Work per call is bounded: lookups, commits and aborts are O(keys), reserves O(keys) plus at most
+EVICTIONS_PER_CALL evictions (each O(1)), ``expire`` is O(expired items), ``snapshot`` O(1)
+(every gauge is kept incrementally).
 
 A STAGED object with ``leases`` > 0 is held by the gateway itself (the scale-out tier is pulling
 it into its slots, :mod:`xkv.gateway.tier`): clients' COMMIT and ABORT and the write TTL pass
@@ -41,10 +47,9 @@ from __future__ import annotations
 import heapq
 import secrets
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, MutableSequence, Sequence
 
-from xkv.gateway.alloc import PageAllocator
+from xkv.gateway.alloc import CardAllocator, extent_pages_for
 from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
     MAX_LAYOUTS,
@@ -53,8 +58,15 @@ from xkv.gateway.protocol import (
     ErrorCode,
     ReserveStatus,
 )
+from xkv.gateway.room import Room
 
-__all__ = ["Index", "Layout", "Lease", "Obj", "RequestError"]
+__all__ = ["EVICTIONS_PER_CALL", "MAX_EVICTIONS_PER_KEY", "Index", "Layout", "Lease", "Obj",
+           "RequestError"]
+
+#: Most objects evicted to make room for one key (past it the key answers NO_SPACE).
+MAX_EVICTIONS_PER_KEY = 64
+#: Most evictions of one RESERVE call beyond one per key (the exact-fit ones).
+EVICTIONS_PER_CALL = 128
 
 
 class Index:
@@ -69,9 +81,11 @@ class Index:
         default_quota_bytes: int = 0,
         quotas: dict[str, int] | None = None,
         generations: MutableSequence[int] | None = None,
+        extent_pages: int | None = None,
     ):
         """``quarantine_s``: how long past its write deadline a freed reservation's pages stay
-        unusable (default ``write_ttl_s``)."""
+        unusable (default ``write_ttl_s``). ``extent_pages``: pages per extent of the allocator
+        (default :func:`xkv.gateway.alloc.extent_pages_for`)."""
         if slot_alignment <= 0 or slot_alignment & (slot_alignment - 1):
             raise ValueError(f"slot_alignment must be a power of two, got {slot_alignment}")
         self.alignment = slot_alignment
@@ -85,13 +99,12 @@ class Index:
         self.generations = generations if generations is not None else [0] * self.num_pages
         if len(self.generations) < self.num_pages:
             raise ValueError("generation table shorter than the number of pages")
-        self.alloc = PageAllocator(self.num_pages)
+        self.alloc = CardAllocator(self.num_pages, extent_pages
+                                   or extent_pages_for(self.num_pages, slot_alignment))
+        self.room = Room(self.alloc, self._evict)
         self.layouts: dict[int, Layout] = {}
         self._layout_by_name: dict[tuple[str, str], Layout] = {}
         self._layouts_of: dict[bytes, int] = {}  # client -> layouts it created
-        # One LRU per namespace (quota eviction) and one over all (global eviction); O(1) heads.
-        self._lru: dict[str, OrderedDict[Obj, None]] = {}
-        self._all: OrderedDict[Obj, None] = OrderedDict()
         self.ns_used: dict[str, int] = {}
         # Insertion-ordered by deadline (the TTLs are fixed and ``now`` never goes back); an
         # entry leaves as soon as it is done, so finished work holds no memory until its TTL.
@@ -146,13 +159,14 @@ class Index:
         slot_pages = -(-shard_bytes // self.alignment)
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
-        if object_bytes > min(limit, self.capacity_bytes):
+        if object_bytes > min(limit, self.alloc.usable_pages * self.alignment):
             raise RequestError(ErrorCode.NO_SPACE,
                                f"one object of {object_bytes} bytes ({num_shards} slots) exceeds the "
                                f"card ({self.capacity_bytes} bytes) or the quota of {namespace!r}")
         layout = Layout(len(self.layouts) + 1, namespace, fingerprint, num_shards, shard_bytes,
                         slot_pages * self.alignment, slot_pages,
-                        self._lru.setdefault(namespace, OrderedDict()))
+                        self.room.namespace_lru(namespace),
+                        self.room.size_lru(slot_pages * num_shards))
         self.layouts[layout.layout_id] = layout
         self._layout_by_name[(namespace, fingerprint)] = layout
         self._layouts_of[owner] = mine + 1
@@ -217,7 +231,6 @@ class Index:
                                                     for lay in layouts)
         lease_id = 0
         if num:
-            every = self._all
             if lease:
                 pin = self.pin
                 for row in hits:
@@ -228,11 +241,11 @@ class Index:
                     lease_id = secrets.randbits(63)
                 self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner)
             else:  # a hit is a use: most recently used end of its LRUs
+                touch = self.room.touch
                 for row in hits:
                     for obj in row:
                         if not obj.leases:
-                            obj.lru.move_to_end(obj)
-                            every.move_to_end(obj)
+                            touch(obj)
         return num, lease_id, hits
 
     def release(self, lease_id: int, owner: bytes | None = None) -> int:
@@ -257,8 +270,7 @@ class Index:
     def pin(self, obj: Obj) -> None:
         """Keep a READY ``obj`` from eviction (one more holder): out of the LRUs while held."""
         if not obj.leases:
-            del obj.lru[obj]
-            del self._all[obj]
+            self.room.unlist(obj)
             self.leased_objects += 1
         obj.leases += 1
 
@@ -266,8 +278,7 @@ class Index:
         """One holder less; the last one puts it back at the most recently used end."""
         obj.leases -= 1
         if not obj.leases:
-            obj.lru[obj] = None
-            self._all[obj] = None
+            self.room.list(obj)
             self.leased_objects -= 1
 
     # ------------------------------------------------------------- writing
@@ -290,18 +301,18 @@ class Index:
             present = {key for key in keys if key in layout.objects}
         if self._quarantine and self._quarantine[0][0] <= now:
             self._release_quarantine(now)
-        every = self._all
+        budget = EVICTIONS_PER_CALL  # evictions left beyond one per key
         for key in keys:
             if key in present or key in layout.objects:
                 self.counters["exists"] += 1
                 out.append((ReserveStatus.EXISTS, None))
                 continue
             start = None
-            if not quota or self._make_quota_room(ns, nbytes, quota):
-                start = self.alloc.alloc(pages)
-                while start is None and every:
-                    self._evict(next(iter(every)))
-                    start = self.alloc.alloc(pages)
+            cap = min(MAX_EVICTIONS_PER_KEY, budget + 1)
+            left = [cap]
+            if not quota or self._make_quota_room(ns, nbytes, quota, left):
+                start = self.room.place(layout, left)
+            budget -= max(0, cap - left[0] - 1)
             if start is None:
                 self.counters["no_space"] += 1
                 out.append((ReserveStatus.NO_SPACE, None))
@@ -313,6 +324,7 @@ class Index:
             packed = (struct.pack(fmt, *slots.offsets), struct.pack(fmt, *slots.generations))
             obj = Obj(layout, key, start, now + self.write_ttl_s, slots, packed, layout.lru)
             layout.objects[key] = obj
+            self.room.placed(obj)
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
             self._staged[obj] = None
             self.staged_objects += 1
@@ -321,14 +333,12 @@ class Index:
             out.append((ReserveStatus.OK, slots))
         return out
 
-    def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
-        lru = self._lru[ns]
-        while self.ns_used.get(ns, 0) + nbytes > quota:
-            if not lru:
-                return False
-            self._evict(next(iter(lru)))
-            self.counters["evicted_quota"] += 1
-        return True
+    def _make_quota_room(self, ns: str, nbytes: int, quota: int, left: list[int]) -> bool:
+        before = self.counters["evicted"]
+        ok = self.room.make_quota_room(ns, lambda: self.ns_used.get(ns, 0) + nbytes > quota,
+                                       left)
+        self.counters["evicted_quota"] += self.counters["evicted"] - before
+        return ok
 
     def _check_shard(self, layout: Layout, shard: int) -> None:
         if not 0 <= shard < layout.num_shards:
@@ -376,8 +386,7 @@ class Index:
                 self.staged_bytes -= nbytes
                 self.ready_objects += 1
                 self.ready_bytes += nbytes
-                obj.lru[obj] = None
-                self._all[obj] = None
+                self.room.list(obj)
                 self.counters["committed"] += 1
                 self.counters["stored_bytes"] += layout.num_shards * layout.shard_bytes
                 if self.listener is not None:
@@ -403,8 +412,7 @@ class Index:
     # ------------------------------------------------------------- freeing
 
     def _evict(self, obj: Obj) -> None:
-        del obj.lru[obj]
-        del self._all[obj]
+        self.room.unlist(obj)
         self._free(obj)
         self.counters["evicted"] += 1
 
@@ -418,6 +426,7 @@ class Index:
         for r in range(layout.num_shards):
             self.generations[obj.start + r * layout.slot_pages] += 1
         del layout.objects[obj.key]
+        self.room.gone(obj)
         nbytes = layout.object_pages * self.alignment
         self.ns_used[layout.namespace] -= nbytes
         if obj.ready:
@@ -467,7 +476,7 @@ class Index:
     @property
     def used_bytes(self) -> int:
         """Bytes held by objects (quarantined pages are neither used nor free)."""
-        return (self.num_pages - self.alloc.free_pages - self.quarantined_pages) * self.alignment
+        return (self.alloc.used_pages - self.quarantined_pages) * self.alignment
 
     @property
     def pending_writes(self) -> int:

@@ -28,6 +28,7 @@ class Layout:
     slot_bytes: int
     slot_pages: int
     lru: OrderedDict[Obj, None]  # unleased READY objects of the namespace, least recent first
+    size_lru: OrderedDict[Obj, None]  # the same over every layout of its object size (pages)
     objects: dict[bytes, Obj] = field(default_factory=dict)
 
     @property
@@ -37,7 +38,7 @@ class Layout:
 
 class Obj(msgspec.Struct, gc=False, eq=False):
     """One stored object. ``leases`` counts live leases; READY objects without a lease are in
-    their namespace's LRU and the global one.
+    their namespace's LRU, their size class's LRU and the global one.
 
     Not tracked by the cyclic GC (a card can hold millions of objects and a full collection
     would stall the loop); that is safe because a freed object is unlinked from every dict and
