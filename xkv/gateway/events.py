@@ -41,6 +41,7 @@ import msgspec
 import zmq
 
 from xkv.gateway.replay import END_SEQ, ReplayBuffer
+from xkv.gateway.transport import TCP_DOMAIN
 
 __all__ = ["END_SEQ", "EventPublisher", "KVEventBatch"]
 
@@ -232,6 +233,8 @@ def _bound(ctx: zmq.Context, kind: int, address: str, port: int, curve_secret_ke
     if curve_secret_key is not None:
         sock.curve_server = True
         sock.curve_secretkey = curve_secret_key
+        # the gateway's authentication domain: allowed client keys only (transport.Authenticator)
+        sock.zap_domain = TCP_DOMAIN
     if ":" in address:
         sock.setsockopt(zmq.IPV6, 1)
         address = f"[{address}]"

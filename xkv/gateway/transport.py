@@ -31,6 +31,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 
 import zmq
 from zmq.utils import z85
@@ -44,6 +45,8 @@ DEFAULT_PORT = 5557
 #: The gateway's host when ``XKV_GATEWAY_HOSTNAME`` is unset.
 DEFAULT_HOST = "localhost"
 IPC_DOMAIN, TCP_DOMAIN = b"xkv-ipc", b"xkv-tcp"
+#: Seconds between two log lines about refused connections (each line counts all refusals).
+REFUSAL_LOG_INTERVAL_S = 10.0
 _SUN_PATH_MAX = 107
 
 
@@ -155,6 +158,7 @@ class Authenticator:
         self.uids = set(uids)
         self.curve_keys = set(curve_keys or ())
         self.refused = 0
+        self._next_log = 0.0
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
@@ -188,11 +192,20 @@ class Authenticator:
             ok = self.admit(domain, address, mechanism, creds)
             if not ok:
                 self.refused += 1
-                log.warning("refused a connection (%s, %s, %s)", domain.decode(errors="replace"),
-                            mechanism.decode(errors="replace"),
-                            address.decode(errors="replace"))
+                self._log_refusal(domain, mechanism, address)
             sock.send_multipart([version, rid, b"200" if ok else b"400",
                                  b"OK" if ok else b"refused", b"", b""])
+
+    def _log_refusal(self, domain: bytes, mechanism: bytes, address: bytes) -> None:
+        """One warning per REFUSAL_LOG_INTERVAL_S at most (a stranger retrying its handshake
+        must not flood the log); the line counts the refusals it stands for."""
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        log.warning("refused a connection (%s, %s, %s); %d refused so far (at most one line "
+                    "per %gs)", domain.decode(errors="replace"), mechanism.decode(errors="replace"),
+                    address.decode(errors="replace"), self.refused, REFUSAL_LOG_INTERVAL_S)
+        self._next_log = now + REFUSAL_LOG_INTERVAL_S
 
     def stop(self) -> None:
         self._stop.set()
