@@ -111,6 +111,7 @@ def test_allocator_never_overlaps_and_gives_everything_back(extent, num_pages, o
         a.free(start, pages)
     assert a.used_pages == 0 and a.runs.free_ranges() == ([(0, a.num_extents)]
                                                            if a.num_extents else [])
+    assert a._tail_free == (a.tail_pages > 0) and not a._ext
 
 
 def test_a_size_class_reuses_its_own_slots_and_returns_empty_extents():
@@ -197,7 +198,8 @@ TestBoundedEviction = BoundedEviction.TestCase
 
 
 def test_index_quarantine_returns_pages_to_the_class():
-    ix = Index(512 * A, slot_alignment=A, write_ttl_s=1, quarantine_s=1)
+    ix = Index(515 * A, slot_alignment=A, write_ttl_s=1, quarantine_s=1)
+    assert ix.alloc.extent_pages == 8 and ix.alloc.tail_pages == 3
     lid = ix.register_layout("n", "fp", 1, 3 * A).layout_id
     [(st0, slots)] = ix.reserve(lid, [b"a"], now=0)
     ix.expire(1.0)  # write deadline: the pages go to quarantine

@@ -1,12 +1,13 @@
 """Card allocator: size classes over extents, so objects of one size never fragment another's.
 
 Pure logic. Pages are ``slot_alignment`` bytes; the card's pages are grouped in *extents* of
-``extent_pages`` (T) pages (the last ``num_pages mod T`` pages are not used). An object of P
-pages is placed by its size:
+``extent_pages`` (T) pages, plus a shorter *tail* extent of the last ``num_pages mod T`` pages
+(small classes only). An object of P pages is placed by its size:
 
 * P <= T (*small*): its size class owns whole extents, each cut into ``T // P`` slots (the last
-  ``T mod P`` pages of such an extent stay unused). A class takes a free extent when its own are
-  full and gives an extent back the moment its last slot is freed. alloc and free are O(1).
+  ``T mod P`` pages of such an extent stay unused: none when P divides T, and T is a power of
+  two). A class takes a free extent when its own are full and gives an extent back the moment
+  its last slot is freed. alloc and free are O(1).
 * P > T (*large*): a run of ``ceil(P / T)`` consecutive extents from a best-fit run allocator with
   coalescing (:class:`PageAllocator` counting extents): O(log k) in the number k of distinct
   free-run lengths.
@@ -28,8 +29,10 @@ MIN_EXTENTS = 64
 
 def extent_pages_for(num_pages: int, alignment: int) -> int:
     """Default extent size in pages for a card of ``num_pages`` pages of ``alignment`` bytes:
-    the card in at least MIN_EXTENTS extents of at most EXTENT_BYTES (1 page on tiny cards)."""
-    return max(1, min(num_pages // MIN_EXTENTS, EXTENT_BYTES // alignment))
+    a power of two, the card in at least MIN_EXTENTS extents of at most EXTENT_BYTES (1 page on
+    tiny cards)."""
+    t = max(1, min(num_pages // MIN_EXTENTS, EXTENT_BYTES // alignment))
+    return 1 << (t.bit_length() - 1)
 
 
 class _Extent:
@@ -52,8 +55,12 @@ class CardAllocator:
         if extent_pages < 1:
             raise ValueError(f"extent_pages must be >= 1, got {extent_pages}")
         self.extent_pages = extent_pages
-        self.num_extents = num_pages // extent_pages
-        self.usable_pages = self.num_extents * extent_pages
+        self.num_extents = num_pages // extent_pages  # full ones (the tail extent follows)
+        self.tail_pages = num_pages - self.num_extents * extent_pages
+        self._tail_free = self.tail_pages > 0
+        self.usable_pages = num_pages
+        #: Largest object that can be placed (a large one needs whole extents).
+        self.max_object_pages = max(self.num_extents * extent_pages, self.tail_pages)
         self.used_pages = 0  # pages handed out (objects' own pages, not the unused tails)
         self.runs = PageAllocator(self.num_extents)
         self._ext: dict[int, _Extent] = {}  # extent -> its small class's record
@@ -78,10 +85,12 @@ class CardAllocator:
             e = next(iter(partial))
             ext = self._ext[e]
         else:
-            e = self.runs.alloc(1)
+            e, size = self.runs.alloc(1), t
             if e is None:
-                return None
-            ext = self._ext[e] = _Extent(pages, t // pages)
+                if not (self._tail_free and pages <= self.tail_pages):
+                    return None
+                e, size, self._tail_free = self.num_extents, self.tail_pages, False
+            ext = self._ext[e] = _Extent(pages, size // pages)
             partial[e] = None
         if ext.free:
             slot = ext.free.pop()
@@ -107,7 +116,10 @@ class CardAllocator:
         if not ext.live:  # the extent goes back to everybody
             del self._ext[e]
             self._partial[pages].pop(e, None)
-            self.runs.free(e, 1)
+            if e == self.num_extents:
+                self._tail_free = True
+            else:
+                self.runs.free(e, 1)
             return
         ext.free.append((start - e * t) // pages)
         if not ext.draining:

@@ -159,7 +159,7 @@ class Index:
         slot_pages = -(-shard_bytes // self.alignment)
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
-        if object_bytes > min(limit, self.alloc.usable_pages * self.alignment):
+        if object_bytes > min(limit, self.alloc.max_object_pages * self.alignment):
             raise RequestError(ErrorCode.NO_SPACE,
                                f"one object of {object_bytes} bytes ({num_shards} slots) exceeds the "
                                f"card ({self.capacity_bytes} bytes) or the quota of {namespace!r}")
