@@ -177,3 +177,40 @@ def test_a_replay_behind_the_oldest_kept_batch_starts_there(start, monkeypatch):
         assert seqs and seqs[0] > start and seqs == list(range(seqs[0], 200))
     finally:
         ctx.destroy(linger=0)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_subscribers_that_never_read_cost_a_bounded_amount():
+    """Ten subscribers that never read while 30,000 batches are published: the publisher keeps
+    at most SUBSCRIBER_HWM batches per subscriber (ZMQ drops the rest; a subscriber sees the gap
+    in the sequence numbers), so memory does not grow with the batches (it grew ~300 B per batch
+    per subscriber before: ~90 MB here)."""
+    ctx = zmq.Context()
+    pub = EventPublisher(ctx, "127.0.0.1", 0)
+    subs = []
+    for _ in range(10):
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(f"tcp://127.0.0.1:{pub.port}")
+        subs.append(s)
+    try:
+        time.sleep(0.5)  # connected and subscribed
+        for i in range(300):  # warm up the allocator
+            pub.stored(_Obj(hashlib.sha256(b"w%d" % i).digest()))
+            pub.flush()
+        time.sleep(0.3)
+        before = _rss_bytes()
+        for i in range(30_000):
+            pub.stored(_Obj(hashlib.sha256(b"%d" % i).digest()))
+            pub.flush()
+        time.sleep(1.0)  # the I/O thread moved what it could into the pipes
+        grown = _rss_bytes() - before
+        assert grown < 20 << 20, f"{grown / 2**20:.1f} MiB for 10 subscribers that never read"
+    finally:
+        ctx.destroy(linger=0)

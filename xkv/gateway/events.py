@@ -50,6 +50,10 @@ __all__ = ["END_SEQ", "EventPublisher", "KVEventBatch"]
 DEFAULT_EVENTS_PORT = 5657
 #: Most events in one batch; a longer burst is sent as several batches.
 MAX_BATCH_EVENTS = 1024
+#: Batches queued per subscriber at most (ZMQ's send high-water mark of the PUB socket): a
+#: subscriber that does not read costs at most this many batches of memory; past it ZMQ drops
+#: its batches (it sees the gap in the sequence numbers) and the others are not slowed.
+SUBSCRIBER_HWM = 1000
 #: Bytes of past batches kept for the replay socket (oldest dropped first; see replay.py).
 REPLAY_BUFFER_BYTES = 64 << 20
 
@@ -121,7 +125,7 @@ class EventPublisher:
     drops batches (subscribers see a gap in the sequence numbers)."""
 
     def __init__(self, ctx: zmq.Context, address: str, port: int, *, topic: str = "",
-                 medium: str = "CPU", int_hashes: bool = True, hwm: int = 100_000,
+                 medium: str = "CPU", int_hashes: bool = True, hwm: int = SUBSCRIBER_HWM,
                  curve_secret_key: bytes | None = None, replay_port: int | None = None):
         self.topic = topic.encode()
         self.medium = medium
