@@ -10,15 +10,11 @@ Card geometry. The card is ``capacity_bytes`` of shared memory cut into *pages* 
 
 Object life: RESERVE creates it STAGED (invisible to lookups, write deadline = now + write_ttl);
 each shard's COMMIT sets its bit; when all shards committed it is READY (visible). ABORT of any
-shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in two
-LRUs (their namespace's and a global one; a lookup hit is a use) and are evicted, least recently
-used first, only when a RESERVE needs room (or its namespace quota). A leased object is taken out
-of every LRU while leased, so every eviction step is O(1) however many objects are leased.
-
-Placement and eviction (alloc.py, room.py). Objects are placed by size class over extents, so
-one size never cuts another size's room into pieces. A key that finds no room evicts at most
-MAX_EVICTIONS_PER_KEY objects, and one RESERVE call at most EVICTIONS_PER_CALL beyond one per
-key; past the bound the key answers NO_SPACE. Leased and STAGED objects are never evicted.
+shard, or the write deadline, frees a STAGED object. READY objects that no lease holds are
+evicted, least recently used first (a lookup hit is a use), only when a RESERVE needs room (or its
+namespace quota); objects are placed by size class over extents so that one size never cuts
+another's room into pieces (alloc.py); which objects go, at most MAX_EVICTIONS_PER_KEY for one key
+(NO_SPACE past the bound), is room.py's policy. Leased and STAGED objects are never evicted.
 
 Late writers. The pages of a STAGED object that is freed (ABORT, or the write deadline) may still
 receive bytes from a writer that outlived the deadline, so they go to a *quarantine* for
@@ -54,19 +50,14 @@ from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
     MAX_LAYOUTS,
     MAX_LAYOUTS_PER_CLIENT,
+    MAX_LEASED_PER_CLIENT,
     ChunkSlots,
     ErrorCode,
     ReserveStatus,
 )
-from xkv.gateway.room import Room
+from xkv.gateway.room import EVICTIONS_PER_CALL, MAX_EVICTIONS_PER_KEY, Room
 
-__all__ = ["EVICTIONS_PER_CALL", "MAX_EVICTIONS_PER_KEY", "Index", "Layout", "Lease", "Obj",
-           "RequestError"]
-
-#: Most objects evicted to make room for one key (past it the key answers NO_SPACE).
-MAX_EVICTIONS_PER_KEY = 64
-#: Most evictions of one RESERVE call beyond one per key (the exact-fit ones).
-EVICTIONS_PER_CALL = 128
+__all__ = ["MAX_EVICTIONS_PER_KEY", "Index", "Layout", "Lease", "Obj", "RequestError"]
 
 
 class Index:
@@ -109,6 +100,7 @@ class Index:
         # Insertion-ordered by deadline (the TTLs are fixed and ``now`` never goes back); an
         # entry leaves as soon as it is done, so finished work holds no memory until its TTL.
         self._leases: dict[int, Lease] = {}
+        self._leased_by: dict[bytes, int] = {}  # client -> chunks it holds leased
         self._staged: dict[Obj, None] = {}
         self._quarantine: list[tuple[float, int, int]] = []  # heap of (until, start, pages)
         self.quarantined_pages = 0
@@ -185,13 +177,16 @@ class Index:
     # ------------------------------------------------------------- reading
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
-               lease: bool = True, owner: bytes = b"") -> tuple[int, int, list[list[Obj]]]:
+               lease: bool = True, owner: bytes = b"",
+               client: bytes | None = None) -> tuple[int, int, list[list[Obj]]]:
         """(num_chunks, lease_id, hits[g][c]): the longest prefix READY in every group; the
         objects' ``slots`` say where they are.
 
         With ``lease`` the hit objects are leased (kept from eviction) until ``owner`` releases
         the lease or ``lease_ttl_s`` passed; lease_id (random, 63 bits) is 0 when nothing was hit
-        or ``lease`` is False."""
+        or ``lease`` is False. ``client`` (default ``owner``) may hold at most
+        MAX_LEASED_PER_CLIENT chunks leased: past it the lookup is refused (TOO_LARGE) before
+        anything is leased."""
         layouts = [self.layout(layout_id) for layout_id, _ in groups]
         n = len(groups[0][1]) if groups else 0
         if any(len(keys) != n for _, keys in groups):
@@ -232,6 +227,14 @@ class Index:
         lease_id = 0
         if num:
             if lease:
+                client = owner if client is None else client
+                held, more = self._leased_by.get(client, 0), num * len(groups)
+                if held + more > MAX_LEASED_PER_CLIENT:
+                    raise RequestError(ErrorCode.TOO_LARGE,
+                                       f"this client holds {held} leased objects; {more} more "
+                                       f"would pass the limit of {MAX_LEASED_PER_CLIENT}: release "
+                                       f"leases (or look up with lease=False)")
+                self._leased_by[client] = held + more
                 pin = self.pin
                 for row in hits:
                     for obj in row:
@@ -239,7 +242,7 @@ class Index:
                 lease_id = secrets.randbits(63)
                 while not lease_id or lease_id in self._leases:
                     lease_id = secrets.randbits(63)
-                self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner)
+                self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner, client, more)
             else:  # a hit is a use: most recently used end of its LRUs
                 touch = self.room.touch
                 for row in hits:
@@ -263,7 +266,13 @@ class Index:
 
     def _drop_lease(self, lease_id: int) -> None:
         unpin = self.unpin
-        for row in self._leases.pop(lease_id).hits:
+        held = self._leases.pop(lease_id)
+        left = self._leased_by[held.client] - held.chunks
+        if left:
+            self._leased_by[held.client] = left
+        else:
+            del self._leased_by[held.client]
+        for row in held.hits:
             for obj in row:
                 unpin(obj)
 
@@ -310,7 +319,12 @@ class Index:
             start = None
             cap = min(MAX_EVICTIONS_PER_KEY, budget + 1)
             left = [cap]
-            if not quota or self._make_quota_room(ns, nbytes, quota, left):
+            if quota:
+                before = self.counters["evicted"]
+                fits = self.room.make_quota_room(
+                    ns, lambda: self.ns_used.get(ns, 0) + nbytes > quota, left)
+                self.counters["evicted_quota"] += self.counters["evicted"] - before
+            if not quota or fits:
                 start = self.room.place(layout, left)
             budget -= max(0, cap - left[0] - 1)
             if start is None:
@@ -332,13 +346,6 @@ class Index:
             self.counters["reserved"] += 1
             out.append((ReserveStatus.OK, slots))
         return out
-
-    def _make_quota_room(self, ns: str, nbytes: int, quota: int, left: list[int]) -> bool:
-        before = self.counters["evicted"]
-        ok = self.room.make_quota_room(ns, lambda: self.ns_used.get(ns, 0) + nbytes > quota,
-                                       left)
-        self.counters["evicted_quota"] += self.counters["evicted"] - before
-        return ok
 
     def _check_shard(self, layout: Layout, shard: int) -> None:
         if not 0 <= shard < layout.num_shards:

@@ -60,4 +60,6 @@ class Obj(msgspec.Struct, gc=False, eq=False):
 class Lease(msgspec.Struct, gc=False):
     deadline: float
     hits: list  # list[list[Obj]]: the lookup's hits per group
-    owner: bytes
+    owner: bytes  # the connection that may release it
+    client: bytes = b""  # whose lease cap it counts against (index.py)
+    chunks: int = 0  # objects it holds (chunks x groups)

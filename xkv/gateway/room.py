@@ -22,6 +22,11 @@ from collections.abc import Callable
 from xkv.gateway.alloc import CardAllocator
 from xkv.gateway.objects import Layout, Obj
 
+#: Most objects evicted to make room for one key (past it the key answers NO_SPACE).
+MAX_EVICTIONS_PER_KEY = 64
+#: Most evictions of one RESERVE call (index.py) beyond one per key (the exact-fit ones).
+EVICTIONS_PER_CALL = 128
+
 
 class Room:
     """The allocator and the eviction lists of one index. ``evict(obj)``: the index's eviction

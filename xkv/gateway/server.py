@@ -61,8 +61,9 @@ class Gateway:
         self.tier = None
         #: Lookups the tier answers later: (identity, request id) -> socket; id(req) -> client.
         self._deferred_sock: dict[tuple[bytes, bytes], zmq.Socket] = {}
-        self._deferred_owner: dict[int, bytes] = {}
+        self._deferred_owner: dict[int, tuple[bytes, bytes]] = {}  # (owner, peer)
         self._frames: tuple[bytes, bytes] = (b"", b"")
+        self._peer = b""
         self._sock = None
         self.metrics_server = None
         self.dir = None
@@ -174,11 +175,11 @@ class Gateway:
                     if not sock.getsockopt(events) & pollin:
                         continue
                     try:
-                        frames = sock.recv_multipart(noblock)
+                        frames = sock.recv_multipart(noblock, copy=False)
                     except zmq.Again:
                         continue
                     served = True
-                    out = self._serve_one(frames, tag, sock)
+                    out = self._serve_one([f.bytes for f in frames], tag, sock, _peer(frames))
                     if out is not None:
                         send(sock, out)
                 if jobs:
@@ -209,10 +210,13 @@ class Gateway:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
 
-    def _serve_one(self, frames: list[bytes], tag: bytes = b"i", sock=None) -> list[bytes] | None:
+    def _serve_one(self, frames: list[bytes], tag: bytes = b"i", sock=None,
+                   peer: bytes = b"") -> list[bytes] | None:
         """[identity, request_id, body] -> [identity, request_id, reply body], or None when the
-        request became a sliced job (answered later). ``tag`` + the ROUTER identity names the
-        client: leases and layouts belong to it."""
+        request became a sliced job (answered later). ``peer``: who is connected, as the
+        authenticator named it (uid and pid, or CURVE key: nothing the client chooses); the
+        per-client caps are keyed by it. ``tag`` + peer + the ROUTER identity name the connection:
+        leases belong to it."""
         ident = frames[0]
         rid = frames[1] if len(frames) > 1 and len(frames[1]) == 8 else P.pack_id(0)
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -238,9 +242,9 @@ class Gateway:
             except RequestError as e:
                 return [ident, rid, self._error(e.code, str(e))]
             return None
-        self._frames, self._sock = (ident, rid), sock
+        self._frames, self._sock, self._peer = (ident, rid), sock, peer
         try:
-            reply = self._handlers[type(req)](req, tag + ident)
+            reply = self._handlers[type(req)](req, b"%s%s/%s" % (tag, peer, ident))
             if reply is DEFERRED:  # the scale-out tier answers it from Tier.poll
                 return None
         except RequestError as e:
@@ -269,7 +273,7 @@ class Gateway:
                                f"client speaks protocol {req.version}, gateway speaks "
                                f"{P.PROTOCOL_VERSION}: upgrade xkv on both sides together")
         lay = self.index.register_layout(req.namespace, req.fingerprint, req.num_shards,
-                                         req.shard_bytes, owner)
+                                         req.shard_bytes, self._peer)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
                             self.config.lease_ttl_s, self.config.write_ttl_s,
@@ -288,21 +292,22 @@ class Gateway:
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
         now = time.monotonic()
         num, lease_id, hits = self.index.lookup(
-            [(g.layout_id, g.keys) for g in req.groups], now, req.lease, owner)
+            [(g.layout_id, g.keys) for g in req.groups], now, req.lease, owner, self._peer)
         if self.tier is not None and self.tier.wants(req, num):
             self._deferred_sock[self._frames] = self._sock
-            self._deferred_owner[id(req)] = owner
+            self._deferred_owner[id(req)] = (owner, self._peer)
             return self.tier.defer(self._frames, req, num, lease_id, now)
         return self._lookup_reply(num, lease_id, hits)
 
     def answer_lookup(self, req: P.Lookup) -> bytes:
         """The tier's second pass of a deferred lookup: the card as it is now, encoded; the
         lease belongs to the client that asked."""
-        owner = self._deferred_owner.pop(id(req), b"")
+        owner, peer = self._deferred_owner.pop(id(req), (b"", b""))
         try:
             self._check_epoch(req.epoch)
             num, lease_id, hits = self.index.lookup(
-                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease, owner)
+                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease, owner,
+                peer)
             return P.encoder.encode(self._lookup_reply(num, lease_id, hits))
         except RequestError as e:
             return self._error(e.code, str(e))
@@ -409,6 +414,14 @@ class Gateway:
             self.card.close()
         if self.dir is not None:
             self.dir.close()
+
+
+def _peer(frames: list[zmq.Frame]) -> bytes:
+    """The authenticator's name for the sender of ``frames`` (ZMQ's ``User-Id``)."""
+    try:
+        return frames[-1].get("User-Id").encode()
+    except (zmq.ZMQError, AttributeError):
+        return b""
 
 
 def main(argv: list[str] | None = None) -> int:
