@@ -115,7 +115,7 @@ def test_replays_in_progress_are_capped():
 
 def test_victim_lookups_stay_fast_while_replay_is_hammered():
     """Another client floods the replay socket with requests from sequence 0 over thousands of
-    kept batches; a victim's lookup p99 stays under a generous 50 ms (the benchmark,
+    kept batches; a victim's lookup p99 stays under a generous 100 ms (the benchmark,
     bench/gateway_replay.py, measures the figure; before the fix the p99 was seconds)."""
     proc, port = spawn_gateway("8M", extra_args=["--kv-events-port", "0",
                                                  "--kv-events-replay-port", "0"])
@@ -157,7 +157,7 @@ def test_victim_lookups_stay_fast_while_replay_is_hammered():
             t.join()
         lat.sort()
         p99 = lat[int(len(lat) * 0.99) - 1]
-        assert p99 < 0.05, f"victim lookup p99 {p99 * 1e3:.1f} ms while replay is hammered"
+        assert p99 < 0.1, f"victim lookup p99 {p99 * 1e3:.1f} ms while replay is hammered"
     finally:
         stop.set()
         ctx.destroy(linger=0)

@@ -24,7 +24,7 @@ import contextlib
 import zmq
 
 #: Kept batches sent per loop pass, over all replays in progress.
-BATCHES_PER_PASS = 64
+BATCHES_PER_PASS = 32
 #: Replay requests read per loop pass (each O(1)).
 REQUESTS_PER_PASS = 64
 #: Replays in progress at most; a request past that is answered END_SEQ at once.
