@@ -5,7 +5,8 @@ card's file descriptors to local clients, one answers ZAP (who may connect, tran
 serves /metrics on 127.0.0.1 from a copy the loop renders. A bad message gets an ErrorReply and
 never stops the loop.
 
-Fairness: every request does O(keys) work with O(1) per key (eviction included), and the ROUTER
+Fairness: every request does O(keys) work (a RESERVE plus at most one eviction per key and
+EVICTIONS_PER_CALL more per call, room.py; a replay request O(1), replay.py), and the ROUTER
 queues each connection separately and takes one message from each in turn. A RESERVE (the one
 request whose keys cost an allocation and maybe an eviction each) of more than RESERVE_SLICE
 keys is served in slices of RESERVE_SLICE keys (reserves.py), with one message of every socket
