@@ -31,6 +31,10 @@ import json
 import os
 
 MAX_BODY = 64 << 20
+#: Deepest JSON nesting accepted (objects and arrays); deeper bodies get a 400 before anything
+#: recurses over them (Python's recursion limit is ~1000 frames, and the server's own frames
+#: come first). Real request bodies (messages, tool schemas) nest a few tens deep.
+MAX_JSON_DEPTH = 128
 #: Methods that carry no body; everything else is inspected.
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS"})
 _STRIP = frozenset({"cache_salt", "kv_transfer_params"})
@@ -40,6 +44,22 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
     """43-character URL-safe salt (vLLM rejects '/' in cache_salt, so not standard base64)."""
     mac = hmac.new(secret, tenant.encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+
+def _depth_ok(value, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests at most ``limit`` objects/arrays deep; iterative,
+    O(values)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        if d > limit:
+            return False
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return True
 
 
 def _strip(value):
@@ -104,8 +124,12 @@ class TenantSaltMiddleware:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return await _reject(send, 400, "body is not JSON")
+        except RecursionError:
+            return await _reject(send, 400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         if not isinstance(body, dict):
             return await _reject(send, 400, "body is not a JSON object")
+        if not _depth_ok(body, MAX_JSON_DEPTH):
+            return await _reject(send, 400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         data = json.dumps(rewrite(body, headers.get(self.header), self.secret)).encode()
         hdrs = [(k, v) for k, v in scope["headers"]
                 if k.lower() not in (b"content-length", b"content-type", b"transfer-encoding")]

@@ -189,3 +189,21 @@ def test_what_cannot_be_parsed_is_refused():
 
     asyncio.run(ws())
     assert closed == [{"type": "websocket.close", "code": 1008}]
+
+
+@pytest.mark.parametrize("depth", [900, 5000, 200_000])
+@pytest.mark.parametrize("kind", ["list", "object"])
+def test_deeply_nested_json_gets_a_400_not_a_500(depth, kind):
+    """JSON nested deeper than MAX_JSON_DEPTH is refused with 400 before anything recurses on it
+    (json.loads and the key stripping recursed: 900 levels gave a 500, a RecursionError)."""
+    mw, seen = _recording_mw()
+    inner = "[" * depth + "]" * depth if kind == "list" else '{"a":' * depth + "1" + "}" * depth
+    body = ('{"prompt": "x", "cache_salt": "forged", "extra": ' + inner + "}").encode()
+    sent = _asgi(mw, {"path": "/v1/completions"}, body)
+    assert sent[0]["status"] == 400 and b"nested" in sent[1]["body"] and not seen
+    # a body nested to the limit still passes, stripped
+    from xkv_vllm_connector.tenant_middleware import MAX_JSON_DEPTH
+
+    ok = '{"cache_salt": "x", "v":' + "[" * (MAX_JSON_DEPTH - 2) + "]" * (MAX_JSON_DEPTH - 2) + "}"
+    assert _asgi(mw, {"path": "/v1/completions"}, ok.encode())[0]["status"] == 200
+    assert b"forged" not in seen["body"] and json.loads(seen["body"])["cache_salt"] != "x"

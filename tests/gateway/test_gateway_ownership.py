@@ -109,7 +109,7 @@ def test_leased_objects_are_out_of_the_eviction_scan_and_gauges_need_no_walk():
     ix.commit(lid, 0, keys)
     leases = [ix.lookup([(lid, [k])], now=0)[1] for k in keys[:999]]
     lay = ix.layouts[lid]
-    assert len(lay.lru) == 1 and len(ix._all) == 1  # only the unleased object is a candidate
+    assert len(lay.lru) == 1 and len(ix.room.every) == 1  # only the unleased object is a candidate
     assert ix.snapshot()["leased_objects"] == 999 == len(
         {id(o) for h in ix._leases.values() for row in h.hits for o in row})
     assert ix.reserve(lid, [b"new1", b"new2"], now=0)[1][0] == ReserveStatus.OK  # evicts k999

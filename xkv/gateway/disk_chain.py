@@ -62,15 +62,15 @@ class Tiers:
 def resume(gw, frames: tuple[bytes, bytes], req) -> list | None:
     """A lookup the disk tier restored for, answered from the card as it is now, or handed on to
     the Mooncake tier when the card still stops short (None: that tier answers it later)."""
-    owner = gw._deferred_owner.pop(id(req), b"")
+    owner, peer = gw._deferred_owner.pop(id(req), (b"", b""))
     try:
         gw._check_epoch(req.epoch)
         now = time.monotonic()
         num, lease_id, hits = gw.index.lookup([(g.layout_id, g.keys) for g in req.groups], now,
-                                              req.lease, owner)
+                                              req.lease, owner, peer)
         moon = gw.tier.mooncake if gw.tier is not None else None
         if moon is not None and moon.wants(req, num):
-            gw._deferred_owner[id(req)] = owner
+            gw._deferred_owner[id(req)] = (owner, peer)
             moon.defer(frames, req, num, lease_id, now)
             return None
         body = P.encoder.encode(gw._lookup_reply(num, lease_id, hits))
@@ -84,9 +84,7 @@ def start_tiers(gw) -> Tiers | None:
     cfg = gw.config
     moon = None
     if cfg.mooncake_master:
-        from xkv.gateway.hooks import start_tier
-
-        moon = start_tier(gw)
+        moon = gw.mooncake_tier()
     disk = None
     if cfg.disk_path:
         from xkv.gateway.disk_store import DiskError, DiskStore

@@ -35,21 +35,27 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
-from collections import deque
 from typing import Any
 
 import msgspec
 import zmq
+
+from xkv.gateway.replay import END_SEQ, ReplayBuffer
+from xkv.gateway.transport import TCP_DOMAIN
+
+__all__ = ["END_SEQ", "EventPublisher", "KVEventBatch"]
 
 #: Default port of the events socket: not vLLM's events port (5557, +1 per data-parallel rank)
 #: nor the gateway's control port (5557).
 DEFAULT_EVENTS_PORT = 5657
 #: Most events in one batch; a longer burst is sent as several batches.
 MAX_BATCH_EVENTS = 1024
-#: Bytes of past batches kept for the replay socket (oldest dropped first).
+#: Batches queued per subscriber at most (ZMQ's send high-water mark of the PUB socket): a
+#: subscriber that does not read costs at most this many batches of memory; past it ZMQ drops
+#: its batches (it sees the gap in the sequence numbers) and the others are not slowed.
+SUBSCRIBER_HWM = 1000
+#: Bytes of past batches kept for the replay socket (oldest dropped first; see replay.py).
 REPLAY_BUFFER_BYTES = 64 << 20
-#: vLLM's end-of-replay marker (``ZmqEventPublisher.END_SEQ``).
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -119,15 +125,15 @@ class EventPublisher:
     drops batches (subscribers see a gap in the sequence numbers)."""
 
     def __init__(self, ctx: zmq.Context, address: str, port: int, *, topic: str = "",
-                 medium: str = "CPU", int_hashes: bool = True, hwm: int = 100_000,
+                 medium: str = "CPU", int_hashes: bool = True, hwm: int = SUBSCRIBER_HWM,
                  curve_secret_key: bytes | None = None, replay_port: int | None = None):
         self.topic = topic.encode()
         self.medium = medium
         self.int_hashes = int_hashes
         self.sock, self.port = _bound(ctx, zmq.PUB, address, port, curve_secret_key, hwm)
         # vLLM's replay protocol: a REQ sends an 8-byte big-endian start sequence number, the
-        # ROUTER answers every kept batch from there, then END_SEQ
-        self.replay, self.replay_port = None, None
+        # ROUTER answers every kept batch from there, then END_SEQ (bounded work: replay.py)
+        self.replay, self.replay_port, self._replay = None, None, None
         if replay_port is not None:
             try:
                 self.replay, self.replay_port = _bound(ctx, zmq.ROUTER, address, replay_port,
@@ -135,13 +141,13 @@ class EventPublisher:
             except zmq.ZMQError:
                 self.sock.close(linger=0)
                 raise
-        self._kept: deque[tuple[int, bytes]] = deque()
-        self._kept_bytes = 0
+            self._replay = ReplayBuffer(self.replay, self.topic, REPLAY_BUFFER_BYTES)
         self._meta: dict[Any, _Meta] = {}  # Obj (hashed by identity) -> its event payload
         self._pending: list[Any] = []
         self._seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
-        self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_event_batches": 0}
+        self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_event_batches": 0,
+                         "kv_events_replays_refused": 0}
 
     # ------------------------------------------------------------- object life (hooks)
 
@@ -196,35 +202,23 @@ class EventPublisher:
         batch, self._pending = KVEventBatch(time.time(), self._pending), []
         payload = self._encode(batch)
         frames = (self.topic, self._seq.to_bytes(8, "big"), payload)
-        if self.replay is not None:
-            self._kept.append((self._seq, payload))
-            self._kept_bytes += len(payload)
-            while self._kept_bytes > REPLAY_BUFFER_BYTES:
-                self._kept_bytes -= len(self._kept.popleft()[1])
+        if self._replay is not None:
+            self._replay.keep(self._seq, payload)
         self._seq += 1
         self.counters["kv_event_batches"] += 1
         with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, never blocks
             self.sock.send_multipart(frames, zmq.NOBLOCK)
 
     def serve_replay(self) -> None:
-        """Answer the replay requests waiting (non-blocking; called once per loop pass)."""
-        sock = self.replay
-        if sock is None:
-            return
-        for _ in range(16):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or len(frames[2]) != 8:
-                continue  # not a replay request (vLLM's publisher ignores these too)
-            ident, start = frames[0], int.from_bytes(frames[2], "big")
-            with contextlib.suppress(zmq.Again):
-                for seq, payload in self._kept:
-                    if seq >= start:
-                        sock.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"),
-                                             payload), zmq.NOBLOCK)
-                sock.send_multipart((ident, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+        """Answer replay requests, bounded work (replay.py; called once per loop pass)."""
+        if self._replay is not None:
+            self._replay.serve()
+            self.counters["kv_events_replays_refused"] = self._replay.refused
+
+    @property
+    def replaying(self) -> bool:
+        """Replays in progress: the loop must come back without sleeping."""
+        return self._replay is not None and self._replay.replaying
 
     def close(self) -> None:
         self.sock.close(linger=200)  # ms: lets the last batch (AllBlocksCleared) leave
@@ -243,6 +237,8 @@ def _bound(ctx: zmq.Context, kind: int, address: str, port: int, curve_secret_ke
     if curve_secret_key is not None:
         sock.curve_server = True
         sock.curve_secretkey = curve_secret_key
+        # the gateway's authentication domain: allowed client keys only (transport.Authenticator)
+        sock.zap_domain = TCP_DOMAIN
     if ":" in address:
         sock.setsockopt(zmq.IPV6, 1)
         address = f"[{address}]"

@@ -10,10 +10,11 @@ Card geometry. The card is ``capacity_bytes`` of shared memory cut into *pages* 
 
 Object life: RESERVE creates it STAGED (invisible to lookups, write deadline = now + write_ttl);
 each shard's COMMIT sets its bit; when all shards committed it is READY (visible). ABORT of any
-shard, or the write deadline, frees a STAGED object. READY objects that no lease holds sit in two
-LRUs (their namespace's and a global one; a lookup hit is a use) and are evicted, least recently
-used first, only when a RESERVE needs room (or its namespace quota). A leased object is taken out
-of both LRUs while leased, so every eviction step is O(1) however many objects are leased.
+shard, or the write deadline, frees a STAGED object. READY objects that no lease holds are
+evicted, least recently used first (a lookup hit is a use), only when a RESERVE needs room (or its
+namespace quota); objects are placed by size class over extents so that one size never cuts
+another's room into pieces (alloc.py); which objects go, at most MAX_EVICTIONS_PER_KEY for one key
+(NO_SPACE past the bound), is room.py's policy. Leased and STAGED objects are never evicted.
 
 Late writers. The pages of a STAGED object that is freed (ABORT, or the write deadline) may still
 receive bytes from a writer that outlived the deadline, so they go to a *quarantine* for
@@ -27,8 +28,9 @@ object is freed, the generation at each of its slots' first page is incremented,
 noted the generation at lookup and finds the same value after copying knows the object it read
 was still the one stored there.
 
-Work per call is bounded: lookups, reserves, commits and aborts are O(keys) (eviction O(1) per
-victim), ``expire`` is O(expired items), ``snapshot`` O(1) (every gauge is kept incrementally).
+Work per call is bounded: lookups, commits and aborts are O(keys), reserves O(keys) plus at most
+EVICTIONS_PER_CALL evictions (each O(1)), ``expire`` is O(expired items), ``snapshot`` O(1)
+(every gauge is kept incrementally).
 
 A STAGED object with ``leases`` > 0 is held by the gateway itself (the scale-out tier is pulling
 it into its slots, :mod:`xkv.gateway.tier`): clients' COMMIT and ABORT and the write TTL pass
@@ -41,20 +43,21 @@ from __future__ import annotations
 import heapq
 import secrets
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, MutableSequence, Sequence
 
-from xkv.gateway.alloc import PageAllocator
+from xkv.gateway.alloc import CardAllocator, extent_pages_for
 from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
     MAX_LAYOUTS,
     MAX_LAYOUTS_PER_CLIENT,
+    MAX_LEASED_PER_CLIENT,
     ChunkSlots,
     ErrorCode,
     ReserveStatus,
 )
+from xkv.gateway.room import EVICTIONS_PER_CALL, MAX_EVICTIONS_PER_KEY, Room
 
-__all__ = ["Index", "Layout", "Lease", "Obj", "RequestError"]
+__all__ = ["MAX_EVICTIONS_PER_KEY", "Index", "Layout", "Lease", "Obj", "RequestError"]
 
 
 class Index:
@@ -69,9 +72,11 @@ class Index:
         default_quota_bytes: int = 0,
         quotas: dict[str, int] | None = None,
         generations: MutableSequence[int] | None = None,
+        extent_pages: int | None = None,
     ):
         """``quarantine_s``: how long past its write deadline a freed reservation's pages stay
-        unusable (default ``write_ttl_s``)."""
+        unusable (default ``write_ttl_s``). ``extent_pages``: pages per extent of the allocator
+        (default :func:`xkv.gateway.alloc.extent_pages_for`)."""
         if slot_alignment <= 0 or slot_alignment & (slot_alignment - 1):
             raise ValueError(f"slot_alignment must be a power of two, got {slot_alignment}")
         self.alignment = slot_alignment
@@ -85,17 +90,17 @@ class Index:
         self.generations = generations if generations is not None else [0] * self.num_pages
         if len(self.generations) < self.num_pages:
             raise ValueError("generation table shorter than the number of pages")
-        self.alloc = PageAllocator(self.num_pages)
+        self.alloc = CardAllocator(self.num_pages, extent_pages
+                                   or extent_pages_for(self.num_pages, slot_alignment))
+        self.room = Room(self.alloc, self._evict)
         self.layouts: dict[int, Layout] = {}
         self._layout_by_name: dict[tuple[str, str], Layout] = {}
         self._layouts_of: dict[bytes, int] = {}  # client -> layouts it created
-        # One LRU per namespace (quota eviction) and one over all (global eviction); O(1) heads.
-        self._lru: dict[str, OrderedDict[Obj, None]] = {}
-        self._all: OrderedDict[Obj, None] = OrderedDict()
         self.ns_used: dict[str, int] = {}
         # Insertion-ordered by deadline (the TTLs are fixed and ``now`` never goes back); an
         # entry leaves as soon as it is done, so finished work holds no memory until its TTL.
         self._leases: dict[int, Lease] = {}
+        self._leased_by: dict[bytes, int] = {}  # client -> chunks it holds leased
         self._staged: dict[Obj, None] = {}
         self._quarantine: list[tuple[float, int, int]] = []  # heap of (until, start, pages)
         self.quarantined_pages = 0
@@ -146,19 +151,21 @@ class Index:
         slot_pages = -(-shard_bytes // self.alignment)
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
-        if object_bytes > min(limit, self.capacity_bytes):
+        if object_bytes > min(limit, self.alloc.max_object_pages * self.alignment):
             raise RequestError(ErrorCode.NO_SPACE,
                                f"one object of {object_bytes} bytes ({num_shards} slots) exceeds the "
                                f"card ({self.capacity_bytes} bytes) or the quota of {namespace!r}")
         layout = Layout(len(self.layouts) + 1, namespace, fingerprint, num_shards, shard_bytes,
                         slot_pages * self.alignment, slot_pages,
-                        self._lru.setdefault(namespace, OrderedDict()))
+                        self.room.namespace_lru(namespace),
+                        self.room.size_lru(slot_pages * num_shards))
         self.layouts[layout.layout_id] = layout
         self._layout_by_name[(namespace, fingerprint)] = layout
         self._layouts_of[owner] = mine + 1
         return layout
 
-    def _layout(self, layout_id: int) -> Layout:
+    def layout(self, layout_id: int) -> Layout:
+        """The registered layout ``layout_id``; RequestError UNKNOWN_LAYOUT if there is none."""
         layout = self.layouts.get(layout_id)
         if layout is None:
             raise RequestError(ErrorCode.UNKNOWN_LAYOUT, f"unknown layout_id {layout_id}")
@@ -170,14 +177,17 @@ class Index:
     # ------------------------------------------------------------- reading
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], now: float,
-               lease: bool = True, owner: bytes = b"") -> tuple[int, int, list[list[Obj]]]:
+               lease: bool = True, owner: bytes = b"",
+               client: bytes | None = None) -> tuple[int, int, list[list[Obj]]]:
         """(num_chunks, lease_id, hits[g][c]): the longest prefix READY in every group; the
         objects' ``slots`` say where they are.
 
         With ``lease`` the hit objects are leased (kept from eviction) until ``owner`` releases
         the lease or ``lease_ttl_s`` passed; lease_id (random, 63 bits) is 0 when nothing was hit
-        or ``lease`` is False."""
-        layouts = [self._layout(layout_id) for layout_id, _ in groups]
+        or ``lease`` is False. ``client`` (default ``owner``) may hold at most
+        MAX_LEASED_PER_CLIENT chunks leased: past it the lookup is refused (TOO_LARGE) before
+        anything is leased."""
+        layouts = [self.layout(layout_id) for layout_id, _ in groups]
         n = len(groups[0][1]) if groups else 0
         if any(len(keys) != n for _, keys in groups):
             raise RequestError(ErrorCode.BAD_REQUEST,
@@ -216,8 +226,15 @@ class Index:
                                                     for lay in layouts)
         lease_id = 0
         if num:
-            every = self._all
             if lease:
+                client = owner if client is None else client
+                held, more = self._leased_by.get(client, 0), num * len(groups)
+                if held + more > MAX_LEASED_PER_CLIENT:
+                    raise RequestError(ErrorCode.TOO_LARGE,
+                                       f"this client holds {held} leased objects; {more} more "
+                                       f"would pass the limit of {MAX_LEASED_PER_CLIENT}: release "
+                                       f"leases (or look up with lease=False)")
+                self._leased_by[client] = held + more
                 pin = self.pin
                 for row in hits:
                     for obj in row:
@@ -225,13 +242,13 @@ class Index:
                 lease_id = secrets.randbits(63)
                 while not lease_id or lease_id in self._leases:
                     lease_id = secrets.randbits(63)
-                self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner)
+                self._leases[lease_id] = Lease(now + self.lease_ttl_s, hits, owner, client, more)
             else:  # a hit is a use: most recently used end of its LRUs
+                touch = self.room.touch
                 for row in hits:
                     for obj in row:
                         if not obj.leases:
-                            obj.lru.move_to_end(obj)
-                            every.move_to_end(obj)
+                            touch(obj)
         return num, lease_id, hits
 
     def release(self, lease_id: int, owner: bytes | None = None) -> int:
@@ -249,15 +266,20 @@ class Index:
 
     def _drop_lease(self, lease_id: int) -> None:
         unpin = self.unpin
-        for row in self._leases.pop(lease_id).hits:
+        held = self._leases.pop(lease_id)
+        left = self._leased_by[held.client] - held.chunks
+        if left:
+            self._leased_by[held.client] = left
+        else:
+            del self._leased_by[held.client]
+        for row in held.hits:
             for obj in row:
                 unpin(obj)
 
     def pin(self, obj: Obj) -> None:
         """Keep a READY ``obj`` from eviction (one more holder): out of the LRUs while held."""
         if not obj.leases:
-            del obj.lru[obj]
-            del self._all[obj]
+            self.room.unlist(obj)
             self.leased_objects += 1
         obj.leases += 1
 
@@ -265,8 +287,7 @@ class Index:
         """One holder less; the last one puts it back at the most recently used end."""
         obj.leases -= 1
         if not obj.leases:
-            obj.lru[obj] = None
-            self._all[obj] = None
+            self.room.list(obj)
             self.leased_objects -= 1
 
     # ------------------------------------------------------------- writing
@@ -277,7 +298,7 @@ class Index:
         The slots are the reservation's token: COMMIT/ABORT must present them. ``present``: the
         keys stored when the request arrived (default: now; a request served in slices passes
         the set it found at its start)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         out: list[tuple[ReserveStatus, ChunkSlots | None]] = []
         pages = layout.object_pages
         nbytes = pages * self.alignment
@@ -289,18 +310,23 @@ class Index:
             present = {key for key in keys if key in layout.objects}
         if self._quarantine and self._quarantine[0][0] <= now:
             self._release_quarantine(now)
-        every = self._all
+        budget = EVICTIONS_PER_CALL  # evictions left beyond one per key
         for key in keys:
             if key in present or key in layout.objects:
                 self.counters["exists"] += 1
                 out.append((ReserveStatus.EXISTS, None))
                 continue
             start = None
-            if not quota or self._make_quota_room(ns, nbytes, quota):
-                start = self.alloc.alloc(pages)
-                while start is None and every:
-                    self._evict(next(iter(every)))
-                    start = self.alloc.alloc(pages)
+            cap = min(MAX_EVICTIONS_PER_KEY, budget + 1)
+            left = [cap]
+            if quota:
+                before = self.counters["evicted"]
+                fits = self.room.make_quota_room(
+                    ns, lambda: self.ns_used.get(ns, 0) + nbytes > quota, left)
+                self.counters["evicted_quota"] += self.counters["evicted"] - before
+            if not quota or fits:
+                start = self.room.place(layout, left)
+            budget -= max(0, cap - left[0] - 1)
             if start is None:
                 self.counters["no_space"] += 1
                 out.append((ReserveStatus.NO_SPACE, None))
@@ -312,6 +338,7 @@ class Index:
             packed = (struct.pack(fmt, *slots.offsets), struct.pack(fmt, *slots.generations))
             obj = Obj(layout, key, start, now + self.write_ttl_s, slots, packed, layout.lru)
             layout.objects[key] = obj
+            self.room.placed(obj)
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
             self._staged[obj] = None
             self.staged_objects += 1
@@ -319,15 +346,6 @@ class Index:
             self.counters["reserved"] += 1
             out.append((ReserveStatus.OK, slots))
         return out
-
-    def _make_quota_room(self, ns: str, nbytes: int, quota: int) -> bool:
-        lru = self._lru[ns]
-        while self.ns_used.get(ns, 0) + nbytes > quota:
-            if not lru:
-                return False
-            self._evict(next(iter(lru)))
-            self.counters["evicted_quota"] += 1
-        return True
 
     def _check_shard(self, layout: Layout, shard: int) -> None:
         if not 0 <= shard < layout.num_shards:
@@ -360,7 +378,7 @@ class Index:
         """Mark ``shard`` written for each STAGED key; returns how many keys it applied to
         (a key whose reservation expired, was aborted, or does not match its token is
         skipped and counted in ``refused_commits``)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         self._check_shard(layout, shard)
         full = (1 << layout.num_shards) - 1
         done = 0
@@ -375,8 +393,7 @@ class Index:
                 self.staged_bytes -= nbytes
                 self.ready_objects += 1
                 self.ready_bytes += nbytes
-                obj.lru[obj] = None
-                self._all[obj] = None
+                self.room.list(obj)
                 self.counters["committed"] += 1
                 self.counters["stored_bytes"] += layout.num_shards * layout.shard_bytes
                 if self.listener is not None:
@@ -390,7 +407,7 @@ class Index:
               tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None) -> int:
         """Free the STAGED objects of ``keys`` (every shard: the object can no longer complete);
         their pages are quarantined (other shards' writers may still be writing)."""
-        layout = self._layout(layout_id)
+        layout = self.layout(layout_id)
         self._check_shard(layout, shard)
         done = 0
         for obj in self._live(layout, shard, keys, tokens, now):
@@ -402,8 +419,7 @@ class Index:
     # ------------------------------------------------------------- freeing
 
     def _evict(self, obj: Obj) -> None:
-        del obj.lru[obj]
-        del self._all[obj]
+        self.room.unlist(obj)
         self._free(obj)
         self.counters["evicted"] += 1
 
@@ -417,6 +433,7 @@ class Index:
         for r in range(layout.num_shards):
             self.generations[obj.start + r * layout.slot_pages] += 1
         del layout.objects[obj.key]
+        self.room.gone(obj)
         nbytes = layout.object_pages * self.alignment
         self.ns_used[layout.namespace] -= nbytes
         if obj.ready:
@@ -466,7 +483,7 @@ class Index:
     @property
     def used_bytes(self) -> int:
         """Bytes held by objects (quarantined pages are neither used nor free)."""
-        return (self.num_pages - self.alloc.free_pages - self.quarantined_pages) * self.alignment
+        return (self.alloc.used_pages - self.quarantined_pages) * self.alignment
 
     @property
     def pending_writes(self) -> int:

@@ -83,6 +83,8 @@ _GAUGES = (
     ("xkv_gateway_kv_events_total", "kv_events_removed", "counter", "", 'type="removed"'),
     ("xkv_gateway_kv_event_batches_total", "kv_event_batches", "counter",
      "KV-event messages (batches) sent.", ""),
+    ("xkv_gateway_kv_event_replays_refused_total", "kv_events_replays_refused", "counter",
+     "KV-events replay requests answered empty (too many replays in progress).", ""),
     ("xkv_gateway_quarantined_bytes", "quarantined_bytes", "gauge",
      "Pages of expired or aborted reservations held back from reuse (late writers).", ""),
     ("xkv_gateway_refused_total", "refused_commits", "counter",

@@ -28,6 +28,7 @@ class Layout:
     slot_bytes: int
     slot_pages: int
     lru: OrderedDict[Obj, None]  # unleased READY objects of the namespace, least recent first
+    size_lru: OrderedDict[Obj, None]  # the same over every layout of its object size (pages)
     objects: dict[bytes, Obj] = field(default_factory=dict)
 
     @property
@@ -37,7 +38,7 @@ class Layout:
 
 class Obj(msgspec.Struct, gc=False, eq=False):
     """One stored object. ``leases`` counts live leases; READY objects without a lease are in
-    their namespace's LRU and the global one.
+    their namespace's LRU, their size class's LRU and the global one.
 
     Not tracked by the cyclic GC (a card can hold millions of objects and a full collection
     would stall the loop); that is safe because a freed object is unlinked from every dict and
@@ -59,4 +60,6 @@ class Obj(msgspec.Struct, gc=False, eq=False):
 class Lease(msgspec.Struct, gc=False):
     deadline: float
     hits: list  # list[list[Obj]]: the lookup's hits per group
-    owner: bytes
+    owner: bytes  # the connection that may release it
+    client: bytes = b""  # whose lease cap it counts against (index.py)
+    chunks: int = 0  # objects it holds (chunks x groups)

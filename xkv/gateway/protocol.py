@@ -63,6 +63,8 @@ MAX_KEYS = min(4096, (MAX_MESSAGE_BYTES - _FIXED_BYTES) // _PER_KEY_BYTES)
 #: Most layouts one gateway registers, and one client may create (bounds what HELLOs allocate).
 MAX_LAYOUTS = 4096
 MAX_LAYOUTS_PER_CLIENT = 64
+#: Objects (chunks x groups) one client (process, or CURVE key) may hold leased at once.
+MAX_LEASED_PER_CLIENT = 1 << 20
 #: Most block hashes one chunk's BlockInfo may carry (chunk_size / hash block size).
 MAX_HASHES_PER_CHUNK = 1024
 

@@ -5,23 +5,22 @@ card's file descriptors to local clients, one answers ZAP (who may connect, tran
 serves /metrics on 127.0.0.1 from a copy the loop renders. A bad message gets an ErrorReply and
 never stops the loop.
 
-Fairness: every request does O(keys) work with O(1) per key (eviction included), and the ROUTER
+Fairness: every request does O(keys) work (a RESERVE plus at most one eviction per key and
+EVICTIONS_PER_CALL more per call, room.py; a replay request O(1), replay.py), and the ROUTER
 queues each connection separately and takes one message from each in turn. A RESERVE (the one
 request whose keys cost an allocation and maybe an eviction each) of more than RESERVE_SLICE
-keys is served in slices of RESERVE_SLICE keys, with one message of every socket served between
-two slices. So a client's LOOKUP waits behind at most one slice of every RESERVE in progress
-plus one other request (dictionary work only) of every other connection; STATS and /metrics
-are O(1).
+keys is served in slices of RESERVE_SLICE keys (reserves.py), with one message of every socket
+served between two slices. So a client's LOOKUP waits behind at most one slice of every RESERVE
+in progress plus one other request (dictionary work only) of every other connection; STATS and
+/metrics are O(1).
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import gc
 import logging
 import os
-import random
 import secrets
 import signal
 import sys
@@ -34,24 +33,13 @@ from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
 from xkv.gateway.disk_chain import start_tiers
-from xkv.gateway.hooks import (
-    RESERVE_SLICE,
-    Job,
-    bind_events,
-    reserve_announced,
-    reserve_reply,
-    step,
-)
+from xkv.gateway.endpoints import bind_events, bind_tcp, instance_dir, router
 from xkv.gateway.index import Index, RequestError
 from xkv.gateway.metrics import Histogram, MetricsCopy, render, serve_metrics
+from xkv.gateway.reserves import SlicedReserve, reserve_announced
+from xkv.gateway.reserves import reply as reserve_reply
 from xkv.gateway.tier import DEFERRED
-from xkv.gateway.transport import (
-    IPC_DOMAIN,
-    TCP_DOMAIN,
-    Authenticator,
-    InstanceDir,
-    load_client_keys,
-)
+from xkv.gateway.transport import IPC_DOMAIN, TCP_DOMAIN, Authenticator, load_client_keys
 
 log = logging.getLogger("xkv.gateway")
 
@@ -66,7 +54,7 @@ class Gateway:
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
-        self._jobs: collections.deque[Job] = collections.deque()
+        self._jobs: collections.deque[SlicedReserve] = collections.deque()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -75,8 +63,9 @@ class Gateway:
         self.tier = None
         #: Lookups the tier answers later: (identity, request id) -> socket; id(req) -> client.
         self._deferred_sock: dict[tuple[bytes, bytes], zmq.Socket] = {}
-        self._deferred_owner: dict[int, bytes] = {}
+        self._deferred_owner: dict[int, tuple[bytes, bytes]] = {}  # (owner, peer)
         self._frames: tuple[bytes, bytes] = (b"", b"")
+        self._peer = b""
         self._sock = None
         self.metrics_server = None
         self.dir = None
@@ -102,11 +91,11 @@ class Gateway:
         self._auth = Authenticator(self.ctx, {os.geteuid(), 0}, curve_keys)
         port = cfg.port
         if cfg.curve_secret_key is not None:
-            self.tcp = self._router(TCP_DOMAIN)
+            self.tcp = router(self.ctx, TCP_DOMAIN)
             self.tcp.curve_server = True
             self.tcp.curve_secretkey = cfg.curve_secret_key
-            port = self._bind_tcp(self.tcp)
-        self.dir = self._instance_dir(port)
+            port = bind_tcp(self.tcp, cfg)
+        self.dir = instance_dir(port)
         self.port = self.dir.port
         self.card = Card(cfg.capacity_bytes, cfg.slot_alignment, kind=cfg.card_kind,
                          prefault=cfg.prefault, epoch=self.epoch,
@@ -117,9 +106,9 @@ class Gateway:
                            default_quota_bytes=cfg.namespace_quota_bytes,
                            quotas=cfg.quotas, generations=self.card.generations)
         self.tier = start_tiers(self)  # card -> disk -> Mooncake (disk_chain.py)
-        self.events = bind_events(self)
+        self.events = bind_events(self.ctx, cfg)
         self.index.listener = self.events
-        self.ipc = self._router(IPC_DOMAIN)
+        self.ipc = router(self.ctx, IPC_DOMAIN)
         self.control_path = self.dir.file("control.sock")
         old = os.umask(0o177)  # the socket file itself is 0600 too
         try:
@@ -134,50 +123,18 @@ class Gateway:
                                                 allowed_uids={os.geteuid(), 0,
                                                               *cfg.metrics_allowed_uids})
 
-    def _router(self, domain: bytes) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects keeps its identity
-        sock.zap_domain = domain
-        return sock
+    def mooncake_tier(self):
+        """The Mooncake tier (config.mooncake_master set); its threads connect in the background."""
+        from xkv.gateway.tier import Tier
+        from xkv.gateway.tier_store import MooncakeBackend, MooncakeSettings
 
-    def _instance_dir(self, port: int) -> InstanceDir:
-        if port:
-            try:
-                return InstanceDir(port)
-            except FileExistsError as e:
-                raise SystemExit(f"xkv-gateway: {e}") from None
-            except OSError as e:
-                raise SystemExit(f"xkv-gateway: cannot use the socket directory: {e}") from None
-        rng = random.Random(secrets.randbits(64))
-        for _ in range(100):  # port 0 without TCP: any free instance number
-            try:
-                return InstanceDir(rng.randrange(20000, 60000))
-            except FileExistsError:
-                continue
-        raise SystemExit("xkv-gateway: found no free instance number for --port 0")
-
-    def _bind_tcp(self, sock: zmq.Socket) -> int:
-        cfg = self.config
-        address = cfg.bind_address
-        if ":" in address:  # IPv6 literal
-            sock.setsockopt(zmq.IPV6, 1)
-            address = f"[{address}]"
-        endpoint = f"tcp://{address}:{cfg.port or '*'}"
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise SystemExit(
-                    f"xkv-gateway: port {cfg.port} on {cfg.bind_address} is already in use. "
-                    f"Another xkv-gateway may be running, or vLLM's KV-events publisher, which also "
-                    f"defaults to tcp://*:5557 (kv_events_config endpoint). Start the gateway with "
-                    f"--port N and set \"xkv_gateway_port\": N in kv_connector_extra_config, or move "
-                    f"vLLM's KV-events endpoint.") from None
-            raise SystemExit(f"xkv-gateway: cannot bind {endpoint}: {e}") from None
-        last = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        return int(last.rsplit(":", 1)[1])
+        c = self.config
+        settings = MooncakeSettings(c.mooncake_master, c.mooncake_metadata, c.mooncake_protocol,
+                                    c.mooncake_device, c.mooncake_local_hostname,
+                                    c.mooncake_segment_bytes, secret=c.mooncake_secret)
+        return Tier(self.index, MooncakeBackend(settings, self.card.arena), self.answer_lookup,
+                    write_through=c.mooncake_write_through, wait_s=c.mooncake_wait_ms / 1000,
+                    backlog_objects=c.mooncake_backlog)
 
     # ------------------------------------------------------------------ loop
 
@@ -189,6 +146,9 @@ class Gateway:
         poller = zmq.Poller()
         for sock, _ in socks:
             poller.register(sock, zmq.POLLIN)
+        ev = self.events
+        if ev is not None and ev.replay is not None:
+            poller.register(ev.replay, zmq.POLLIN)  # a replay request wakes the loop
         # plain ints: pyzmq's enum flags cost more than the send itself on a slow CPU
         more, last = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
         events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -207,7 +167,8 @@ class Gateway:
 
         while not self._stop:
             wait = 100 if self.tier is None else self.tier.timeout_ms()
-            poller.poll(0 if jobs else wait)  # wake up for TTLs, stats, metrics and SIGTERM
+            # wake up for TTLs, stats, metrics and SIGTERM; not at all while work is waiting
+            poller.poll(0 if jobs or (ev is not None and ev.replaying) else wait)
             # Take turns between the sockets (each ROUTER between its connections) and the
             # slices of big RESERVEs in progress.
             for _ in range(256):
@@ -216,19 +177,21 @@ class Gateway:
                     if not sock.getsockopt(events) & pollin:
                         continue
                     try:
-                        frames = sock.recv_multipart(noblock)
+                        frames = sock.recv_multipart(noblock, copy=False)
                     except zmq.Again:
                         continue
                     served = True
-                    out = self._serve_one(frames, tag, sock)
+                    out = self._serve_one([f.bytes for f in frames], tag, sock, _peer(frames))
                     if out is not None:
                         send(sock, out)
                 if jobs:
                     served = True
                     job = jobs[0]
-                    if step(self, job):
+                    if job.step(self.index):
                         jobs.popleft()
-                        send(job.sock, [job.ident, job.rid, reserve_reply(self, job)])
+                        self.hist.observe("reserve", time.perf_counter() - job.t0)
+                        send(job.sock, [job.ident, job.rid,
+                                        P.encoder.encode(reserve_reply(self.epoch, job.out))])
                     else:
                         jobs.rotate(-1)
                 if not served:
@@ -249,10 +212,13 @@ class Gateway:
                 window = self._log_stats(window, stats_every)
                 next_stats = now + stats_every
 
-    def _serve_one(self, frames: list[bytes], tag: bytes = b"i", sock=None) -> list[bytes] | None:
+    def _serve_one(self, frames: list[bytes], tag: bytes = b"i", sock=None,
+                   peer: bytes = b"") -> list[bytes] | None:
         """[identity, request_id, body] -> [identity, request_id, reply body], or None when the
-        request became a sliced job (answered later). ``tag`` + the ROUTER identity names the
-        client: leases and layouts belong to it."""
+        request became a sliced job (answered later). ``peer``: who is connected, as the
+        authenticator named it (uid and pid, or CURVE key: nothing the client chooses); the
+        per-client caps are keyed by it. ``tag`` + peer + the ROUTER identity name the connection:
+        leases belong to it."""
         ident = frames[0]
         rid = frames[1] if len(frames) > 1 and len(frames[1]) == 8 else P.pack_id(0)
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -271,19 +237,16 @@ class Gateway:
             return [ident, rid, self._error(P.ErrorCode.MALFORMED, f"undecodable request: {e}")]
         kind = _TYPE_NAME[type(req)]
         self.requests[kind] = self.requests.get(kind, 0) + 1
-        if (type(req) is P.Reserve and len(req.keys) > RESERVE_SLICE and sock is not None
-                and not (req.blocks and self.events is not None)):
+        if sock is not None and SlicedReserve.wanted(req, self.events is not None):
             try:
                 self._check_epoch(req.epoch)
-                objects = self.index._layout(req.layout_id).objects
+                self._jobs.append(SlicedReserve(self.index, sock, ident, rid, req, t0))
             except RequestError as e:
                 return [ident, rid, self._error(e.code, str(e))]
-            present = {k for k in req.keys if k in objects}
-            self._jobs.append(Job(sock, ident, rid, req, present, t0))
             return None
-        self._frames, self._sock = (ident, rid), sock
+        self._frames, self._sock, self._peer = (ident, rid), sock, peer
         try:
-            reply = self._handlers[type(req)](req, tag + ident)
+            reply = self._handlers[type(req)](req, b"%s%s/%s" % (tag, peer, ident))
             if reply is DEFERRED:  # the scale-out tier answers it from Tier.poll
                 return None
         except RequestError as e:
@@ -312,7 +275,7 @@ class Gateway:
                                f"client speaks protocol {req.version}, gateway speaks "
                                f"{P.PROTOCOL_VERSION}: upgrade xkv on both sides together")
         lay = self.index.register_layout(req.namespace, req.fingerprint, req.num_shards,
-                                         req.shard_bytes, owner)
+                                         req.shard_bytes, self._peer)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
                             self.config.lease_ttl_s, self.config.write_ttl_s,
@@ -331,21 +294,22 @@ class Gateway:
                                f"{total} keys in one lookup, at most {P.MAX_KEYS}")
         now = time.monotonic()
         num, lease_id, hits = self.index.lookup(
-            [(g.layout_id, g.keys) for g in req.groups], now, req.lease, owner)
+            [(g.layout_id, g.keys) for g in req.groups], now, req.lease, owner, self._peer)
         if self.tier is not None and self.tier.wants(req, num):
             self._deferred_sock[self._frames] = self._sock
-            self._deferred_owner[id(req)] = owner
+            self._deferred_owner[id(req)] = (owner, self._peer)
             return self.tier.defer(self._frames, req, num, lease_id, now)
         return self._lookup_reply(num, lease_id, hits)
 
-    def _answer_lookup(self, req: P.Lookup) -> bytes:
+    def answer_lookup(self, req: P.Lookup) -> bytes:
         """The tier's second pass of a deferred lookup: the card as it is now, encoded; the
         lease belongs to the client that asked."""
-        owner = self._deferred_owner.pop(id(req), b"")
+        owner, peer = self._deferred_owner.pop(id(req), (b"", b""))
         try:
             self._check_epoch(req.epoch)
             num, lease_id, hits = self.index.lookup(
-                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease, owner)
+                [(g.layout_id, g.keys) for g in req.groups], time.monotonic(), req.lease, owner,
+                peer)
             return P.encoder.encode(self._lookup_reply(num, lease_id, hits))
         except RequestError as e:
             return self._error(e.code, str(e))
@@ -358,9 +322,9 @@ class Gateway:
     def _reserve(self, req: P.Reserve, owner: bytes) -> P.ReserveReply:
         self._check_epoch(req.epoch)
         if req.blocks and self.events is not None:
-            return reserve_announced(self, req)
-        out = self.index.reserve(req.layout_id, req.keys, time.monotonic())
-        return P.ReserveReply(self.epoch, [int(s) for s, _ in out], [c for _, c in out])
+            return reserve_reply(self.epoch, reserve_announced(self.index, self.events, req))
+        return reserve_reply(self.epoch, self.index.reserve(req.layout_id, req.keys,
+                                                            time.monotonic()))
 
     @staticmethod
     def _tokens(req: P.Commit | P.Abort) -> list[tuple[int, int]]:
@@ -452,6 +416,14 @@ class Gateway:
             self.card.close()
         if self.dir is not None:
             self.dir.close()
+
+
+def _peer(frames: list[zmq.Frame]) -> bytes:
+    """The authenticator's name for the sender of ``frames`` (ZMQ's ``User-Id``)."""
+    try:
+        return frames[-1].get("User-Id").encode()
+    except (zmq.ZMQError, AttributeError):
+        return b""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 
 import zmq
 from zmq.utils import z85
@@ -55,6 +56,8 @@ DEFAULT_PORT = 5557
 #: The gateway's host when ``XKV_GATEWAY_HOSTNAME`` is unset.
 DEFAULT_HOST = "localhost"
 IPC_DOMAIN, TCP_DOMAIN = b"xkv-ipc", b"xkv-tcp"
+#: Seconds between two log lines about refused connections (each line counts all refusals).
+REFUSAL_LOG_INTERVAL_S = 10.0
 _SUN_PATH_MAX = 107
 
 
@@ -132,6 +135,7 @@ class Authenticator:
         self.uids = set(uids)
         self.curve_keys = set(curve_keys or ())
         self.refused = 0
+        self._next_log = 0.0
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
@@ -140,17 +144,22 @@ class Authenticator:
         self._thread.start()
 
     def admit(self, domain: bytes, address: bytes, mechanism: bytes,
-              credentials: list[bytes]) -> bool:
+              credentials: list[bytes]) -> bytes | None:
+        """The peer's name when admitted, else None. The name is what the peer cannot choose:
+        ``uid:<uid>:pid:<pid>`` on the Unix socket (SO_PEERCRED, as libzmq reports it) or
+        ``curve:<z85 public key>`` on TCP; ZMQ attaches it to every message of the connection
+        (property ``User-Id``), and the gateway keys its per-client limits by it."""
         if domain == IPC_DOMAIN and mechanism == b"NULL":
             parts = address.decode("ascii", "replace").split(":")
             try:
-                uid = int(parts[-3])  # "localhost:uid:gid:pid" (libzmq, SO_PEERCRED)
+                uid, pid = int(parts[-3]), int(parts[-1])  # "localhost:uid:gid:pid"
             except (IndexError, ValueError):
-                return False
-            return uid in self.uids
+                return None
+            return b"uid:%d:pid:%d" % (uid, pid) if uid in self.uids else None
         if domain == TCP_DOMAIN and mechanism == b"CURVE" and credentials:
-            return z85.encode(credentials[0]) in self.curve_keys
-        return False
+            key = z85.encode(credentials[0])
+            return b"curve:" + key if key in self.curve_keys else None
+        return None
 
     def _run(self) -> None:
         sock = self._sock
@@ -162,14 +171,23 @@ class Authenticator:
                 version, rid, domain, address, _identity, mechanism, *creds = msg
             except (zmq.ZMQError, ValueError):
                 continue
-            ok = self.admit(domain, address, mechanism, creds)
-            if not ok:
+            peer = self.admit(domain, address, mechanism, creds)
+            if peer is None:
                 self.refused += 1
-                log.warning("refused a connection (%s, %s, %s)", domain.decode(errors="replace"),
-                            mechanism.decode(errors="replace"),
-                            address.decode(errors="replace"))
-            sock.send_multipart([version, rid, b"200" if ok else b"400",
-                                 b"OK" if ok else b"refused", b"", b""])
+                self._log_refusal(domain, mechanism, address)
+            sock.send_multipart([version, rid, b"400" if peer is None else b"200",
+                                 b"refused" if peer is None else b"OK", peer or b"", b""])
+
+    def _log_refusal(self, domain: bytes, mechanism: bytes, address: bytes) -> None:
+        """One warning per REFUSAL_LOG_INTERVAL_S at most (a stranger retrying its handshake
+        must not flood the log); the line counts the refusals it stands for."""
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        log.warning("refused a connection (%s, %s, %s); %d refused so far (at most one line "
+                    "per %gs)", domain.decode(errors="replace"), mechanism.decode(errors="replace"),
+                    address.decode(errors="replace"), self.refused, REFUSAL_LOG_INTERVAL_S)
+        self._next_log = now + REFUSAL_LOG_INTERVAL_S
 
     def stop(self) -> None:
         self._stop.set()
