@@ -109,6 +109,20 @@ def test_default_chunk_examples():
     assert c.resolve_chunk_size(48, 48, 48) == 240
 
 
+@pytest.mark.parametrize("bs", [64, 96, 160, 288, 528, 640])
+def test_default_chunk_with_state_groups_is_one_block(bs):
+    """Hybrid models: one block whatever its size (a state is restorable at chunk ends only;
+    with 96-token blocks the attention default, 192, would miss the state a one-step prompt
+    leaves at its last full block, 288); an explicit value stays the user's."""
+    c = ConnectorConfig.from_extra({}, ENV)
+    assert c.resolve_chunk_size(bs, bs, states=True) == bs
+    assert ConnectorConfig.from_extra({"chunk_size": 2 * bs}, ENV).resolve_chunk_size(
+        bs, states=True) == 2 * bs
+    assert c.chunk_line(bs, bs, bs, states=True) == (
+        f"XKV: chunk_size {bs} tokens (default: one block, states are restorable at chunk ends "
+        f"only; vLLM's KV cache block size {bs} tokens)")
+
+
 def test_explicit_chunk_must_fit_every_group():
     c = ConnectorConfig.from_extra({"chunk_size": 128}, ENV)
     assert c.resolve_chunk_size(32, 64, 128) == 128

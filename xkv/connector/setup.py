@@ -18,7 +18,7 @@ from typing import Any
 from xkv.connector import compat, vllm_specs
 from xkv.connector.config import ConfigError, ConnectorConfig
 from xkv.connector.keys import fingerprint
-from xkv.connector.registry import Registry, build_registry
+from xkv.connector.registry import STATE_KINDS, Registry, build_registry
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.worker import WorkerSide
 
@@ -57,14 +57,15 @@ def build(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Se
     # a chunk is a multiple of every group's block size (DeepSeek-V4: 256, 64, 8, 4 tokens),
     # as vLLM chose them (they differ by CPU and backend): the default follows them
     sizes = [g.block_size for g in groups] or [1]
-    chunk = cfg.resolve_chunk_size(*sizes)
+    states = any(g.kind in STATE_KINDS for g in groups)
+    chunk = cfg.resolve_chunk_size(*sizes, states=states)
     registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
                               slot_alignment=cfg.slot_alignment_bytes)
     fps = [fingerprint({**compat.fingerprint_fields(vllm_config, kv_cache_config, p),
                         **vllm_specs.state_fields(kv_cache_config, p)})
            for p in registry.groups]
     return Setup(cfg=cfg, registry=registry, fingerprints=fps,
-                 chunk_line=cfg.chunk_line(chunk, *sizes),
+                 chunk_line=cfg.chunk_line(chunk, *sizes, states=states),
                  num_blocks=kv_cache_config.num_blocks,
                  kv_layout=compat.kv_cache_layout(vllm_config, kv_cache_config),
                  tp_size=tp, world_size=world,
