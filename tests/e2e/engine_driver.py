@@ -202,7 +202,8 @@ def _gateway_stats(port):
 
 def _block_size(llm) -> int:
     """The KV cache block size (tokens) vLLM chose for this engine (hybrids: after its
-    attention/state page alignment, which the executor makes in place on this config)."""
+    attention/state page alignment, which the executor makes in place on this config: true of
+    the in-process engine the driver runs by default, not of a multi-process one)."""
     return int(llm.llm_engine.vllm_config.cache_config.block_size)
 
 

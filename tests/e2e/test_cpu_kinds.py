@@ -118,8 +118,8 @@ def _hybrid_block(model: str, kind: str) -> int:
 def test_hybrid_block_sizes_differ_by_kind_and_chunks_follow(tiny):
     """vLLM's hybrid block sizes for the tiny models on each kind (the engine tests see these):
     AVX512-BF16 and AMX CPUs keep Mamba states in fp32, so granitemoehybrid and qwen3_next get
-    larger blocks; no fixed chunk_size fits every kind, the connector's default (and a chunk of
-    one block, what the hybrid engine tests ask) does."""
+    larger blocks; no fixed chunk_size fits every kind, the connector's default (one block for
+    a model with state groups, what the hybrid engine tests ask too) does."""
     seen: dict[str, dict[str, int]] = {}
     mp = pytest.MonkeyPatch()
     try:
@@ -135,8 +135,7 @@ def test_hybrid_block_sizes_differ_by_kind_and_chunks_follow(tiny):
     cfg = ConnectorConfig.from_extra({}, {"PYTHONHASHSEED": "0"})
     for sizes in seen.values():
         for bs in sizes.values():
-            chunk = cfg.resolve_chunk_size(bs)
-            assert chunk % bs == 0 and 0 < chunk <= max(bs, 256)
+            assert cfg.resolve_chunk_size(bs, states=True) == bs  # hybrids: one block
     # the old fixed chunk sizes (granitemoehybrid 64, qwen3_next 160) are refused on the others
     old = ConnectorConfig.from_extra({"chunk_size": 64}, {"PYTHONHASHSEED": "0"})
     with pytest.raises(ConfigError, match="not a multiple of the KV cache block size 96"):

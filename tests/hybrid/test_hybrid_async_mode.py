@@ -3,7 +3,7 @@ restores stay synchronous (docs/architecture.md, Asynchronous restores) and stay
 same hit, every state page equal to the saved bytes, greedy tokens equal the reference.
 
 ``chunk_size`` is left out: the connector derives it from the block size vLLM chose on this CPU
-(logged at start), and the hit follows."""
+(one block for a model with state groups; logged at start), and the hit follows."""
 
 import pytest
 from hybrid_harness import block_size, run_hybrid
@@ -30,9 +30,9 @@ def test_hybrid_restores_stay_synchronous_in_async_mode(hybrid_models, gateway):
         {"op": "generate", "name": "restore", "prompts": [{"tokens": P2}, {"tokens": P1}]},
     ])
     bs = block_size(res)
-    chunk = max(bs, 256 // bs * bs)  # the connector's default
-    line = (f"XKV: chunk_size {chunk} tokens (default: the largest multiple of the block size "
-            f"not above 256; vLLM's KV cache block size {bs} tokens)")
+    chunk = bs  # the connector's default for a model with state groups: one block
+    line = (f"XKV: chunk_size {chunk} tokens (default: one block, states are restorable at chunk "
+            f"ends only; vLLM's KV cache block size {bs} tokens)")
     assert line in log
     r = {x["name"]: x for x in res["runs"]}
     ref = r["ref"]["tokens"]
