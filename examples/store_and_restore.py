@@ -197,6 +197,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=0,
                     help="tokens per stored object (default: the connector's, from the block size)")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefills each way (median)")
+    ap.add_argument("--json", help="also write every timing and the verdict to this file")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--phase", choices=["store", "restore"], help=argparse.SUPPRESS)
@@ -243,11 +244,16 @@ def main() -> None:
         ("with the restore from the card", str(r["cached"][0]), f"{med['restore_s']:.1f} ms",
          _ms_range(r["restore_s"])),
     ]))
-    _, lines = verdict(r["recompute_s"], r["restore_s"])
+    saved, lines = verdict(r["recompute_s"], r["restore_s"])
     for line in lines:
         print(line)
     same = all(t == r["tokens"][0] for t in r["tokens"])
     print(f"same first token: {same}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k not in ("phase", "port", "json")},
+             "store": s, "restore": r, "saved_ms_at_medians": saved, "verdict": lines,
+             "card": {k: st[k] for k in ("ready_objects", "ready_bytes")}}, indent=1))
     if (not r["cached"][0] or len(set(r["cached"])) != 1 or any(r["recompute_cached"])
             or not r["warm_restored"] or not same):
         raise SystemExit(f"the restore did not happen as expected: {r}")
