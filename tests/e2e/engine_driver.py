@@ -25,8 +25,7 @@ is built: patches of the engine process (``hook_skipping.py``).
 
 Extra-config keys for the driver only (removed before the engine sees them):
 ``xkv_test_prefix_caching: false`` builds the engine without prefix caching,
-``xkv_test_max_batched: n`` with ``max_num_batched_tokens=n``,
-``xkv_test_attention_backend: name`` with ``attention_backend=name`` (e.g. ``CPU_MLA``); a prompt's
+``xkv_test_max_batched: n`` with ``max_num_batched_tokens=n``; a prompt's
 ``"params": {"xkv_test_drop_state": true}`` has its state objects aborted instead of committed
 (its attention chunks are committed), as if dropped on the gateway.
 
@@ -245,8 +244,6 @@ def _build(sc, step, res=None, probe=False):
     kw = {"enable_prefix_caching": extra.pop("xkv_test_prefix_caching", True)}
     if "xkv_test_max_batched" in extra:  # a small chunked-prefill budget: several steps
         kw["max_num_batched_tokens"] = extra.pop("xkv_test_max_batched")
-    if "xkv_test_attention_backend" in extra:  # force vLLM's choice (e.g. CPU_MLA on AMX)
-        kw["attention_backend"] = extra.pop("xkv_test_attention_backend")
     if step.get("connector", True):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="FusIOnXConnector",
