@@ -1,5 +1,7 @@
 """Configuration validation: unknown keys, wrong types, ranges, PYTHONHASHSEED, port clash."""
 
+import math
+
 import pytest
 
 from xkv.connector.config import OPTIONS, ConfigError, ConnectorConfig
@@ -79,6 +81,72 @@ def test_chunk_size_must_be_block_multiple():
     with pytest.raises(ConfigError, match="multiple of the KV cache block size 32"):
         c.resolve_chunk_size(32)
     assert ConnectorConfig.from_extra({"chunk_size": 64}, ENV).resolve_chunk_size(32) == 64
+    # the block size an AVX512-BF16/AMX CPU gives a small hybrid (issue 22): refused, saying
+    # what works, before anything is stored
+    with pytest.raises(ConfigError) as e:
+        ConnectorConfig.from_extra({"chunk_size": 64}, ENV).resolve_chunk_size(96)
+    assert "chunk_size=64 is not a multiple of the KV cache block size 96" in str(e.value)
+    assert "use e.g. 96" in str(e.value) and "leave chunk_size out" in str(e.value)
+
+
+@pytest.mark.parametrize("sizes", [(16,), (32,), (96,), (288,), (160,), (64,), (4096,),
+                                   (256, 64, 8, 4), (96, 64), (288, 160), (3, 5), (1,)])
+def test_default_chunk_follows_the_block_sizes_vllm_chose(sizes):
+    """Without chunk_size: the largest multiple of the groups' lcm not above 256, at least one
+    lcm, whatever block sizes vLLM chose on this CPU (hybrid groups of different sizes too)."""
+    unit = math.lcm(*sizes)
+    chunk = ConnectorConfig.from_extra({}, ENV).resolve_chunk_size(*sizes)
+    assert all(chunk % b == 0 for b in sizes)
+    assert chunk == (unit if unit > 256 else 256 // unit * unit)
+    assert chunk + unit > 256 or chunk == unit  # no larger multiple fits under 256
+
+
+def test_default_chunk_examples():
+    c = ConnectorConfig.from_extra({}, ENV)
+    assert c.resolve_chunk_size(96, 64) == 192  # lcm 192
+    assert c.resolve_chunk_size(288, 160) == 1440  # lcm above 256: one lcm
+    assert c.resolve_chunk_size(256, 64, 8, 4) == 256  # DeepSeek-V4's groups
+    assert c.resolve_chunk_size(48, 48, 48) == 240
+
+
+@pytest.mark.parametrize("bs", [64, 96, 160, 288, 528, 640])
+def test_default_chunk_with_state_groups_is_one_block(bs):
+    """Hybrid models: one block whatever its size (a state is restorable at chunk ends only;
+    with 96-token blocks the attention default, 192, would miss the state a one-step prompt
+    leaves at its last full block, 288); an explicit value stays the user's."""
+    c = ConnectorConfig.from_extra({}, ENV)
+    assert c.resolve_chunk_size(bs, bs, states=True) == bs
+    assert ConnectorConfig.from_extra({"chunk_size": 2 * bs}, ENV).resolve_chunk_size(
+        bs, states=True) == 2 * bs
+    assert c.chunk_line(bs, bs, bs, states=True) == (
+        f"XKV: chunk_size {bs} tokens (default: one block, states are restorable at chunk ends "
+        f"only; vLLM's KV cache block size {bs} tokens)")
+
+
+def test_explicit_chunk_must_fit_every_group():
+    c = ConnectorConfig.from_extra({"chunk_size": 128}, ENV)
+    assert c.resolve_chunk_size(32, 64, 128) == 128
+    with pytest.raises(ConfigError) as e:
+        c.resolve_chunk_size(64, 96)
+    msg = str(e.value)
+    assert "chunk_size=128 is not a multiple of the KV cache block size 192" in msg
+    assert "lcm of the groups' block sizes 64, 96" in msg and "use e.g. 192" in msg
+    with pytest.raises(ConfigError, match="expected positive token counts"):
+        c.resolve_chunk_size(0)
+    with pytest.raises(ConfigError, match="expected positive token counts"):
+        c.resolve_chunk_size()
+
+
+def test_chunk_line_says_value_and_source():
+    d = ConnectorConfig.from_extra({}, ENV)
+    assert d.chunk_line(192, 96) == (
+        "XKV: chunk_size 192 tokens (default: the largest multiple of the block size not above "
+        "256; vLLM's KV cache block size 96 tokens)")
+    e = ConnectorConfig.from_extra({"chunk_size": 64}, ENV)
+    assert e.chunk_line(64, 32, 32) == (
+        "XKV: chunk_size 64 tokens (kv_connector_extra_config; vLLM's KV cache block size 32 "
+        "tokens)")
+    assert "block sizes 256, 64, 8, 4 (lcm 256)" in d.chunk_line(256, 256, 64, 8, 4)
 
 
 def test_port_clash_with_kv_events():

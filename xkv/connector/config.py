@@ -9,6 +9,7 @@ every key on the card, would change across restarts). ``docs/configuration.md`` 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -23,7 +24,9 @@ from xkv.gateway import transport
 # The gateway's defaults have one home, the gateway's transport module (its CLI reads them too).
 DEFAULT_GATEWAY_PORT = transport.DEFAULT_PORT
 DEFAULT_GATEWAY_HOST = transport.DEFAULT_HOST
-#: chunk_size when the key is absent: the largest multiple of the block size not above this.
+#: chunk_size when the key is absent: the largest multiple of the block size vLLM chose (the lcm
+#: of the groups' block sizes) not above this, at least one block; one block for models with
+#: recurrent-state groups (``resolve_chunk_size``).
 DEFAULT_CHUNK_TOKENS = 256
 
 #: Values of ``load_mode`` (``xkv.connector.async_loads``); the first is the default.
@@ -144,18 +147,37 @@ class ConnectorConfig:
             if not 0 < v <= 60_000:
                 raise ConfigError(f"{name}={v}: expected a deadline in (0, 60000] milliseconds")
 
-    def resolve_chunk_size(self, block_size: int) -> int:
-        """Tokens per stored object for a scheduler block size (tokens); a multiple of it."""
-        if block_size <= 0:
-            raise ConfigError(f"block size {block_size}: expected a positive token count")
+    def resolve_chunk_size(self, *block_sizes: int, states: bool = False) -> int:
+        """Tokens per stored object for the block sizes (tokens) vLLM chose for the KV cache
+        groups: a multiple of every one, i.e. of their lcm. Without ``chunk_size``: the largest
+        multiple of the lcm not above ``DEFAULT_CHUNK_TOKENS``, at least one lcm; one lcm when
+        the model has recurrent-state groups (``states``: a state is restorable only at a chunk
+        end, so a larger chunk only removes restore points). An explicit ``chunk_size`` that is
+        not a multiple is refused, naming a value that works."""
+        if not block_sizes or any(b <= 0 for b in block_sizes):
+            raise ConfigError(f"block sizes {list(block_sizes)}: expected positive token counts")
+        unit = math.lcm(*block_sizes)
         if self.chunk_size is None:
-            return max(block_size, DEFAULT_CHUNK_TOKENS // block_size * block_size)
-        if self.chunk_size % block_size:
+            return unit if states else max(unit, DEFAULT_CHUNK_TOKENS // unit * unit)
+        if self.chunk_size % unit:
+            sizes = "" if len(set(block_sizes)) == 1 else (
+                f" (the lcm of the groups' block sizes {', '.join(map(str, block_sizes))})")
             raise ConfigError(
                 f"chunk_size={self.chunk_size} is not a multiple of the KV cache block size "
-                f"{block_size}; use e.g. {max(block_size, self.chunk_size // block_size * block_size)}"
+                f"{unit}{sizes} vLLM chose; use e.g. {max(unit, self.chunk_size // unit * unit)}, "
+                "or leave chunk_size out to derive it from the block size"
             )
         return self.chunk_size
+
+    def chunk_line(self, chunk: int, *block_sizes: int, states: bool = False) -> str:
+        """The start-up log line (rank 0) saying which chunk size is used and why."""
+        unit = math.lcm(*block_sizes) if block_sizes else chunk
+        blocks = (f"block size {unit}" if len(set(block_sizes)) <= 1 else
+                  f"block sizes {', '.join(map(str, block_sizes))} (lcm {unit})")
+        why = ("kv_connector_extra_config" if self.chunk_size is not None else
+               "default: one block, states are restorable at chunk ends only" if states else
+               f"default: the largest multiple of the block size not above {DEFAULT_CHUNK_TOKENS}")
+        return f"XKV: chunk_size {chunk} tokens ({why}; vLLM's KV cache {blocks} tokens)"
 
     def check_fanout_groups(self, tp_size: int) -> None:
         """Explicit fan-out groups must name TP ranks that exist (once the TP size is known)."""

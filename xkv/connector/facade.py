@@ -106,7 +106,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._tp_rank = compat.tp_rank()
             self._worker = setup.worker_side(s, vllm_config, kv_cache_config, self._tp_rank)
-            self._runner_line = runner_line(vllm_config)
+            self._start_lines = [s.chunk_line, runner_line(vllm_config)]
 
     # ================================================================ scheduler role
 
@@ -158,7 +158,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         except LayoutError as e:
             raise LayoutError(f"{e} ({compat.layout_hint(self._kv_layout)})") from e
         if self._tp_rank == 0:
-            for line in [*lines, self._runner_line]:
+            for line in [*lines, *self._start_lines]:
                 log.info(line)
             for line in self._registry.describe_layout():
                 log.debug(line)

@@ -11,7 +11,6 @@ import here).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.keys import fingerprint
 from xkv.connector.loads import LoadOutcomes
-from xkv.connector.registry import Registry, build_registry
+from xkv.connector.registry import STATE_KINDS, Registry, build_registry
 from xkv.connector.saves import Saver
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import ConnectorStats
@@ -42,6 +41,7 @@ class Setup:
     cfg: ConnectorConfig
     registry: Registry
     fingerprints: list[str]
+    chunk_line: str  # the start-up line naming the chunk size and where it came from
     num_blocks: int  # blocks per KV cache tensor
     kv_layout: str | None  # the layout name vLLM resolved (enters every fingerprint)
     tp_size: int
@@ -63,14 +63,18 @@ def build(vllm_config: Any, kv_cache_config: Any, kv_transfer_config: Any) -> Se
     cfg.check_fanout_groups(tp)
     groups = vllm_specs.state_groups(vllm_config, kv_cache_config,
                                      vllm_specs.cache_groups(kv_cache_config))
-    # a chunk is a multiple of every group's block size (DeepSeek-V4: 256, 64, 8, 4 tokens)
-    chunk = cfg.resolve_chunk_size(math.lcm(*(g.block_size for g in groups)) if groups else 1)
+    # a chunk is a multiple of every group's block size (DeepSeek-V4: 256, 64, 8, 4 tokens),
+    # as vLLM chose them (they differ by CPU and backend): the default follows them
+    sizes = [g.block_size for g in groups] or [1]
+    states = any(g.kind in STATE_KINDS for g in groups)
+    chunk = cfg.resolve_chunk_size(*sizes, states=states)
     registry = build_registry(groups, tp_size=tp, pp_size=pp, chunk_size=chunk,
                               slot_alignment=cfg.slot_alignment_bytes)
     fps = [fingerprint({**compat.fingerprint_fields(vllm_config, kv_cache_config, p),
                         **vllm_specs.state_fields(kv_cache_config, p)})
            for p in registry.groups]
     return Setup(cfg=cfg, registry=registry, fingerprints=fps,
+                 chunk_line=cfg.chunk_line(chunk, *sizes, states=states),
                  num_blocks=kv_cache_config.num_blocks,
                  kv_layout=compat.kv_cache_layout(vllm_config, kv_cache_config),
                  tp_size=tp, world_size=world,
