@@ -6,7 +6,8 @@
 #   profile_llama   bench/profile_steps.py, Llama-3-8B shape, FLASH_ATTN, chunk 256, CUDA graphs:
 #                   none / xkv / offload, 2k and 16k: hook host time, CUDA events around every hook
 #                   (GPU position, stall on each layer's copy), a torch.profiler view per case
-#   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA)
+#   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA); profile_mla_xkv: xkv only
+#   gputests        pytest -m gpu of the tail fence and the CUDA transfer handler
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs   bench/e2e_ttft.py, every connector and the
 #                   correctness checks (logprobs vs no connector, verify child, gateway kill)
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
@@ -15,7 +16,7 @@ set -u
 OUT=${OUT:-out/issue24}
 mkdir -p "$OUT"
 eval "$(bash .gpucarry/install.sh)" >/dev/null 2>&1 || { echo "install of .gpucarry failed"; exit 1; }
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XKV_TIMING=1
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"
@@ -45,6 +46,11 @@ for spec in "$@"; do
   case $step in
     profile_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv,offload ;;
     profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
+    profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
+    gputests) mkdir -p "$OUT/$step"
+      timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
+        tests/connector/test_transfer.py > "$OUT/$step/pytest.txt" 2>&1
+      echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
