@@ -137,3 +137,27 @@ def test_no_compile_after_warmup(monkeypatch):
         K.restore(card, offs, pool, np.arange(n))
     torch.cuda.synchronize()
     assert compiled == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 6), n=st.integers(1, 3000), align=st.sampled_from([16, 4096]),
+       budget=st.sampled_from([4, 132]), data=st.data())
+def test_restore_groups_are_warmed(L, n, align, budget, data):
+    """A grouped (multi-layer) restore launch of any block count, for a layer group named in
+    ``restore_groups``, uses a warmed variant."""
+    g = Geometry(8, 4096, ((0, 4096),))
+    raw = torch.zeros(L * (g.extent + 512) + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * (g.extent + 512), g) for k in range(L)]
+    card = torch.zeros(4096 * 3, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :]
+    a = data.draw(st.integers(0, L - 2))
+    b = data.draw(st.integers(a + 2, L))
+    keys = K.warmup(pools, card, offset_alignment=align, max_programs=budget, engine="triton",
+                    restore_groups=[list(range(a, b))])
+    slots = np.array(data.draw(st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3)))
+    where = np.array(data.draw(st.lists(st.integers(0, slots.size - 1), min_size=n, max_size=n)))
+    offs = np.stack([slots[where] * align + (k * 8 + np.arange(n)) * 4096 for k in range(b - a)])
+    p = _launch.plan(pools[a:b], card, n=n, has_flat_off=True,
+                     flat_off_gcd=int(np.gcd.reduce(offs.ravel())), flat_base=0, save=False,
+                     sliced=False, lo=0, hi=n * 4096, max_programs=budget)
+    assert p.key in keys
