@@ -176,6 +176,10 @@ def state_check_class():
                 v.pending["restore"] = [x for x in v.pending["restore"]
                                         if x[2].kind != STATE_KIND]
 
+        def load_before_forward(self, names, card, offsets, pools, block_ids):
+            # blocks the step also writes (one attention/MLA group: no state pages among them)
+            self.inner.load_before_forward(names, card, offsets, pools, block_ids)
+
         def wait_layer(self, name):
             self.inner.wait_layer(name)
             if name in self.loads:

@@ -36,9 +36,11 @@ def by_group(jobs: Iterable[TransferJob]) -> dict[int, list[GroupTransfer]]:
 
 def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
           groups: Mapping[int, list[GroupTransfer]], pools: Mapping[str, Any],
-          stats: ConnectorStats, skip: Iterable[int] = ()) -> None:
+          stats: ConnectorStats, skip: Iterable[int] = (), *, fence_tail: bool = False) -> None:
     """Issue every group's restore of ``groups`` on ``handler`` (after its ``begin_loads``),
-    except the groups in ``skip`` (restored by NVLink fan-out); counts them all."""
+    except the groups in ``skip`` (restored by NVLink fan-out); counts them all.
+    ``fence_tail``: sync restores copy the blocks the step also writes before the forward
+    (``transfer.load_transfers``)."""
     skip = set(skip)
     for g, transfers in groups.items():
         plan = registry.groups[g]
@@ -46,7 +48,8 @@ def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
             n = sum(len(gt.block_ids) for gt in transfers)
         else:
             n = load_transfers(handler, plan, tp_rank, card, transfers,
-                               [pools[name] for name in plan.group.layer_names])
+                               [pools[name] for name in plan.group.layer_names],
+                               fence_tail=fence_tail)
         stats.add("blocks_restored", n)
         stats.add("bytes_restored", n * plan.group.bytes_all_layers)
 

@@ -63,6 +63,24 @@ class PageVerifier:
         log.info("XKV_VERIFY %s checked=%d mismatched=%d total_checked=%d total_mismatched=%d",
                  kind, checked, bad, self.checked[kind], self.mismatched[kind])
 
+    def record_tail(self, names, card, offsets, pools, block_ids) -> None:
+        """Poison and record a load of blocks the step's forward also writes
+        (``GroupTransfer.tail``; ``offsets`` int64 ``[L, n]``, ``pools[l]`` is layer
+        ``names[l]``) under their own tags, which :meth:`check_tail` compares before the forward
+        rewrites part of them."""
+        for i, pool in enumerate(pools):
+            self.poison(pool, block_ids)
+            self.record("restore", card, offsets[i], pool, block_ids, tail_tag(names[i]))
+
+    def check_tail(self, names) -> None:
+        """Compare what :meth:`record_tail` recorded for layers ``names`` (copies finished)."""
+        self.check("restore", {tail_tag(n) for n in names})
+
+
+def tail_tag(name: str) -> str:
+    """The verifier's tag of layer ``name``'s before-forward (tail) restores."""
+    return f"{name}#tail"
+
 
 def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) -> tuple[int, int]:
     """(blocks compared, blocks differing) between ``pool`` blocks ``ids`` and the ``block_bytes``

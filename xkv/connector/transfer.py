@@ -2,6 +2,8 @@
 
 Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`` prepared steps
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
+``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
+forward: ``load_transfers``' ``fence_tail``),
 ``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
@@ -121,6 +123,13 @@ class TransferHandler(abc.ABC):
         is layer ``names[l]``, ``block_ids`` int64 ``[n]`` (host)."""
 
     @abc.abstractmethod
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """:meth:`load_group` for blocks the step's forward also writes (``GroupTransfer.tail``):
+        every layer's copy lands before the forward starts (vLLM writes a layer's new KV before
+        its ``wait_for_layer_load``), no per-layer fence; ``verify_restores`` checks them at
+        once."""
+
+    @abc.abstractmethod
     def wait_layer(self, name: str) -> None:
         """What runs next on the compute stream waits for layer ``name``'s loads."""
 
@@ -186,6 +195,14 @@ class SyncTransferHandler(TransferHandler):
         for i in range(len(pools)):
             prep.launch(i)
         self._pending.update(names)
+
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """Inline, like every copy here; verified at once."""
+        if self.verifier is not None:
+            self.verifier.record_tail(names, card, offsets, pools, block_ids)
+        restore_all(card, offsets, pools, block_ids, "auto")
+        if self.verifier is not None:
+            self.verifier.check_tail(names)
 
     def wait_layer(self, name: str) -> None:
         self._pending.discard(name)
@@ -286,6 +303,22 @@ class CudaTransferHandler(TransferHandler):
             self._t[2] = time.perf_counter()
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
 
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """One launch for every layer (per page size) on the load stream, then the compute
+        stream waits for it (on the GPU) before the forward, so the forward's own KV of these
+        blocks lands after the copy. A few blocks: the wait is short."""
+        with torch.cuda.stream(self.load_stream):
+            if self.verifier is not None:
+                self.verifier.record_tail(names, card, offsets, pools, block_ids)
+            restore_all(card, offsets, pools, block_ids, self.load_engine)
+            ev = torch.cuda.Event()
+            ev.record(self.load_stream)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        if self.verifier is not None:
+            self.verifier.check_tail(names)
+        if self._t:
+            self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
+
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
         if ev is not None:
@@ -365,11 +398,39 @@ class CudaTransferHandler(TransferHandler):
         return ev
 
 
-def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools) -> int:
+def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools, *,
+                   fence_tail: bool = False) -> int:
     """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
     number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
     offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
-    The one home of the sync (worker) and async (``async_loads``) issue."""
+    The one home of the sync (worker) and async (``async_loads``) issue.
+
+    ``fence_tail`` (sync restores): the blocks the step also writes (``GroupTransfer.tail``) go
+    first, through ``handler.load_before_forward`` (complete before the forward); the rest get
+    per-layer fences as usual. Async restores finish before their request computes: no need."""
     blocks, offsets = copy_table(plan, tp_rank, transfers)
-    handler.load_group(plan.group.layer_names, card, offsets, pools, blocks)
-    return int(blocks.numel())
+    names, n = plan.group.layer_names, int(blocks.numel())
+    if fence_tail and any(gt.tail for gt in transfers):
+        tail = torch.zeros(n, dtype=torch.bool)
+        at = 0
+        for gt in transfers:
+            at += len(gt.block_ids)
+            tail[at - gt.tail:at] = True
+        handler.load_before_forward(names, card, offsets[:, tail], pools, blocks[tail])
+        blocks, offsets = blocks[~tail], offsets[:, ~tail]
+        if not blocks.numel():
+            return n
+    handler.load_group(names, card, offsets, pools, blocks)
+    return n
+
+
+def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
+    """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
+    per page size (the kernels take layers of one block size together), on the current
+    stream."""
+    sizes: dict[int, list[int]] = {}
+    for i, p in enumerate(pools):
+        sizes.setdefault(p.block_bytes, []).append(i)
+    for idx in sizes.values():
+        kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
+                               engine=engine)

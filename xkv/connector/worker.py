@@ -312,7 +312,7 @@ class WorkerSide:
         fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned)
+              skip=fanned, fence_tail=True)
         for g in groups:
             if g in fanned:
                 continue
