@@ -163,6 +163,9 @@ def state_check_class():
             self.inner, self.loads = inner, {}
             self.verifier = inner.verifier
 
+        def set_light_step(self, light):
+            self.inner.set_light_step(light)
+
         def begin_loads(self):
             self.inner.begin_loads()
 

@@ -1,6 +1,6 @@
 """A restore that ends inside a block (issue 24: a full hit restores every token but the last, so
 the step computes one token): the blocks the step's forward also writes (``GroupTransfer.tail``)
-are copied for every layer before the forward (``transfer.load_transfers(fence_tail=True)``),
+are copied for every layer before the forward (``loads.load_transfers(fence_tail=True)``),
 the others keep their per-layer fences; every byte is the card's, and the forward's own writes
 into a tail block are never overwritten by the copy.
 
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xkv.connector import transfer
+from xkv.connector import light_steps, loads, transfer
 from xkv.connector.metadata import ChunkRef, load_transfer
 from xkv.connector.registry import CacheGroup, build_registry
 from xkv.layout import describe_cache
@@ -87,7 +87,7 @@ def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, seed):
     if two and n < B:
         gts.insert(0, _transfer(ids[n:], 0, min(B - n, 2), objs[::-1], obj, 0))
     h = _Recorder(transfer.SyncTransferHandler(verify=True))
-    got = transfer.load_transfers(h, plan, 0, card, gts, pools, fence_tail=fence)
+    got = loads.load_transfers(h, plan, 0, card, gts, pools, fence_tail=fence)
     assert got == sum(len(gt.block_ids) for gt in gts)
     tails = [gt.block_ids[-1] for gt in gts if gt.tail] if fence else []
     body = [b for gt in gts for b in gt.block_ids if b not in tails]
@@ -113,7 +113,7 @@ def test_without_tail_nothing_changes():
     kvs, pools, plan, card, obj = _setup("cpu", 1)
     h = _Recorder(transfer.SyncTransferHandler())
     gt = _transfer(list(range(4)), 0, 4, [1, 0], obj, 0)
-    transfer.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
+    loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
     assert h.calls == [("layers", [0, 1, 2, 3])]
 
 
@@ -135,7 +135,7 @@ def test_cuda_forward_write_after_tail_copy_wins():
     gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 1)
     for _ in range(3):
         h.begin_loads()
-        transfer.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
+        loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
         for kv in kvs:  # the forward's own KV of the last token, before any wait_layer
             kv[n - 1, :, N - 1, :] = 1.5
         for name in NAMES:
@@ -147,3 +147,68 @@ def test_cuda_forward_write_after_tail_copy_wins():
             flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1).cpu()
             for i in range(n - 1):
                 assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("light", [False, True])
+def test_cuda_light_step_restores_in_layer_groups(light):
+    """A light step (few tokens computed) restores in ``load_layer_groups`` launches: every
+    layer's bytes are the card's, and each layer's fence is its group's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kvs, pools, plan, card, obj = _setup("cuda", 4)
+    h = transfer.CudaTransferHandler(torch.device("cuda"))
+    h.set_light_step(light)
+    n = 2 * K * 3
+    gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 0)
+    h.begin_loads()
+    loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
+    events = [h._events[name] for name in NAMES]
+    groups = light_steps.load_layer_groups(len(NAMES)) if light else [[i] for i in range(len(NAMES))]
+    assert len({id(e) for e in events}) == len(groups)
+    for name in NAMES:
+        h.wait_layer(name)
+    h.sync_loads()
+    torch.cuda.synchronize()
+    for layer, kv in enumerate(kvs):
+        flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1).cpu()
+        for i in range(n):
+            assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
+
+
+def test_layer_groups_cover_every_layer_once_and_end_with_single_layers():
+    for L in range(1, 70):
+        groups = light_steps.load_layer_groups(L)
+        assert [k for g in groups for k in g] == list(range(L))
+        assert len(groups[-1]) == 1 and len(groups) <= L.bit_length() + 1
+
+
+def test_light_step_threshold_and_group_mode(monkeypatch):
+    """A step computing at most ``LIGHT_STEP_TOKENS`` tokens is light (-1: unknown, never);
+    ``XKV_LOAD_GROUPS`` is ``auto`` by default, ``layer`` on request, anything else refused."""
+    n = light_steps.LIGHT_STEP_TOKENS
+    assert [light_steps.is_light(t) for t in (-1, 0, 1, n, n + 1)] == [False, True, True, True,
+                                                                        False]
+    monkeypatch.delenv("XKV_LOAD_GROUPS", raising=False)
+    assert light_steps.group_mode() == "auto"
+    monkeypatch.setenv("XKV_LOAD_GROUPS", "layer")
+    assert light_steps.group_mode() == "layer"
+    monkeypatch.setenv("XKV_LOAD_GROUPS", "halves")
+    with pytest.raises(ValueError, match="XKV_LOAD_GROUPS='halves'"):
+        light_steps.group_mode()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_warm_groups_name_the_light_and_tail_launches(grouped):
+    """The warmup's restore groups: per cache group its halving groups (``auto`` only) and all
+    its layers (a tail's launch), as indices into the registered caches' order."""
+    bb = 4096
+    reg = build_registry([CacheGroup(0, "attention", ("a0", "a1", "a2", "a3", "a4"), N, bb),
+                          CacheGroup(1, "attention", ("b0", "b1"), N, bb)],
+                         tp_size=1, pp_size=1, chunk_size=K * N)
+    names = ["b0", "a0", "a1", "b1", "a2", "a3", "a4"]
+    got = light_steps.warm_groups(reg, names, grouped=grouped)
+    a, b = [1, 2, 4, 5, 6], [0, 3]
+    halves = [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + [a] \
+        + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + [b]
+    assert got == (halves if grouped else [a, b])

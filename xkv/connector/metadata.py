@@ -32,7 +32,7 @@ class GroupTransfer:
     ``tail``: how many of the last ``block_ids`` of a load the same step also writes (0 or 1: a
     restore that ends inside a block, the rest of which vLLM computes). vLLM writes a layer's new
     KV before it calls that layer's ``wait_for_layer_load``, so a sync restore copies these
-    blocks of every layer before the forward starts (``transfer.load_transfers``); the step's
+    blocks of every layer before the forward starts (``loads.load_transfers``); the step's
     own values then win, never a late copy.
     """
 
@@ -109,6 +109,7 @@ class StepMetadata:
     async_loads: tuple[TransferJob, ...] = ()
     saves: tuple[TransferJob, ...] = ()
     epoch: int = 0
+    scheduled_tokens: int = -1  # tokens the step computes (-1: unknown); light_steps.is_light
     layout_ids: tuple[int, ...] = ()
     turned_off: bool = False
 

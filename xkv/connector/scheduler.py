@@ -284,6 +284,7 @@ class SchedulerSide:
             epoch=self.epoch,
             layout_ids=self.layout_ids,
             turned_off=self.turned_off,
+            scheduled_tokens=sum(so.num_scheduled_tokens.values()),
         )
 
     def update_connector_output(self, report: WorkerReport | None) -> None:

@@ -3,7 +3,7 @@
 Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`` prepared steps
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
 ``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
-forward: ``load_transfers``' ``fence_tail``),
+forward: ``loads.load_transfers``' ``fence_tail``),
 ``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
+from xkv.connector import light_steps
 from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
@@ -114,6 +115,12 @@ class TransferHandler(abc.ABC):
     verifier: PageVerifier | None = None
 
     @abc.abstractmethod
+    def set_light_step(self, light: bool) -> None:
+        """Before a step's :meth:`begin_loads`: whether the step computes few tokens
+        (``light_steps.is_light``), so its forward cannot hide the copies: a handler may then
+        restore in a few large launches (``light_steps.load_layer_groups``)."""
+
+    @abc.abstractmethod
     def begin_loads(self) -> None:
         """A batch of loads follows: order it after the compute stream's work so far."""
 
@@ -178,7 +185,12 @@ class SyncTransferHandler(TransferHandler):
 
     def __init__(self, verify: bool = False) -> None:
         self.verifier = _verifier(verify)
+        self.light_step = False
         self._pending: set[str] = set()  # layers loaded this step, not yet waited for
+
+    def set_light_step(self, light: bool) -> None:
+        """Kept (tests read it); inline copies have no launches or fences to save."""
+        self.light_step = light
 
     def begin_loads(self) -> None:
         return None
@@ -259,11 +271,16 @@ class CudaTransferHandler(TransferHandler):
     be read back by validation, a synchronisation that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
     ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
-    load stream from the first copy to the last (events), host time spent issuing them.
+    load stream from the first copy to the last (events), host time spent issuing them, of it the
+    time to plan (validate, upload) the copies, and the step's launches (before-forward ones aside).
+    A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
+    groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
     """
 
     def __init__(self, device: torch.device, verify: bool = False):
         self.device = device
+        self.light_step = False
+        self.grouped = light_steps.group_mode() == "auto"
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.load_engine = _engine("XKV_LOAD_ENGINE")
@@ -271,37 +288,53 @@ class CudaTransferHandler(TransferHandler):
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
         self._timing = os.environ.get("XKV_TIMING", "0") == "1"
-        self._t: list = []  # [start event, host start, host end of issue, bytes]
+        # [start event, host start, host end of issue, bytes, host plan seconds, launches]
+        self._t: list = []
         self._preps: list = []  # this step's prepared loads (see load_group)
+
+    def set_light_step(self, light: bool) -> None:
+        self.light_step = light
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._timing:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.load_stream)
-            self._t = [ev, time.perf_counter(), 0.0, 0]
+            self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0]
 
     def load_group(self, names, card, offsets, pools, block_ids) -> None:
         """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
         validated and planned once, every table in one upload, then per layer only a launch and
         its event, which :meth:`wait_layer` fences (no host work per layer: the fixed cost of a
-        restore step)."""
+        restore step). A light step of one page size: one launch and event per layer group."""
+        t0, groups = time.perf_counter(), None
+        if self.light_step and self.grouped and len({p.block_bytes for p in pools}) == 1:
+            groups = light_steps.load_layer_groups(len(pools))
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 for i, pool in enumerate(pools):
                     self.verifier.poison(pool, block_ids)
                     self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
-            prep = _prepare(lambda ps, offs: kernels.prepare_restore(
-                card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
-            for i, name in enumerate(names):
-                prep.launch(i)
+            if groups is None:
+                prep = _prepare(lambda ps, offs: kernels.prepare_restore(
+                    card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
+                groups = [[i] for i in range(len(pools))]
+            else:  # every layer of a group waits on the group's event
+                prep = kernels.prepare_restore(card, offsets, pools, block_ids,
+                                               engine=self.load_engine, layer_groups=groups)
+            if self._t:
+                self._t[4] += time.perf_counter() - t0
+            for g, idx in enumerate(groups):
+                prep.launch(g)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
-                self._events[name] = ev
+                for i in idx:
+                    self._events[names[i]] = ev
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         if self._t:
             self._t[2] = time.perf_counter()
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
+            self._t[5] += len(groups)
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
         """One launch for every layer (per page size) on the load stream, then the compute
@@ -350,10 +383,11 @@ class CudaTransferHandler(TransferHandler):
         self._events.clear()
         self._preps.clear()
         if end is not None:
-            start, h0, h1, nbytes = self._t
+            start, h0, h1, nbytes, plan_s, launches = self._t
             ms = start.elapsed_time(end)
-            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f GBps=%.1f", nbytes,
-                     ms, (h1 - h0) * 1e3, nbytes / ms / 1e6 if ms else 0.0)
+            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f plan_ms=%.2f "
+                     "launches=%d GBps=%.1f", nbytes, ms, (h1 - h0) * 1e3, plan_s * 1e3,
+                     launches, nbytes / ms / 1e6 if ms else 0.0)
             self._t = []
         if self.verifier is not None:
             self.verifier.check("restore")
@@ -396,32 +430,6 @@ class CudaTransferHandler(TransferHandler):
         ev.record(self.save_stream)
         torch.cuda.current_stream(self.device).wait_event(ev)
         return ev
-
-
-def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools, *,
-                   fence_tail: bool = False) -> int:
-    """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
-    number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
-    offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
-    The one home of the sync (worker) and async (``async_loads``) issue.
-
-    ``fence_tail`` (sync restores): the blocks the step also writes (``GroupTransfer.tail``) go
-    first, through ``handler.load_before_forward`` (complete before the forward); the rest get
-    per-layer fences as usual. Async restores finish before their request computes: no need."""
-    blocks, offsets = copy_table(plan, tp_rank, transfers)
-    names, n = plan.group.layer_names, int(blocks.numel())
-    if fence_tail and any(gt.tail for gt in transfers):
-        tail = torch.zeros(n, dtype=torch.bool)
-        at = 0
-        for gt in transfers:
-            at += len(gt.block_ids)
-            tail[at - gt.tail:at] = True
-        handler.load_before_forward(names, card, offsets[:, tail], pools, blocks[tail])
-        blocks, offsets = blocks[~tail], offsets[:, ~tail]
-        if not blocks.numel():
-            return n
-    handler.load_group(names, card, offsets, pools, blocks)
-    return n
 
 
 def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
