@@ -6,7 +6,9 @@ backends K and V share the last dim; byte pages are right for both.
 
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
-layer only. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
+layer only. Blocks the step's forward also writes (a full hit's partly restored last block,
+``GroupTransfer.tail``) land for every layer before the forward; a light step (few tokens
+computed, ``light_steps``) lets the handler restore in a few layer groups. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
 decorated op) are fenced in bulk inside ``start_load_kv`` instead, and a per-layer fence that
 did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk). MLA
 groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``, docs/fanout.md):
