@@ -6,7 +6,9 @@ backends K and V share the last dim; byte pages are right for both.
 
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
-layer only. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
+layer only. Blocks the step's forward also writes (a full hit's partly restored last block,
+``GroupTransfer.tail``) land for every layer before the forward; a light step (few tokens
+computed, ``light_steps``) lets the handler restore in a few layer groups. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
 decorated op) are fenced in bulk inside ``start_load_kv`` instead, and a per-layer fence that
 did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk). MLA
 groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``, docs/fanout.md):
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
+from xkv.connector import light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
@@ -211,18 +214,27 @@ class WorkerSide:
                                   lambda: self._handler_factory(device), restorer)
         cuda = device.type == "cuda"
         self.offpath.device = device if cuda else None
+        t0 = time.perf_counter()
         self.session.open(register_card=_register_card if cuda else None,
                           unregister_card=_unregister_card if cuda else None)
+        # start-up phases at INFO, each as it ends: a slow or stuck start shows where it is
+        log.info("XKV: gateway session opened (card mapped: %s) in %.1f s",
+                 self.session.card is not None, time.perf_counter() - t0)
         if cuda and self.pools:
             # Compile every copy variant now, so the first restore after start costs what later
-            # ones cost (Triton would compile on first use: ~250 ms on the H200). Zero-row
-            # launches: no byte of the caches or the card moves.
+            # ones cost (Triton would compile on first use: ~250 ms on the H200), the multi-layer
+            # ones of light steps and tails too. Zero-row launches: no byte of the caches or the
+            # card moves.
             t0 = time.perf_counter()
             align = min(p.slot_alignment for p in self.registry.groups)
+            groups = light_steps.warm_groups(self.registry, list(self.pools),
+                                             grouped=light_steps.group_mode() == "auto")
+            log.info("XKV: compiling copy kernels (%d caches, %d restore layer groups)",
+                     len(self.pools), len(groups))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
-                                      offset_alignment=max(1, align))
-            log.debug("xkv: %d copy-kernel variants compiled in %.2f s", len(variants),
-                      time.perf_counter() - t0)
+                                      offset_alignment=max(1, align), restore_groups=groups)
+            log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
+                     time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         return lines + self.registry.log_lines() + self.hooks.start_lines()
 
@@ -305,6 +317,9 @@ class WorkerSide:
             self.outcomes.fail_unusable(meta.loads)
             return
         t0 = time.perf_counter()
+        # a step that computes few tokens (a full hit computes one) cannot hide its copies under
+        # the forward: the handler may then use a few large launches instead of one per layer
+        self.handler.set_light_step(light_steps.is_light(meta.scheduled_tokens))
         self.handler.begin_loads()
         for job in meta.loads:
             self.outcomes.finished(job)
@@ -312,7 +327,7 @@ class WorkerSide:
         fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned)
+              skip=fanned, fence_tail=True)
         for g in groups:
             if g in fanned:
                 continue
