@@ -185,21 +185,23 @@ def test_layer_groups_cover_every_layer_once_and_end_with_single_layers():
 
 def test_light_step_threshold_and_group_mode(monkeypatch):
     """A step computing at most ``LIGHT_STEP_TOKENS`` tokens is light (-1: unknown, never);
-    ``XKV_LOAD_GROUPS`` is ``auto`` by default, ``layer`` on request, anything else refused."""
+    ``XKV_LOAD_GROUPS`` is ``layer`` by default (until a GPU run measured ``auto``), ``auto`` on
+    request, anything else refused."""
     n = light_steps.LIGHT_STEP_TOKENS
     assert [light_steps.is_light(t) for t in (-1, 0, 1, n, n + 1)] == [False, True, True, True,
                                                                         False]
     monkeypatch.delenv("XKV_LOAD_GROUPS", raising=False)
-    assert light_steps.group_mode() == "auto"
-    monkeypatch.setenv("XKV_LOAD_GROUPS", "layer")
     assert light_steps.group_mode() == "layer"
+    monkeypatch.setenv("XKV_LOAD_GROUPS", "auto")
+    assert light_steps.group_mode() == "auto"
     monkeypatch.setenv("XKV_LOAD_GROUPS", "halves")
     with pytest.raises(ValueError, match="XKV_LOAD_GROUPS='halves'"):
         light_steps.group_mode()
 
 
+@pytest.mark.parametrize("tails", [True, False])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_warm_groups_name_the_light_and_tail_launches(grouped):
+def test_warm_groups_name_the_light_and_tail_launches(grouped, tails):
     """The warmup's restore groups: per cache group its halving groups (``auto`` only) and all
     its layers (a tail's launch), as indices into the registered caches' order."""
     bb = 4096
@@ -207,8 +209,9 @@ def test_warm_groups_name_the_light_and_tail_launches(grouped):
                           CacheGroup(1, "attention", ("b0", "b1"), N, bb)],
                          tp_size=1, pp_size=1, chunk_size=K * N)
     names = ["b0", "a0", "a1", "b1", "a2", "a3", "a4"]
-    got = light_steps.warm_groups(reg, names, grouped=grouped)
+    got = light_steps.warm_groups(reg, names, grouped=grouped, tails=tails)
     a, b = [1, 2, 4, 5, 6], [0, 3]
-    halves = [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + [a] \
-        + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + [b]
-    assert got == (halves if grouped else [a, b])
+    ta, tb = ([a], [b]) if tails else ([], [])
+    halves = [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + ta \
+        + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + tb
+    assert got == (halves if grouped else ta + tb)

@@ -27,8 +27,8 @@ def is_light(scheduled_tokens: int) -> bool:
 
 
 def group_mode() -> str:
-    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups) or ``layer``."""
-    mode = os.environ.get("XKV_LOAD_GROUPS", "auto")
+    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups) or ``layer`` (default)."""
+    mode = os.environ.get("XKV_LOAD_GROUPS", "layer")
     if mode not in GROUP_MODES:
         raise ValueError(f"XKV_LOAD_GROUPS={mode!r}: expected one of {GROUP_MODES}")
     return mode
@@ -48,10 +48,12 @@ def load_layer_groups(n: int) -> list[list[int]]:
     return out
 
 
-def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool) -> list[list[int]]:
+def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool,
+                tails: bool = True) -> list[list[int]]:
     """The restore layer groups one launch copies together, as indices into ``pool_names`` (the
     registered caches, in the warmup's order): per cache group its light-step groups (when
-    ``grouped``) and all its layers (the tail's launch)."""
+    ``grouped``) and all its layers (the tail's launch, when ``tails``: full hits that end
+    inside a block, config ``full_hit_restore``)."""
     at = {name: i for i, name in enumerate(pool_names)}
     out: list[list[int]] = []
     for plan in registry.groups:
@@ -60,5 +62,6 @@ def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool) ->
             continue
         if grouped:
             out += [[idx[i] for i in g] for g in load_layer_groups(len(idx))]
-        out.append(idx)
+        if tails:
+            out.append(idx)
     return out

@@ -84,7 +84,7 @@ class SchedulerSide:
         # state spans tokens), restored by the worker's own copies (fan-out has no
         # before-forward fence)
         self._whole_prompt = (
-            not registry.multi_group and not cfg.fanout.enabled
+            cfg.full_hit_restore and not registry.multi_group and not cfg.fanout.enabled
             and all(p.group.kind in (kinds.ATTENTION, kinds.MLA) and not p.group.layer_bytes
                     for p in registry.groups))
         self._boundary = [g for g, p in enumerate(registry.groups) if p.at_boundary]

@@ -106,11 +106,14 @@ class WorkerSide:
         handler_factory: Callable[[torch.device], TransferHandler] | None = None,
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
+        full_hit_restore: bool = False,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
         self.registry = registry
         self.tp_rank = tp_rank
+        # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
+        self._warm_tails = full_hit_restore
         self._handler_factory = handler_factory or (lambda device: SyncTransferHandler())
         # (kv_caches, device) -> FanoutRestorer | None; collective over the TP group, so every rank
         # calls it exactly once, in register_kv_caches, whatever happens to its gateway
@@ -228,7 +231,8 @@ class WorkerSide:
             t0 = time.perf_counter()
             align = min(p.slot_alignment for p in self.registry.groups)
             groups = light_steps.warm_groups(self.registry, list(self.pools),
-                                             grouped=light_steps.group_mode() == "auto")
+                                             grouped=light_steps.group_mode() == "auto",
+                                             tails=self._warm_tails)
             log.info("XKV: compiling copy kernels (%d caches, %d restore layer groups)",
                      len(self.pools), len(groups))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
