@@ -139,10 +139,11 @@ def _install_checks(res: dict) -> None:
         admit(self, request, block_ids, num_external_tokens)
 
     def dropping_commit(self, layout_id, shard, keys, **kw):
-        drop = [k for k in keys if (layout_id, k) in checks.drop_keys]
+        # keys: the reservations' ChunkRefs (one type from lookup to commit); dropped by key
+        drop = [k for k in keys if (layout_id, k.key) in checks.drop_keys]
         if drop:  # as if the state object were dropped on the gateway: never visible
             self.abort(layout_id, shard, drop, **kw)
-        keep = [k for k in keys if (layout_id, k) not in checks.drop_keys]
+        keep = [k for k in keys if (layout_id, k.key) not in checks.drop_keys]
         return commit(self, layout_id, shard, keep, **kw) if keep else 0
 
     def checked_handler(device, verify=False):
