@@ -109,7 +109,8 @@ def test_cli_table_reads_like_a_table(busy_gateway):
     assert row.split()[-2:] == ["2", "xkv_gateway_miss_chunks_total"]
     r = subprocess.run([sys.executable, "-m", "xkv.gateway", "stats", "--port", "1",
                         "--timeout", "0.2"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "no reply" in r.stderr
+    # no gateway on port 1: exit 1 and a message naming the port and where it looked
+    assert r.returncode == 1 and "no xkv gateway" in r.stderr and "port 1" in r.stderr, r.stderr
 
 
 def test_dashboard_gateway_series_are_in_a_scrape(busy_gateway):
