@@ -163,6 +163,9 @@ def state_check_class():
             self.inner, self.loads = inner, {}
             self.verifier = inner.verifier
 
+        def set_light_step(self, light):
+            self.inner.set_light_step(light)
+
         def begin_loads(self):
             self.inner.begin_loads()
 
@@ -175,6 +178,10 @@ def state_check_class():
             if v is not None:  # checked here, before the forward, not after it
                 v.pending["restore"] = [x for x in v.pending["restore"]
                                         if x[2].kind != STATE_KIND]
+
+        def load_before_forward(self, names, card, offsets, pools, block_ids):
+            # blocks the step also writes (one attention/MLA group: no state pages among them)
+            self.inner.load_before_forward(names, card, offsets, pools, block_ids)
 
         def wait_layer(self, name):
             self.inner.wait_layer(name)

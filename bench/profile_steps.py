@@ -54,6 +54,11 @@ def _args(argv=None):
     ap.add_argument("--card-gib", type=float, default=16.0)
     ap.add_argument("--offload-gib", type=float, default=16.0)
     ap.add_argument("--port", type=int, default=5611)
+    ap.add_argument("--runner", choices=("v1", "v2", "default"), default="default",
+                    help="VLLM_USE_V2_MODEL_RUNNER in the children (default: unset, vLLM's choice)")
+    ap.add_argument("--xkv-extra", default="{}",
+                    help="JSON merged into xkv's kv_connector_extra_config (e.g. load_mode)")
+    ap.add_argument("--tag", default="", help="label of this run in the report (e.g. before/after)")
     ap.add_argument("--traces", action="store_true", help="keep gzipped chrome traces")
     ap.add_argument("--child-timeout", type=float, default=300.0)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -62,14 +67,28 @@ def _args(argv=None):
 
 # ----------------------------------------------------------------------------------------- child
 class HookClock:
-    """Host time per hook, accumulated until :meth:`take`."""
+    """Host time per hook, accumulated until :meth:`take`; with CUDA, a pair of CUDA events on
+    the current (compute) stream around every call (not while a graph is being captured): the
+    entry event says when the compute stream reached the hook, the exit event when it got past
+    it, so ``exit - entry`` of ``wait_for_layer_load`` is the GPU time the forward stalled on
+    that layer's copy (the host wait is separate: ``ms``)."""
 
     def __init__(self):
         self.t = collections.defaultdict(float)
         self.n = collections.Counter()
+        self.ev: list = []  # (name, host t0, host t1, entry event, exit event)
 
     def wrap(self, cls):
         import torch
+
+        cuda = torch.cuda.is_available()
+
+        def mark():
+            if not cuda or torch.cuda.is_current_stream_capturing():
+                return None
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
 
         for name in HOOKS:
             fn = cls.__dict__.get(name)
@@ -84,11 +103,16 @@ class HookClock:
             def make(fn=fn, name=name):
                 @functools.wraps(fn)
                 def timed(*a, **k):
+                    e0 = mark()
                     t0 = time.perf_counter()
                     with torch.profiler.record_function(f"xkv::{name}"):
                         r = fn(*a, **k)
-                    self.t[name] += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    e1 = mark()
+                    self.t[name] += t1 - t0
                     self.n[name] += 1
+                    if e0 is not None and e1 is not None:
+                        self.ev.append((name, t0, t1, e0, e1))
                     return r
                 return timed
 
@@ -96,7 +120,25 @@ class HookClock:
 
     def take(self):
         out = {k: {"ms": round(v * 1e3, 3), "calls": self.n[k]} for k, v in self.t.items()}
-        self.t.clear(), self.n.clear()
+        if self.ev:
+            import torch
+
+            torch.cuda.synchronize()
+            _, h0, _, g0, _ = self.ev[0]
+            per: dict = {}
+            for name, t0, t1, e0, e1 in self.ev:
+                d = per.setdefault(name, {"gpu_stall_ms": 0.0, "host_first_ms": None,
+                                          "gpu_first_ms": None})
+                d["gpu_stall_ms"] += e0.elapsed_time(e1)
+                if d["host_first_ms"] is None:
+                    d["host_first_ms"] = (t0 - h0) * 1e3
+                    d["gpu_first_ms"] = g0.elapsed_time(e0)
+                d["host_last_ms"] = (t1 - h0) * 1e3
+                d["gpu_last_ms"] = g0.elapsed_time(e1)
+            for name, d in per.items():
+                if name in out:
+                    out[name].update({k: round(v, 3) for k, v in d.items()})
+        self.t.clear(), self.n.clear(), self.ev.clear()
         return out
 
 
@@ -114,7 +156,8 @@ def _engine(a, kind, mode, max_len):
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size}}
+            "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size,
+                                          **json.loads(a.xkv_extra)}}
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"cpu_bytes_to_use": int(a.offload_gib * 2**30)}}
@@ -150,22 +193,70 @@ def _gpu_view(trace_path: str) -> dict:
     main = max(by_stream, key=lambda s: len(by_stream[s]))
     start = min(s for s, _ in sum(by_stream.values(), []))
     end = max(t for _, t in sum(by_stream.values(), []))
+    main_iv = _merge(by_stream[main])
     streams = {}
     for s, iv in by_stream.items():
         busy, gaps = union(iv)
-        streams[str(s)] = {"events": len(iv), "busy_ms": round(busy / 1e3, 3),
-                           "first_ms": round((min(a for a, _ in iv) - start) / 1e3, 3),
-                           "last_ms": round((max(b for _, b in iv) - start) / 1e3, 3)}
+        st = {"events": len(iv), "busy_ms": round(busy / 1e3, 3),
+              "first_ms": round((min(a for a, _ in iv) - start) / 1e3, 3),
+              "last_ms": round((max(b for _, b in iv) - start) / 1e3, 3),
+              "idle_ms": round(sum(gaps) / 1e3, 3)}
+        gaps = sorted(gaps, reverse=True)
+        st.update(gaps_over_100us=sum(1 for g in gaps if g > 100),
+                  largest_gaps_ms=[round(g / 1e3, 3) for g in gaps[:6]])
         if s == main:
-            gaps = sorted(gaps, reverse=True)
-            streams[str(s)].update(compute=True, idle_ms=round(sum(gaps) / 1e3, 3),
-                                   gaps_over_100us=sum(1 for g in gaps if g > 100),
-                                   largest_gaps_ms=[round(g / 1e3, 3) for g in gaps[:8]])
+            st["compute"] = True
+        else:  # how much of this stream's work ran while the compute stream was busy
+            st["overlap_with_compute_ms"] = round(_overlap(_merge(iv), main_iv) / 1e3, 3)
+        streams[str(s)] = st
+    # copies: xkv's Triton page copies (kernels) and copy-engine transfers (memcpy events)
+    copies = collections.defaultdict(lambda: {"n": 0, "ms": 0.0, "bytes": 0})
+    for e in gpu:
+        name, args = str(e.get("name", "")), e.get("args", {})
+        if e.get("cat") == "gpu_memcpy":
+            key = "memcpy " + (name.split()[1] if len(name.split()) > 1 else name)
+        elif "page_copy" in name or "swap_blocks" in name or "copy_kernel" in name:
+            key = "kernel " + name[:40]
+        else:
+            continue
+        c = copies[key]
+        c["n"] += 1
+        c["ms"] += e["dur"] / 1e3
+        c["bytes"] += int(args.get("bytes", 0) or 0)
+    for c in copies.values():
+        c["ms"] = round(c["ms"], 3)
+        if c["bytes"] and c["ms"]:
+            c["GBps_busy"] = round(c["bytes"] / c["ms"] / 1e6, 1)
     hooks = collections.defaultdict(float)
     for e in host:
         hooks[e["name"][5:]] += e["dur"] / 1e3
     return {"gpu_span_ms": round((end - start) / 1e3, 3), "streams": streams,
+            "copies": dict(copies),
             "hook_host_ms_in_trace": {k: round(v, 3) for k, v in hooks.items()}}
+
+
+def _merge(iv):
+    out = []
+    for s, t in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return out
+
+
+def _overlap(a, b) -> float:
+    """Length of the intersection of two sorted, merged interval lists."""
+    i = j = 0
+    tot = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        tot += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
 
 
 def _child(a):
@@ -259,8 +350,11 @@ def _parent(a):
                 from xkv.gateway.testing import spawn_gateway
 
                 gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=200.0)
-            env = dict(os.environ, PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0",
-                       VLLM_ENABLE_V1_MULTIPROCESSING="0", XKV_GATEWAY_HOSTNAME="127.0.0.1")
+            env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       XKV_GATEWAY_HOSTNAME="127.0.0.1", XKV_TIMING="1")
+            env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+            if a.runner != "default":
+                env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{kind}:{mode}"]
             t = time.perf_counter()
             try:
@@ -270,16 +364,21 @@ def _parent(a):
                 text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 text += "\nTIMEOUT"
             logs.append(f"===== {kind}:{mode} ({time.perf_counter() - t:.0f} s)\n" + text[-20000:])
+            timing = [ln.split("XKV_TIMING", 1)[1].strip() for ln in text.splitlines()
+                      if "XKV_TIMING" in ln]
             for line in text.splitlines():
                 if line.startswith("PROFILE_RESULT "):
-                    results.append(json.loads(line.split(" ", 1)[1]))
+                    r = json.loads(line.split(" ", 1)[1])
+                    r.update(tag=a.tag, model=a.model, backend=a.backend, runner=a.runner,
+                             xkv_timing=timing)
+                    results.append(r)
             print(f"[{kind}:{mode}] {time.perf_counter() - t:.0f} s, results {len(results)}", flush=True)
             if gw is not None:
                 from xkv.gateway.testing import stop_gateway
 
                 stop_gateway(gw)
             (out / "profile.json").write_text(json.dumps(results, indent=1))
-    (out / "children.log").write_text("\n".join(logs))
+            (out / "children.log").write_text("\n".join(logs))
     if a.traces:
         with tarfile.open(out / "traces.tar.gz", "w") as tf:
             for f in sorted(out.glob("trace_*.json.gz")):
@@ -293,7 +392,8 @@ def _report(results, out):
 
     lines = []
     for r in results:
-        lines.append(f"### {r['kind']} / {r['mode']} (engine start {r['engine_start_s']} s; first run after start: {r['first']})")
+        lines.append(f"### {r.get('tag', '')} {Path(r.get('model', '?')).name} {r.get('backend', '')} "
+                     f"runner {r.get('runner', '?')}: {r['kind']} / {r['mode']} (engine start {r['engine_start_s']} s; first run after start: {r['first']})")
         lines.append("| phase | tokens | ms (median) | cached | host ms per request in hooks (median) |")
         lines.append("|---|---|---|---|---|")
         groups = collections.defaultdict(list)
@@ -308,6 +408,13 @@ def _report(results, out):
             hk = ", ".join(f"{k} {statistics.median(v):.2f} ({rs[0]['hooks'].get(k, {}).get('calls', 0)} calls)"
                            for k, v in sorted(hooks.items(), key=lambda kv: -statistics.median(kv[1])) if statistics.median(v) >= 0.05)
             lines.append(f"| {phase} | {n} | {statistics.median(x['ms'] for x in rs):.1f} | {rs[0]['cached']} | {hk} |")
+            gp = []  # GPU-side position of the hooks (first rep): when the compute stream got there
+            for k, v in sorted(rs[0]["hooks"].items(), key=lambda kv: kv[1].get("gpu_first_ms") or 0):
+                if "gpu_first_ms" in v:
+                    gp.append(f"{k}: host {v['host_first_ms']:.2f}-{v['host_last_ms']:.2f}, GPU "
+                              f"{v['gpu_first_ms']:.2f}-{v['gpu_last_ms']:.2f}, stall {v['gpu_stall_ms']:.2f}")
+            if gp:
+                lines.append(f"|  | {n} | hooks, ms from the first hook (rep 0) | | {'; '.join(gp)} |")
         for row in r["rows"]:
             if "profiled" in row["phase"]:
                 g = row.get("gpu", {})
@@ -317,6 +424,15 @@ def _report(results, out):
                              f"compute stream busy {comp.get('busy_ms')} idle {comp.get('idle_ms')} ms "
                              f"(gaps>100us {comp.get('gaps_over_100us')}, largest {comp.get('largest_gaps_ms')}), "
                              f"other streams (id, busy ms, events) {other}, hook host ms {g.get('hook_host_ms_in_trace')}")
+                for k, st in g.get("streams", {}).items():
+                    if not st.get("compute"):
+                        lines.append(f"  - stream {k}: busy {st['busy_ms']} ms, first {st['first_ms']} last "
+                                     f"{st['last_ms']}, overlap with compute {st.get('overlap_with_compute_ms')} ms, "
+                                     f"largest gaps {st['largest_gaps_ms']}")
+                if g.get("copies"):
+                    lines.append(f"  - copies: {g['copies']}")
+        if r.get("xkv_timing"):
+            lines.append("- XKV_TIMING (last 8): " + " | ".join(r["xkv_timing"][-8:]))
         lines.append("")
     text = "\n".join(lines)
     (out / "profile.md").write_text(text + "\n")

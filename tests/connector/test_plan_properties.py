@@ -1,10 +1,11 @@
 """Load plans for any prompt length, local hit, block and chunk size (hypothesis, no vLLM).
 
 Invariants: never more than num_tokens - 1 - local tokens; a hit ends on a chunk boundary, or,
-when the stored prefix reaches the last token, on the last whole block before it (vLLM computes
-at least that token; issue 13: restore every block it lets us, not a chunk less); the
-job names exactly the blocks [local, local + ext) in order, each with its chunk's key and its
-position inside the chunk; vLLM asking twice costs one message.
+when the stored prefix reaches the last token, right before it (vLLM computes at least that
+token; issue 24: restore every token it lets us, so a full hit computes one token, as vLLM's
+own asynchronous full hits do); the job names exactly the blocks holding tokens
+[local, local + ext) in order, each with its chunk's key and its position inside the chunk, and
+marks a last block the step also writes as its tail; vLLM asking twice costs one message.
 """
 
 import random
@@ -61,12 +62,10 @@ def test_plan_geometry(bs, k, n, stored_frac, local_frac, seed):
     assert len([x for x in gw.messages[n0:] if x[0] == "lookup"]) <= 1
     start, stop = local // chunk, full
     hits = max(0, min(m, stop) - start)
-    last_block = (n - 1) // bs * bs
-    assert ext == max(0, min((start + hits) * chunk, last_block) - local)
+    assert ext == max(0, min((start + hits) * chunk, n - 1) - local)
     assert 0 <= ext <= max(0, n - 1 - local)
     if ext:
-        assert (local + ext) % bs == 0
-        assert (local + ext) % chunk == 0 or local + ext == last_block
+        assert (local + ext) % chunk == 0 or local + ext == n - 1
     ids = list(range(1, -(-n // bs) + 1))
     random.Random(seed).shuffle(ids)
     s.update_state_after_alloc(req, [ids], ext)
@@ -76,8 +75,9 @@ def test_plan_geometry(bs, k, n, stored_frac, local_frac, seed):
         return
     (job,) = meta.loads
     (gt,) = job.groups
-    first, last = local // bs, (local + ext) // bs
+    first, last = local // bs, -(-(local + ext) // bs)
     assert list(gt.block_ids) == ids[first:last]
+    assert gt.tail == int((local + ext) % bs != 0)  # a partly restored last block
     for pos, (ci, j) in enumerate(zip(gt.chunk_of, gt.block_in_chunk, strict=True)):
         b = first + pos
         assert j == b % k and gt.chunks[ci].key == hashes[(b // k + 1) * k - 1]

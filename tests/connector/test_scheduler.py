@@ -51,11 +51,16 @@ def _loads(metas):
     return [j for m in metas for j in m.loads]
 
 
-@pytest.mark.parametrize("n,expect", [(300, 256), (200, 192), (256, 224), (65, 64), (64, 32), (40, 0)])
-def test_store_then_restore(make, fake_gateway, n, expect):
+@pytest.mark.parametrize("full_hit,n,expect", [
+    (False, 300, 256), (False, 200, 192), (False, 256, 224), (False, 65, 64), (False, 64, 32),
+    (False, 40, 0),
+    (True, 300, 256), (True, 200, 192), (True, 256, 255), (True, 65, 64), (True, 64, 63),
+    (True, 40, 0)])
+def test_store_then_restore(make, fake_gateway, full_hit, n, expect):
     """Full chunks are saved; a fresh prefix cache restores the longest stored prefix, never
-    the whole prompt (at most n - 1 tokens), and vLLM schedules only the rest."""
-    s = make()
+    the whole prompt (at most n - 1 tokens; ``full_hit_restore``: a full hit computes one token,
+    issue 24, else whole blocks only), and vLLM schedules only the rest."""
+    s = make(extra={**EXTRA, "full_hit_restore": full_hit})
     metas = _run(s, fake_gateway, H.make_request("a", _prompt(n)))
     saved = sum(len(gt.chunks) for m in metas for j in m.saves for gt in j.groups)
     assert saved == n // CHUNK
@@ -69,8 +74,10 @@ def test_store_then_restore(make, fake_gateway, n, expect):
     if expect:
         (job,) = loads
         (gt,) = job.groups
-        assert len(gt.block_ids) == expect // 32 and job.num_tokens == expect
-        assert list(gt.block_in_chunk) == [i % 2 for i in range(expect // 32)]
+        nb = -(-expect // 32)  # a partly restored last block counts
+        assert len(gt.block_ids) == nb and job.num_tokens == expect
+        assert list(gt.block_in_chunk) == [i % 2 for i in range(nb)]
+        assert gt.tail == int(expect % 32 != 0)
     else:
         assert not loads
     st = H.LAST_STATS.connector_prefix_cache_stats

@@ -69,6 +69,29 @@ def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n):
     assert st["bytes_restored"] == expect // bs * len(c2) * H.page(c2[next(iter(c2))], 0).numel()
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
+def test_full_hit_restores_all_but_the_last_token(fake_gateway, llama_dir, mla):
+    """Issue 24: a stored prompt is restored up to its last token (the last block partly, fenced
+    before the forward), the step computes one token and is a light step for the handler
+    (``full_hit_restore``: off by default until a GPU run has verified it)."""
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+    n = 4 * CHUNK
+    p = _prompt(n)
+    _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
+    s2, w2, c2, _ = _engine(llama_dir, mla=mla, extra={"full_hit_restore": True})
+    r = H.make_request("b", p, block_size=bs)
+    s2.add_request(r)
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    assert so.num_scheduled_tokens["b"] == 1 and not out.invalid_block_ids
+    assert meta.scheduled_tokens == 1 and w2._worker.handler.light_step
+    (gt,) = meta.loads[0].groups
+    assert len(gt.block_ids) == n // bs and gt.tail == 1
+    for i, bid in enumerate(gt.block_ids):
+        for name, kv in c2.items():
+            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
+            assert torch.equal(H.page(kv, bid), want), (name, i)
+
+
 def test_registration_log_lines(fake_gateway, llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="xkv"):
         logging.getLogger("xkv").propagate = True

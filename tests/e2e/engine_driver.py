@@ -172,6 +172,13 @@ class _CheckedHandler:
         for name, offs, pool in zip(names, offsets, pools, strict=True):
             self.loads.setdefault(name, []).append((card, offs.clone(), pool, block_ids.clone()))
 
+    def load_before_forward(self, names, card, offsets, pools, block_ids):
+        # blocks the step also writes (a partly restored last block): checked now, before the
+        # forward rewrites part of them
+        self.inner.load_before_forward(names, card, offsets, pools, block_ids)
+        for offs, pool in zip(offsets, pools, strict=True):
+            self.checks.compare("load", card, offs.clone(), pool, block_ids.clone())
+
     def wait_layer(self, name):
         self.inner.wait_layer(name)
         for args in self.loads.pop(name, ()):

@@ -235,3 +235,63 @@ def test_prepared_gpu_on_a_side_stream(engine, source):
     expect = torch.full_like(data, POISON)
     oracle(raw_cpu, pools_over(raw_cpu, geoms, offsets), expect, offs, ids, save=True)
     assert torch.equal(out.cpu(), expect)
+
+
+def _groups(L: int, data) -> list[list[int]]:
+    """A drawn split of range(L) into runs of consecutive layers."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, L - 1)), max_size=L - 1)) if L > 1
+                  else [])
+    bounds = [0, *cuts, L]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@given(job=layer_jobs(save=False), seed=st.integers(0, 2**16), data=st.data())
+def test_prepared_restore_in_layer_groups(engine, job, seed, data):
+    """``layer_groups``: ``launch(g)`` writes exactly group g's layers (one launch for a group of
+    one geometry on Triton, per layer otherwise), bit-exact, poisoned elsewhere."""
+    geoms, offsets, ids, offs, flat_size = job
+    groups = _groups(len(geoms), data)
+    raw = torch.full((layers_buffer_size(geoms, offsets),), POISON, dtype=torch.uint8)
+    flat = random_bytes(flat_size, seed)
+    prep = K.prepare_restore(flat, torch.from_numpy(offs), pools_over(raw, geoms, offsets),
+                             torch.from_numpy(ids), engine=engine, max_programs=3,
+                             layer_groups=groups)
+    assert len(prep) == len(groups)
+    some = _launch_some(prep, data)
+    done = sorted(k for g in some for k in groups[g])
+    expect = torch.full_like(raw, POISON)
+    epools = pools_over(expect, geoms, offsets)
+    oracle(expect, [epools[k] for k in done], flat, offs[done], ids, save=False)
+    assert torch.equal(raw, expect)
+
+
+def test_grouped_triton_is_one_launch_per_group(monkeypatch):
+    """Layers of one geometry in a group: a single kernel launch for the group."""
+    g = Geometry(6, 64, ((0, 32),))
+    raw = torch.full((4 * g.extent + 64,), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * 4, [k * (g.extent + 16) for k in range(4)])
+    flat = random_bytes(4 * 3 * 32, 5)
+    offs = np.arange(12, dtype=np.int64).reshape(4, 3) * 32
+    calls = []
+    real = _launch.Launch.__call__
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: (calls.append(1), real(self)))
+    prep = K.prepare_restore(flat, offs, pools, [5, 0, 2], engine="triton",
+                             layer_groups=[[0, 1, 2], [3]])
+    prep.launch(0)
+    prep.launch(1)
+    assert len(calls) == 2
+    for k, p in enumerate(pools):
+        for i, b in enumerate([5, 0, 2]):
+            assert torch.equal(p.run_view(0)[b], flat[offs[k, i]:offs[k, i] + 32])
+
+
+@pytest.mark.parametrize("groups", [[[0], [2], [1]], [[0, 1]], [[0], []], [[0, 1, 2, 3]]])
+def test_layer_groups_must_split_the_layers_in_order(groups):
+    g = Geometry(4, 64, ((0, 32),))
+    raw = torch.full((3 * g.extent,), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * 3, [k * g.extent for k in range(3)])
+    with pytest.raises(ValueError, match="layer_groups must split range"):
+        K.prepare_restore(random_bytes(96, 1), np.zeros((3, 1), np.int64), pools, [0],
+                          engine="reference", layer_groups=groups)
+    assert torch.equal(raw, torch.full_like(raw, POISON))

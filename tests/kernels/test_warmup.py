@@ -137,3 +137,53 @@ def test_no_compile_after_warmup(monkeypatch):
         K.restore(card, offs, pool, np.arange(n))
     torch.cuda.synchronize()
     assert compiled == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(2, 6), n=st.integers(1, 3000), align=st.sampled_from([16, 4096]),
+       budget=st.sampled_from([4, 132]), data=st.data())
+def test_restore_groups_are_warmed(L, n, align, budget, data):
+    """A grouped (multi-layer) restore launch of any block count, for a layer group named in
+    ``restore_groups``, uses a warmed variant."""
+    g = Geometry(8, 4096, ((0, 4096),))
+    raw = torch.zeros(L * (g.extent + 512) + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * (g.extent + 512), g) for k in range(L)]
+    card = torch.zeros(4096 * 3, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :]
+    a = data.draw(st.integers(0, L - 2))
+    b = data.draw(st.integers(a + 2, L))
+    keys = K.warmup(pools, card, offset_alignment=align, max_programs=budget, engine="triton",
+                    restore_groups=[list(range(a, b))])
+    slots = np.array(data.draw(st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3)))
+    where = np.array(data.draw(st.lists(st.integers(0, slots.size - 1), min_size=n, max_size=n)))
+    offs = np.stack([slots[where] * align + (k * 8 + np.arange(n)) * 4096 for k in range(b - a)])
+    p = _launch.plan(pools[a:b], card, n=n, has_flat_off=True,
+                     flat_off_gcd=int(np.gcd.reduce(offs.ravel())), flat_base=0, save=False,
+                     sliced=False, lo=0, hi=n * 4096, max_programs=budget)
+    assert p.key in keys
+
+
+@pytest.mark.parametrize("L", [5, 16, 32])
+def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monkeypatch):
+    """What the connector launches for a light step (halving layer groups) and for a partly
+    restored last block (every layer in one launch) uses variants the worker's warmup ran."""
+    from xkv.connector.light_steps import load_layer_groups
+
+    g = Geometry(40, 4096, ((0, 4096),))
+    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
+    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    groups = load_layer_groups(L)
+    keys = K.warmup(pools, card, engine="triton", restore_groups=groups + [list(range(L))])
+    seen = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
+    for n in (1, 3, 16, 40):
+        ids = np.arange(n)[::-1].copy()
+        slot = np.arange(n, dtype=np.int64) * 4096  # a chunk object: layer-major, n blocks each
+        offs = np.stack([k * n * 4096 + slot for k in range(L)])
+        prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups)
+        for i in range(len(prep)):
+            prep.launch(i)
+        K.restore_layers(card, offs[:, :1], pools, ids[:1], engine="triton")
+    assert seen and set(seen) <= keys

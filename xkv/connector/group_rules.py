@@ -2,7 +2,8 @@
 which of a step's chunks a group saves. The scheduler (loads) and the save planner call
 ``rule_of(plan)`` instead of testing the group's kind at each step.
 
-* prefix groups (attention, MLA, compressed MLA): every chunk of a hit is read; every chunk the
+* prefix groups (attention, MLA, compressed MLA): every chunk of a hit is read (a hit ending
+  inside a block reads that block too, as the transfer's ``tail``); every chunk the
   step completed (and the lookup did not find stored) is saved, all ``k`` blocks;
 * window groups (``windows.py``): only the hit's last chunk's object is read, into the blocks vLLM
   keeps real; the window's tail is saved at each chunk end whose tail blocks are all held;
@@ -33,17 +34,21 @@ class _Prefix:
 
     def load(self, g: int, plan: GroupPlan, ids: Sequence[int], lk: Any, ext: int,
              req_id: str) -> GroupTransfer | None:
-        """Blocks ``[local, local + ext)`` of the hit, chunk by chunk."""
+        """The blocks holding tokens ``[local, local + ext)`` of the hit, chunk by chunk; a hit
+        that ends inside a block (a full hit of a single attention group, restored up to the
+        last prompt token) includes that block as the transfer's ``tail``."""
         bs, k = plan.group.block_size, plan.blocks_per_chunk
-        first, last = lk.local // bs, (lk.local + ext) // bs
+        end = lk.local + ext
+        first, last = lk.local // bs, -(-end // bs)  # a partly restored last block included
         if last > len(ids):
             raise RuntimeError(
                 f"xkv: request {req_id} group {g}: {len(ids)} blocks allocated, "
-                f"{last} needed for {lk.local + ext} tokens"
+                f"{last} needed for {end} tokens"
             )
         return load_transfer(
             g, ids, first, last, k,
-            lambda c: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start]))
+            lambda c: ChunkRef.at(lk.keys[c - lk.start], lk.slots[g][c - lk.start]),
+            tail=int(end % bs != 0))
 
     def saves(self, plan: GroupPlan, ids: Sequence[int], new: range, cands: list[int],
               computed: int, n_sched: int, prompt: int, hashed: int) -> SavePlan:

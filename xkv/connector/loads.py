@@ -1,6 +1,7 @@
 """A worker rank's restore path, shared by synchronous (``worker.py``) and asynchronous
-(``async_loads.py``) restores: which card a batch may read, the issue of every group's copies, the
-one slot-generation check after them, and the load errors and per-job completions that go back
+(``async_loads.py``) restores: which card a batch may read, the issue of every group's copies (a
+sync restore's blocks that the step's forward also writes go first and land before the forward:
+:func:`load_transfers`), the one slot-generation check after them, and the load errors and per-job completions that go back
 to vLLM and to the scheduler side.
 
 Never a wrong token: a batch whose offsets do not belong to the mapped card (no card, or another
@@ -17,10 +18,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from xkv.connector.metadata import GroupTransfer, TransferJob, WorkerReport
 from xkv.connector.registry import Registry
 from xkv.connector.stats import ConnectorStats
-from xkv.connector.transfer import TransferHandler, load_transfers
+from xkv.connector.transfer import TransferHandler, copy_table
 
 UNUSABLE = "the card is not mapped on this rank, or its gateway changed"
 
@@ -34,11 +37,39 @@ def by_group(jobs: Iterable[TransferJob]) -> dict[int, list[GroupTransfer]]:
     return out
 
 
+def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools, *,
+                   fence_tail: bool = False) -> int:
+    """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
+    number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
+    offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
+    The one home of the sync (worker) and async (``async_loads``) issue.
+
+    ``fence_tail`` (sync restores): the blocks the step also writes (``GroupTransfer.tail``) go
+    first, through ``handler.load_before_forward`` (complete before the forward); the rest get
+    per-layer fences as usual. Async restores finish before their request computes: no need."""
+    blocks, offsets = copy_table(plan, tp_rank, transfers)
+    names, n = plan.group.layer_names, int(blocks.numel())
+    if fence_tail and any(gt.tail for gt in transfers):
+        tail = torch.zeros(n, dtype=torch.bool)
+        at = 0
+        for gt in transfers:
+            at += len(gt.block_ids)
+            tail[at - gt.tail:at] = True
+        handler.load_before_forward(names, card, offsets[:, tail], pools, blocks[tail])
+        blocks, offsets = blocks[~tail], offsets[:, ~tail]
+        if not blocks.numel():
+            return n
+    handler.load_group(names, card, offsets, pools, blocks)
+    return n
+
+
 def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
           groups: Mapping[int, list[GroupTransfer]], pools: Mapping[str, Any],
-          stats: ConnectorStats, skip: Iterable[int] = ()) -> None:
+          stats: ConnectorStats, skip: Iterable[int] = (), *, fence_tail: bool = False) -> None:
     """Issue every group's restore of ``groups`` on ``handler`` (after its ``begin_loads``),
-    except the groups in ``skip`` (restored by NVLink fan-out); counts them all."""
+    except the groups in ``skip`` (restored by NVLink fan-out); counts them all.
+    ``fence_tail``: sync restores copy the blocks the step also writes before the forward
+    (:func:`load_transfers`)."""
     skip = set(skip)
     for g, transfers in groups.items():
         plan = registry.groups[g]
@@ -46,7 +77,8 @@ def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
             n = sum(len(gt.block_ids) for gt in transfers)
         else:
             n = load_transfers(handler, plan, tp_rank, card, transfers,
-                               [pools[name] for name in plan.group.layer_names])
+                               [pools[name] for name in plan.group.layer_names],
+                               fence_tail=fence_tail)
         stats.add("blocks_restored", n)
         stats.add("bytes_restored", n * plan.group.bytes_all_layers)
 

@@ -28,6 +28,12 @@ class GroupTransfer:
 
     ``block_ids[i]`` (a scheduler block of this group) is block ``block_in_chunk[i]`` of
     ``chunks[chunk_of[i]]``. For saves every chunk is complete (all k blocks listed).
+
+    ``tail``: how many of the last ``block_ids`` of a load the same step also writes (0 or 1: a
+    restore that ends inside a block, the rest of which vLLM computes). vLLM writes a layer's new
+    KV before it calls that layer's ``wait_for_layer_load``, so a sync restore copies these
+    blocks of every layer before the forward starts (``loads.load_transfers``); the step's
+    own values then win, never a late copy.
     """
 
     group: int
@@ -35,6 +41,7 @@ class GroupTransfer:
     chunk_of: tuple[int, ...]
     block_in_chunk: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
+    tail: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.block_ids)
@@ -45,6 +52,8 @@ class GroupTransfer:
             )
         if any(not 0 <= c < len(self.chunks) for c in self.chunk_of):
             raise ValueError(f"GroupTransfer(group={self.group}): chunk index out of range")
+        if not 0 <= self.tail <= n:
+            raise ValueError(f"GroupTransfer(group={self.group}): tail {self.tail} not in [0, {n}]")
 
     def stale_blocks(self, shard: int, generation_of: Callable[[int], int]) -> list[int]:
         """Blocks read from a chunk whose slot (of ``shard``) no longer holds the generation
@@ -59,10 +68,10 @@ class GroupTransfer:
 
 
 def load_transfer(group: int, ids: Sequence[int], first: int, last: int, blocks_per_chunk: int,
-                  chunk_ref: Callable[[int], ChunkRef]) -> GroupTransfer:
+                  chunk_ref: Callable[[int], ChunkRef], tail: int = 0) -> GroupTransfer:
     """Load of blocks ``[first, last)`` of one group's block list ``ids`` (scheduler blocks of
     the request); block ``i`` is block ``i % k`` of chunk ``i // k``, whose object is
-    ``chunk_ref(chunk)``."""
+    ``chunk_ref(chunk)``; ``tail``: see :class:`GroupTransfer`."""
     k = blocks_per_chunk
     used = sorted({i // k for i in range(first, last)})
     index = {c: n for n, c in enumerate(used)}
@@ -72,6 +81,7 @@ def load_transfer(group: int, ids: Sequence[int], first: int, last: int, blocks_
         chunk_of=tuple(index[i // k] for i in range(first, last)),
         block_in_chunk=tuple(i % k for i in range(first, last)),
         chunks=tuple(chunk_ref(c) for c in used),
+        tail=tail,
     )
 
 
@@ -99,6 +109,7 @@ class StepMetadata:
     async_loads: tuple[TransferJob, ...] = ()
     saves: tuple[TransferJob, ...] = ()
     epoch: int = 0
+    scheduled_tokens: int = -1  # tokens the step computes (-1: unknown); light_steps.is_light
     layout_ids: tuple[int, ...] = ()
     turned_off: bool = False
 

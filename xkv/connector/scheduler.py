@@ -4,7 +4,8 @@ One request's life (see docs/architecture.md):
 
 1. ``get_num_new_matched_tokens`` — chunk keys from ``request.block_hashes``; one LOOKUP (leased)
    for the chunks past the local hit; answer the tokens of the stored prefix, at most
-   ``num_tokens - 1 - num_computed_tokens`` (a synchronous full hit crashes vLLM's scheduler).
+   ``num_tokens - 1 - num_computed_tokens`` (a synchronous full hit crashes vLLM's scheduler;
+   one attention group may end inside a block, so a full hit computes one token).
    vLLM may ask several times: the answer is cached per (request, local hit), so a repeated
    question sends no message and takes no second lease.
 2. ``update_state_after_alloc`` — turn the promised tokens into a load job (block ids per group,
@@ -48,6 +49,7 @@ from xkv.connector.session import GatewaySession, LayoutSpec, SessionOff
 from xkv.connector.states import add_running_blocks, probe_states
 from xkv.connector.stats import ConnectorStats
 from xkv.gateway.client import GatewayError, GatewayUnavailable
+from xkv.layout import kinds
 
 log = logging.getLogger("xkv.connector")
 
@@ -77,6 +79,14 @@ class SchedulerSide:
         # prefix groups need every chunk of a hit; state and window groups the last one only
         self._attn = [g for g, p in enumerate(registry.groups) if not p.at_boundary]
         self._block_size = registry.hit_granularity  # lcm of the groups' block sizes
+        # a hit may end inside a block (up to the last prompt token) only for one group of plain
+        # per-token pages (attention or an uncompressed MLA latent, one page size: no compressed
+        # state spans tokens), restored by the worker's own copies (fan-out has no
+        # before-forward fence)
+        self._whole_prompt = (
+            cfg.full_hit_restore and not registry.multi_group and not cfg.fanout.enabled
+            and all(p.group.kind in (kinds.ATTENTION, kinds.MLA) and not p.group.layer_bytes
+                    for p in registry.groups))
         self._boundary = [g for g, p in enumerate(registry.groups) if p.at_boundary]
         if self.chunk_size % hash_block_size:
             raise ValueError(
@@ -166,10 +176,15 @@ class SchedulerSide:
         lease, state_lease, state_slots = got["lease"], got["state_lease"], got["state_slots"]
         self.stats.add("lookups")
         ext = max(0, (start + hits) * self.chunk_size - num_computed_tokens)
-        # vLLM computes at least the last token: when the stored prefix reaches it, restore every
-        # whole block before it (block granularity inside the last stored chunk), not a chunk less
-        last_block = (request.num_tokens - 1) // self._block_size * self._block_size
-        ext = min(ext, max(0, last_block - num_computed_tokens))
+        # vLLM computes at least the last token. When the stored prefix reaches it, a single
+        # attention group restores every token before it (the last block partly: its copy is
+        # fenced before the forward, see GroupTransfer.tail), so the step computes one token, a
+        # decode-shaped step, as after vLLM's own asynchronous full hits (issue 24). Hybrid and
+        # windowed models, and NVLink fan-out, stop at the last whole block before it.
+        limit = request.num_tokens - 1
+        if not self._whole_prompt:
+            limit = limit // self._block_size * self._block_size
+        ext = min(ext, max(0, limit - num_computed_tokens))
         if self.registry.multi_group and ext and (
             lease is None or (self._boundary and state_lease is None)
             or (self._boundary and num_computed_tokens + ext != (start + hits) * self.chunk_size)
@@ -269,6 +284,7 @@ class SchedulerSide:
             epoch=self.epoch,
             layout_ids=self.layout_ids,
             turned_off=self.turned_off,
+            scheduled_tokens=sum(so.num_scheduled_tokens.values()),
         )
 
     def update_connector_output(self, report: WorkerReport | None) -> None:

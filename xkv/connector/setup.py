@@ -118,6 +118,7 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         handler_factory=functools.partial(make_handler, verify=s.cfg.verify_restores),
         fanout_factory=fanout,
         reattach=s.cfg.reattach,
+        full_hit_restore=s.cfg.full_hit_restore,
     )
 
 

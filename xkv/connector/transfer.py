@@ -2,6 +2,8 @@
 
 Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`` prepared steps
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
+``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
+forward: ``loads.load_transfers``' ``fence_tail``),
 ``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
@@ -18,7 +20,7 @@ Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` i
 offsets into it (host; row ``l`` for layer ``l``, see :func:`layer_offsets`); ``pools`` the
 layers' ``xkv.layout.PagePool``; ``block_ids`` int64 [n] (host), the same for every layer.
 
-Debug (``verify_restores``): a :class:`PageVerifier` poisons the destination pages of every load
+Debug (``verify_restores``): a :class:`~xkv.connector.page_verify.PageVerifier` poisons the destination pages of every load
 before the copy, then, once the copies finished, compares each restored (and each saved) block of
 every layer with the card bytes it came from (went to), byte for byte, and logs the counts as
 ``XKV_VERIFY`` lines. It reads pages with plain torch indexing, not with the kernels under test.
@@ -35,76 +37,10 @@ from typing import Any
 import torch
 
 from xkv import kernels
-from xkv.layout import contiguous_runs
+from xkv.connector import light_steps
+from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
-
-POISON = 0xA5
-_VERIFY_BATCH_BYTES = 256 << 20  # compare at most this many bytes of pages at once (memory cap)
-
-
-class PageVerifier:
-    """Counts block-layers whose page bytes differ from their card bytes (debug, slow)."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, list] = {"restore": [], "save": []}
-        self.checked = {"restore": 0, "save": 0}
-        self.mismatched = {"restore": 0, "save": 0}
-
-    def poison(self, pool, block_ids: torch.Tensor) -> None:
-        """Fill the destination blocks with ``POISON`` (on the current stream) so that a restore
-        that never ran cannot pass for one that did (the pages may still hold the same KV)."""
-        ids = block_ids.to(pool.device)
-        for r in range(len(pool.runs)):
-            pool.run_view(r).index_fill_(0, ids, POISON)
-
-    def record(self, kind: str, card, offsets, pool, block_ids, layer: str = "") -> None:
-        self.pending[kind].append((card, offsets.clone(), pool, block_ids.clone(), layer))
-
-    def check(self, kind: str, layers: set[str] | None = None) -> None:
-        """Compare everything recorded for ``kind`` (only ``layers``' records when given); the
-        copies must have finished (on the current stream, for device pages)."""
-        todo = self.pending[kind]
-        if layers is not None:
-            todo = [t for t in todo if t[4] in layers]
-            self.pending[kind] = [t for t in self.pending[kind] if t[4] not in layers]
-        else:
-            self.pending[kind] = []
-        if not todo:
-            return
-        checked = bad = 0
-        for card, offs, pool, ids, _layer in todo:
-            c, b = _compare(card, offs, pool, ids)
-            checked, bad = checked + c, bad + b
-        self.checked[kind] += checked
-        self.mismatched[kind] += bad
-        if bad:
-            log.warning("XKV_VERIFY %s MISMATCH: %d of %d block-layers differ from the card",
-                        kind, bad, checked)
-        log.info("XKV_VERIFY %s checked=%d mismatched=%d total_checked=%d total_mismatched=%d",
-                 kind, checked, bad, self.checked[kind], self.mismatched[kind])
-
-
-def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) -> tuple[int, int]:
-    """(blocks compared, blocks differing) between ``pool`` blocks ``ids`` and the ``block_bytes``
-    card bytes at ``offs``. Card rows are fetched as contiguous spans (one copy per span)."""
-    n, bb = int(ids.numel()), pool.block_bytes
-    if n == 0 or bb == 0:
-        return 0, 0
-    dev = pool.device
-    per = max(1, _VERIFY_BATCH_BYTES // bb)
-    bad = 0
-    for a in range(0, n, per):
-        z = min(n, a + per)
-        want = torch.empty((z - a, bb), dtype=torch.uint8, device=dev)
-        flat = want.view(-1)
-        for i, count, o in contiguous_runs(offs[a:z], bb):  # adjacent card blocks: one copy
-            flat[i * bb:(i + count) * bb].copy_(card[o:o + count * bb], non_blocking=True)
-        idx = ids[a:z].to(dev)
-        got = torch.cat([pool.run_view(r).index_select(0, idx) for r in range(len(pool.runs))], 1)
-        bad += int((got != want).any(dim=1).sum())
-    return n, bad
-
 
 def layer_offsets(plan, base: torch.Tensor, transfers=()) -> torch.Tensor:
     """int64 ``[L, n]``: card offsets of every layer of ``plan``'s group, from ``base`` (int64
@@ -179,6 +115,12 @@ class TransferHandler(abc.ABC):
     verifier: PageVerifier | None = None
 
     @abc.abstractmethod
+    def set_light_step(self, light: bool) -> None:
+        """Before a step's :meth:`begin_loads`: whether the step computes few tokens
+        (``light_steps.is_light``), so its forward cannot hide the copies: a handler may then
+        restore in a few large launches (``light_steps.load_layer_groups``)."""
+
+    @abc.abstractmethod
     def begin_loads(self) -> None:
         """A batch of loads follows: order it after the compute stream's work so far."""
 
@@ -186,6 +128,13 @@ class TransferHandler(abc.ABC):
     def load_group(self, names, card, offsets, pools, block_ids) -> None:
         """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]``
         is layer ``names[l]``, ``block_ids`` int64 ``[n]`` (host)."""
+
+    @abc.abstractmethod
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """:meth:`load_group` for blocks the step's forward also writes (``GroupTransfer.tail``):
+        every layer's copy lands before the forward starts (vLLM writes a layer's new KV before
+        its ``wait_for_layer_load``), no per-layer fence; ``verify_restores`` checks them at
+        once."""
 
     @abc.abstractmethod
     def wait_layer(self, name: str) -> None:
@@ -236,7 +185,12 @@ class SyncTransferHandler(TransferHandler):
 
     def __init__(self, verify: bool = False) -> None:
         self.verifier = _verifier(verify)
+        self.light_step = False
         self._pending: set[str] = set()  # layers loaded this step, not yet waited for
+
+    def set_light_step(self, light: bool) -> None:
+        """Kept (tests read it); inline copies have no launches or fences to save."""
+        self.light_step = light
 
     def begin_loads(self) -> None:
         return None
@@ -253,6 +207,14 @@ class SyncTransferHandler(TransferHandler):
         for i in range(len(pools)):
             prep.launch(i)
         self._pending.update(names)
+
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """Inline, like every copy here; verified at once."""
+        if self.verifier is not None:
+            self.verifier.record_tail(names, card, offsets, pools, block_ids)
+        restore_all(card, offsets, pools, block_ids, "auto")
+        if self.verifier is not None:
+            self.verifier.check_tail(names)
 
     def wait_layer(self, name: str) -> None:
         self._pending.discard(name)
@@ -309,11 +271,16 @@ class CudaTransferHandler(TransferHandler):
     be read back by validation, a synchronisation that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
     ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
-    load stream from the first copy to the last (events), host time spent issuing them.
+    load stream from the first copy to the last (events), host time spent issuing them, of it the
+    time to plan (validate, upload) the copies, and the step's launches (before-forward ones aside).
+    A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
+    groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
     """
 
     def __init__(self, device: torch.device, verify: bool = False):
         self.device = device
+        self.light_step = False
+        self.grouped = light_steps.group_mode() == "auto"
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.load_engine = _engine("XKV_LOAD_ENGINE")
@@ -321,36 +288,68 @@ class CudaTransferHandler(TransferHandler):
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
         self._timing = os.environ.get("XKV_TIMING", "0") == "1"
-        self._t: list = []  # [start event, host start, host end of issue, bytes]
+        # [start event, host start, host end of issue, bytes, host plan seconds, launches]
+        self._t: list = []
         self._preps: list = []  # this step's prepared loads (see load_group)
+
+    def set_light_step(self, light: bool) -> None:
+        self.light_step = light
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._timing:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.load_stream)
-            self._t = [ev, time.perf_counter(), 0.0, 0]
+            self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0]
 
     def load_group(self, names, card, offsets, pools, block_ids) -> None:
         """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
         validated and planned once, every table in one upload, then per layer only a launch and
         its event, which :meth:`wait_layer` fences (no host work per layer: the fixed cost of a
-        restore step)."""
+        restore step). A light step of one page size: one launch and event per layer group."""
+        t0, groups = time.perf_counter(), None
+        if self.light_step and self.grouped and len({p.block_bytes for p in pools}) == 1:
+            groups = light_steps.load_layer_groups(len(pools))
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 for i, pool in enumerate(pools):
                     self.verifier.poison(pool, block_ids)
                     self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
-            prep = _prepare(lambda ps, offs: kernels.prepare_restore(
-                card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
-            for i, name in enumerate(names):
-                prep.launch(i)
+            if groups is None:
+                prep = _prepare(lambda ps, offs: kernels.prepare_restore(
+                    card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
+                groups = [[i] for i in range(len(pools))]
+            else:  # every layer of a group waits on the group's event
+                prep = kernels.prepare_restore(card, offsets, pools, block_ids,
+                                               engine=self.load_engine, layer_groups=groups)
+            if self._t:
+                self._t[4] += time.perf_counter() - t0
+            for g, idx in enumerate(groups):
+                prep.launch(g)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
-                self._events[name] = ev
+                for i in idx:
+                    self._events[names[i]] = ev
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         if self._t:
             self._t[2] = time.perf_counter()
+            self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
+            self._t[5] += len(groups)
+
+    def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
+        """One launch for every layer (per page size) on the load stream, then the compute
+        stream waits for it (on the GPU) before the forward, so the forward's own KV of these
+        blocks lands after the copy. A few blocks: the wait is short."""
+        with torch.cuda.stream(self.load_stream):
+            if self.verifier is not None:
+                self.verifier.record_tail(names, card, offsets, pools, block_ids)
+            restore_all(card, offsets, pools, block_ids, self.load_engine)
+            ev = torch.cuda.Event()
+            ev.record(self.load_stream)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        if self.verifier is not None:
+            self.verifier.check_tail(names)
+        if self._t:
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
 
     def wait_layer(self, name: str) -> None:
@@ -384,10 +383,11 @@ class CudaTransferHandler(TransferHandler):
         self._events.clear()
         self._preps.clear()
         if end is not None:
-            start, h0, h1, nbytes = self._t
+            start, h0, h1, nbytes, plan_s, launches = self._t
             ms = start.elapsed_time(end)
-            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f GBps=%.1f", nbytes,
-                     ms, (h1 - h0) * 1e3, nbytes / ms / 1e6 if ms else 0.0)
+            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f plan_ms=%.2f "
+                     "launches=%d GBps=%.1f", nbytes, ms, (h1 - h0) * 1e3, plan_s * 1e3,
+                     launches, nbytes / ms / 1e6 if ms else 0.0)
             self._t = []
         if self.verifier is not None:
             self.verifier.check("restore")
@@ -432,11 +432,13 @@ class CudaTransferHandler(TransferHandler):
         return ev
 
 
-def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers, pools) -> int:
-    """Issue one group's restore of ``transfers`` (its ``GroupTransfer`` of one step, any
-    number of requests) on ``handler``: every layer of ``plan`` (a registry ``GroupPlan``), card
-    offsets of this rank's shard, ``pools`` the layers' ``PagePool``. Returns the blocks issued.
-    The one home of the sync (worker) and async (``async_loads``) issue."""
-    blocks, offsets = copy_table(plan, tp_rank, transfers)
-    handler.load_group(plan.group.layer_names, card, offsets, pools, blocks)
-    return int(blocks.numel())
+def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
+    """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
+    per page size (the kernels take layers of one block size together), on the current
+    stream."""
+    sizes: dict[int, list[int]] = {}
+    for i, p in enumerate(pools):
+        sizes.setdefault(p.block_bytes, []).append(i)
+    for idx in sizes.values():
+        kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
+                               engine=engine)

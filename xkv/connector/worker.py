@@ -6,7 +6,9 @@ backends K and V share the last dim; byte pages are right for both.
 
 Per step: ``start_load_kv`` issues every layer's reads (one call per layer and group, all jobs of
 the step together) through the transfer handler; ``wait_for_layer_load(layer)`` waits for that
-layer only. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
+layer only. Blocks the step's forward also writes (a full hit's partly restored last block,
+``GroupTransfer.tail``) land for every layer before the forward; a light step (few tokens
+computed, ``light_steps``) lets the handler restore in a few layer groups. Layers that never call the per-layer hooks (their attention class bypasses vLLM's
 decorated op) are fenced in bulk inside ``start_load_kv`` instead, and a per-layer fence that
 did not come is caught after the forward (``fences.HookPlan``: load errors, then bulk). MLA
 groups can be fanned out over NVLink instead (``fanout_loads.FanoutLoads``, docs/fanout.md):
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
+from xkv.connector import light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
@@ -103,11 +106,14 @@ class WorkerSide:
         handler_factory: Callable[[torch.device], TransferHandler] | None = None,
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
+        full_hit_restore: bool = False,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
         self.registry = registry
         self.tp_rank = tp_rank
+        # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
+        self._warm_tails = full_hit_restore
         self._handler_factory = handler_factory or (lambda device: SyncTransferHandler())
         # (kv_caches, device) -> FanoutRestorer | None; collective over the TP group, so every rank
         # calls it exactly once, in register_kv_caches, whatever happens to its gateway
@@ -211,18 +217,28 @@ class WorkerSide:
                                   lambda: self._handler_factory(device), restorer)
         cuda = device.type == "cuda"
         self.offpath.device = device if cuda else None
+        t0 = time.perf_counter()
         self.session.open(register_card=_register_card if cuda else None,
                           unregister_card=_unregister_card if cuda else None)
+        # start-up phases at INFO, each as it ends: a slow or stuck start shows where it is
+        log.info("XKV: gateway session opened (card mapped: %s) in %.1f s",
+                 self.session.card is not None, time.perf_counter() - t0)
         if cuda and self.pools:
             # Compile every copy variant now, so the first restore after start costs what later
-            # ones cost (Triton would compile on first use: ~250 ms on the H200). Zero-row
-            # launches: no byte of the caches or the card moves.
+            # ones cost (Triton would compile on first use: ~250 ms on the H200), the multi-layer
+            # ones of light steps and tails too. Zero-row launches: no byte of the caches or the
+            # card moves.
             t0 = time.perf_counter()
             align = min(p.slot_alignment for p in self.registry.groups)
+            groups = light_steps.warm_groups(self.registry, list(self.pools),
+                                             grouped=light_steps.group_mode() == "auto",
+                                             tails=self._warm_tails)
+            log.info("XKV: compiling copy kernels (%d caches, %d restore layer groups)",
+                     len(self.pools), len(groups))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
-                                      offset_alignment=max(1, align))
-            log.debug("xkv: %d copy-kernel variants compiled in %.2f s", len(variants),
-                      time.perf_counter() - t0)
+                                      offset_alignment=max(1, align), restore_groups=groups)
+            log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
+                     time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         return lines + self.registry.log_lines() + self.hooks.start_lines()
 
@@ -305,6 +321,9 @@ class WorkerSide:
             self.outcomes.fail_unusable(meta.loads)
             return
         t0 = time.perf_counter()
+        # a step that computes few tokens (a full hit computes one) cannot hide its copies under
+        # the forward: the handler may then use a few large launches instead of one per layer
+        self.handler.set_light_step(light_steps.is_light(meta.scheduled_tokens))
         self.handler.begin_loads()
         for job in meta.loads:
             self.outcomes.finished(job)
@@ -312,7 +331,7 @@ class WorkerSide:
         fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned)
+              skip=fanned, fence_tail=True)
         for g in groups:
             if g in fanned:
                 continue

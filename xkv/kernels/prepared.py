@@ -78,13 +78,19 @@ class PreparedCopy:
 
 def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[PagePool],
                     block_ids: IndexLike, *, max_programs: int | None = None,
-                    engine: str = "auto") -> PreparedCopy:
+                    engine: str = "auto",
+                    layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     """Prepare ``L`` restores: ``launch(l)`` writes block ``block_ids[i]`` of ``dsts[l]`` from
-    ``src[src_offsets[l, i] : + block_bytes]`` for every i. ``src_offsets``: int64 ``[L, n]`` bytes."""
+    ``src[src_offsets[l, i] : + block_bytes]`` for every i. ``src_offsets``: int64 ``[L, n]`` bytes.
+
+    ``layer_groups`` (a partition of ``range(L)`` into runs of consecutive layers): ``launch(g)``
+    then copies every layer of group ``g`` (one Triton launch when the group's layers share a
+    geometry and all use Triton; else the layers' copies one after the other), ``len()`` is the
+    number of groups: fewer launches, coarser completion points."""
     dsts = pools_arg(dsts, "dsts")
     offs = offsets_arg(src_offsets, len(dsts), "src_offsets")
     job = build_job(dsts, block_ids, src, offs, save=False, per_layer=True)
-    return _prepare(job, engine, max_programs)
+    return _prepare(job, engine, max_programs, layer_groups)
 
 
 def prepare_save(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
@@ -102,8 +108,19 @@ def _noop() -> None:
     return None
 
 
-def _prepare(job: Job, engine: str, max_programs: int | None) -> PreparedCopy:
+def _check_groups(groups: Sequence[Sequence[int]], L: int) -> list[list[int]]:
+    out = [[int(k) for k in g] for g in groups]
+    flat = [k for g in out for k in g]
+    if flat != list(range(L)) or any(not g for g in out):
+        raise ValueError(f"layer_groups must split range({L}) into non-empty runs of consecutive "
+                         f"layers, in order; got {out}")
+    return out
+
+
+def _prepare(job: Job, engine: str, max_programs: int | None,
+             layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     L = len(job.pools)
+    groups = None if layer_groups is None else _check_groups(layer_groups, L)
     layers = [job.layer(k) for k in range(L)]
     chosen = [check_engine(lj, engine, max_programs) for lj in layers]  # may raise: nothing ran
     if not L:
@@ -112,9 +129,11 @@ def _prepare(job: Job, engine: str, max_programs: int | None) -> PreparedCopy:
     if L and job.pools[0].device.type == "cuda":
         stream = torch.cuda.current_stream(job.pools[0].device)
     engines = [e for e, _ in chosen]
-    calls: list[Callable[[], None]] = [_noop] * L
+    calls: list[Callable[[], None]] = [_noop] * (L if groups is None else len(groups))
     if job.n == 0 or job.block_bytes == 0:
         return PreparedCopy(job, engines, calls, stream)
+    if groups is not None:
+        return PreparedCopy(job, engines, _group_calls(job, layers, chosen, groups), stream)
     tri = [k for k in range(L) if engines[k] == "triton"]
     if tri:  # one upload for every Triton layer's tables
         budget = chosen[tri[0]][1]
@@ -133,3 +152,35 @@ def _prepare(job: Job, engine: str, max_programs: int | None) -> PreparedCopy:
 
 def _bind(fn, *args) -> Callable[[], None]:
     return lambda: fn(*args)
+
+
+def _group_calls(job: Job, layers: list[Job], chosen: list, groups: list[list[int]]):
+    """One call per layer group: a single Triton launch for a group of one geometry whose layers
+    all use Triton (every such group's tables in one upload), else the layers' own calls."""
+    one = [g for g in groups
+           if all(chosen[k][0] == "triton" for k in g) and len(_launch.geometry_groups(
+               [job.pools[k] for k in g])) == 1]
+    fused = {}
+    if one:
+        budget = chosen[one[0][0]][1]
+        fused = dict(zip(map(tuple, one), _launch.launches(job, budget, groups=one), strict=True))
+    calls = []
+    for g in groups:
+        if tuple(g) in fused:
+            calls.append(fused[tuple(g)])
+            continue
+        per = [_layer_call(layers[k], *chosen[k]) for k in g]
+        calls.append(lambda per=per: [c() for c in per])
+    return calls
+
+
+def _layer_call(layer: Job, eng: str, budget: int) -> Callable[[], None]:
+    """One layer's copy with its resolved engine (what ``_prepare`` binds per layer)."""
+    if eng == "triton":
+        (launch,) = _launch.launches(layer, budget)
+        return launch
+    if eng == "reference":
+        return _bind(_torch.run, layer)
+    if eng == "copy_engine":
+        return copy_engine.runner(layer)
+    return _bind(staged.run, layer, budget)

@@ -10,8 +10,9 @@ the kernel starts and returns without reading or writing a byte, so nothing of t
 buffers is touched. Integer arguments are not specialised (see ``_triton.py``), so a zero-row
 launch compiles exactly the variant a real one uses.
 
-Not covered: slices, pack/unpack and the staged engine's ring (fan-out and calibrated large
-copies), and multi-layer launches (``restore_layers``/``save_layers``).
+Multi-layer restore launches (grouped prepared restores, ``restore_layers``) are warmed for the
+layer groups the caller names (``restore_groups``). Not covered: slices, pack/unpack, the staged
+engine's ring (fan-out and calibrated large copies) and multi-layer saves.
 """
 
 from __future__ import annotations
@@ -29,28 +30,32 @@ from xkv.layout import PagePool
 __all__ = ["warmup"]
 
 
-def _samples(pool: PagePool, flat: torch.Tensor, save: bool, gcd: int, budget: int) -> list:
-    """Plans of one-layer copies for block counts that reach every ``ROWS`` value.
+def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
+             budget: int) -> list:
+    """Plans of copies of ``pools`` (one launch: one layer, or a layer group of one geometry)
+    for block counts that reach every ``ROWS`` value.
 
-    ``ROWS = min(cap, pow2_at_least(ceil(n * R / budget)))`` (:func:`~._launch.launch_config`):
-    a power of two ``r`` is reachable iff the smallest ``n`` with ``ceil(n * R / budget) > r / 2``,
-    ``n = r * budget // (2 * R) + 1``, reaches it; ``n = 1`` gives the smallest value.
+    ``ROWS = min(cap, pow2_at_least(ceil(n * R * L / budget)))`` (:func:`~._launch.launch_config`):
+    a power of two ``r`` is reachable iff the smallest ``n`` with ``ceil(n * R * L / budget) > r /
+    2``, ``n = r * budget // (2 * R * L) + 1``, reaches it; ``n = 1`` gives the smallest value.
     """
-    R, counts = len(pool.runs), {1}
+    R, counts = len(pools[0].runs) * len(pools), {1}
     r = 2
     while r <= _launch.MAX_ROWS:
         counts.add(r * budget // (2 * R) + 1)
         r *= 2
     return [
-        _launch.plan([pool], flat, n=n, has_flat_off=True, flat_off_gcd=gcd, flat_base=0,
-                     save=save, sliced=False, lo=0, hi=n * pool.block_bytes, max_programs=budget)
+        _launch.plan(list(pools), flat, n=n, has_flat_off=True, flat_off_gcd=gcd, flat_base=0,
+                     save=save, sliced=False, lo=0, hi=n * pools[0].block_bytes,
+                     max_programs=budget)
         for n in sorted(counts)
     ]
 
 
 def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            offset_alignment: int = 4096, max_programs: int | None = None,
-           engine: str = "auto") -> set[tuple]:
+           engine: str = "auto",
+           restore_groups: Sequence[Sequence[int]] = ()) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -63,6 +68,9 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         max_programs: the SM budget the copies will use (None: ``default_programs()``).
         engine: ``"auto"`` warms Triton for CUDA pools (nothing to compile on CPU, where the torch
             engine runs); ``"triton"`` also on CPU pools (under ``TRITON_INTERPRET=1``).
+        restore_groups: lists of indices into ``pools`` restored by one launch together (grouped
+            prepared restores, ``restore_layers``); a list whose pools differ in geometry is
+            skipped (those copies run per layer).
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -96,8 +104,22 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         seen_geoms.add(geom)
         for save in (False, True):
             for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
-                for p in _samples(pool, flat, save, g, budget):
+                for p in _samples([pool], flat, save, g, budget):
                     warmed.setdefault(p.key, p)
+    seen_groups = set()
+    for idx in restore_groups:
+        grp = [pools[i] for i in idx]
+        if len(grp) < 2 or len(_launch.geometry_groups(grp)) != 1:
+            continue
+        key = (len(grp), grp[0].block_stride, grp[0].runs,
+               np.gcd.reduce([p.data_ptr - grp[0].data_ptr for p in grp] + [0]) & 15,
+               grp[0].data_ptr % 16)
+        if key in seen_groups:
+            continue
+        seen_groups.add(key)
+        for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
+            for p in _samples(grp, flat, False, g, budget):
+                warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
     for p in warmed.values():

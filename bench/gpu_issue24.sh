@@ -1,0 +1,60 @@
+#!/bin/bash
+# Issue 24's GPU calls (vLLM 0.26, dummy weights, vLLM's default runner), from the repository root on
+# the H200 machine with .gpucarry/ carried:
+#   OUT=/dir bash bench/gpu_issue24.sh STEP[:SECONDS] ...
+# Steps:
+#   profile_llama   bench/profile_steps.py, Llama-3-8B shape, FLASH_ATTN, chunk 256, CUDA graphs:
+#                   none / xkv / offload, 2k and 16k: hook host time, CUDA events around every hook
+#                   (GPU position, stall on each layer's copy), a torch.profiler view per case
+#   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA); profile_mla_xkv: xkv only
+#   gputests        pytest -m gpu of the tail fence and the CUDA transfer handler
+#   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs   bench/e2e_ttft.py, every connector and the
+#                   correctness checks (logprobs vs no connector, verify child, gateway kill)
+# BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
+# Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
+set -u
+OUT=${OUT:-out/issue24}
+mkdir -p "$OUT"
+eval "$(bash .gpucarry/install.sh)" >/dev/null 2>&1 || { echo "install of .gpucarry failed"; exit 1; }
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XKV_TIMING=1
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys,torch,triton;print(sys.version.split()[0],torch.__version__,triton.__version__)"
+  (cd bench && python3 -c "import e2e_ttft;print('copy-engine H2D GB/s', e2e_ttft._h2d_gbps())")
+} 2>&1 | tee -a "$OUT/summary.txt"
+LL=(--model bench/models/llama8b --backend FLASH_ATTN --chunk-size 256)
+MLA=(--model bench/models/dsv2_mla16 --backend TRITON_MLA --chunk-size 256)
+prof() {  # name seconds args...
+  local name=$1 secs=$2 d="$OUT/$1"; shift 2
+  mkdir -p "$d"
+  timeout "$secs" python3 bench/profile_steps.py --out "$d" --modes graphs --lens 2048,16384 \
+    --reps 3 --child-timeout 170 --runner default --tag "${TAG:-now}" "$@" > "$d/run.txt" 2>&1
+  echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
+  cat "$d/profile.md" >> "$OUT/summary.txt" 2>/dev/null
+}
+e2e() {  # name seconds args...
+  local name=$1 secs=$2 d="$OUT/$1"; shift 2
+  mkdir -p "$d"
+  timeout "$secs" python3 bench/e2e_ttft.py --out "$d" --runner default --card-gib 24 \
+    --offload-gib 24 --gpu-util 0.55 "$@" > "$d/run.txt" 2>&1
+  echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
+  sed -n '/^TTFT, ms/,$p' "$d/run.txt" >> "$OUT/summary.txt"
+  rm -f "$d"/*.png
+}
+for spec in "$@"; do
+  step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=280
+  case $step in
+    profile_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv,offload ;;
+    profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
+    profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
+    gputests) mkdir -p "$OUT/$step"
+      timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
+        tests/connector/test_transfer.py > "$OUT/$step/pytest.txt" 2>&1
+      echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
+    e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
+    e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
+    e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  (cd "$OUT" && tar cJf "$step.tar.xz" "$step" && rm -rf "$step")
+done

@@ -1,0 +1,67 @@
+"""Light steps: a step that computes few tokens (a full hit computes one) cannot hide its restore
+under the forward, so the CUDA handler restores it in a few large launches (halving layer groups)
+instead of one launch and one fence per layer (issue 24: issue time before the forward).
+
+``StepMetadata.scheduled_tokens`` (the tokens the step computes) decides (:func:`is_light`); the
+worker tells its handler per step (``TransferHandler.set_light_step``). ``XKV_LOAD_GROUPS``
+(:func:`group_mode`): ``auto`` (default) groups light steps, ``layer`` keeps one launch per layer
+and does not warm the grouped variants (an A/B switch). :func:`warm_groups` names the layer groups
+the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
+restored last block (``GroupTransfer.tail``). No vLLM types, no tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from xkv.connector.registry import Registry
+
+LIGHT_STEP_TOKENS = 128  # a step computing at most this many tokens restores in layer groups
+GROUP_MODES = ("auto", "layer")
+
+
+def is_light(scheduled_tokens: int) -> bool:
+    """Whether a step computing ``scheduled_tokens`` tokens (-1: unknown, never light) is light."""
+    return 0 <= scheduled_tokens <= LIGHT_STEP_TOKENS
+
+
+def group_mode() -> str:
+    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups) or ``layer`` (default)."""
+    mode = os.environ.get("XKV_LOAD_GROUPS", "layer")
+    if mode not in GROUP_MODES:
+        raise ValueError(f"XKV_LOAD_GROUPS={mode!r}: expected one of {GROUP_MODES}")
+    return mode
+
+
+def load_layer_groups(n: int) -> list[list[int]]:
+    """Layer groups of a light step's restore of ``n`` layers: halves, then halves of the rest,
+    down to single layers (32 layers: 16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and
+    the forward's last layers, which run after the copy ends, are single-layer groups. The first
+    layer waits for the first half of the copy (a light step's forward could not hide it
+    anyway)."""
+    out, a = [], 0
+    while a < n:
+        m = max(1, (n - a) // 2)
+        out.append(list(range(a, a + m)))
+        a += m
+    return out
+
+
+def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool,
+                tails: bool = True) -> list[list[int]]:
+    """The restore layer groups one launch copies together, as indices into ``pool_names`` (the
+    registered caches, in the warmup's order): per cache group its light-step groups (when
+    ``grouped``) and all its layers (the tail's launch, when ``tails``: full hits that end
+    inside a block, config ``full_hit_restore``)."""
+    at = {name: i for i, name in enumerate(pool_names)}
+    out: list[list[int]] = []
+    for plan in registry.groups:
+        idx = [at[n] for n in plan.group.layer_names if n in at]
+        if not idx:
+            continue
+        if grouped:
+            out += [[idx[i] for i in g] for g in load_layer_groups(len(idx))]
+        if tails:
+            out.append(idx)
+    return out
