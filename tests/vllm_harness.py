@@ -389,3 +389,17 @@ def make_hybrid(block_size: int, num_blocks: int, mode: str = "align"):
         buf = _as_bytes(raw[attn])
     state = 3 * 40 * 2 + 2 * 4 * 8 * 4
     return kvc, caches, buf, page, state
+
+
+def gateway_engine(model_dir, *, chunk_size: int, reattach: bool):
+    """A scheduler and one worker with the connector, attention caches in vLLM's CPU layout,
+    the re-probe interval 0 (the test decides when time has passed): (scheduler, worker, caches)."""
+    vc = make_vllm_config(model_dir, policy="recompute",
+                          extra={"chunk_size": chunk_size, "reattach": reattach})
+    kcfg = attention_cache_config()
+    kcfg.kv_cache_layout = "LBHNC"
+    sched = make_scheduler(vc, kcfg)
+    wk, caches = make_worker_caches(vc, attention_cache_config(), layout="LBHNC")
+    for side in (sched.connector._scheduler, wk._worker):
+        side.session.reattach_interval_s = 0.0
+    return sched, wk, caches

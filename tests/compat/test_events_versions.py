@@ -13,21 +13,10 @@ import msgspec
 import pytest
 import zmq
 
-from xkv.gateway.events import EventPublisher
 from xkv.gateway.index import Index
+from xkv.gateway.testing import capturing_publisher
 
 PAGE = 4096
-
-
-class _Capture:
-    def __init__(self):
-        self.frames = []
-
-    def send_multipart(self, frames, flags=0):
-        self.frames.append(frames)
-
-    def close(self, linger=None):
-        pass
 
 
 @pytest.mark.parametrize("int_hashes", [True, False])
@@ -40,9 +29,7 @@ def test_gateway_events_decode_with_this_vllms_classes(int_hashes):
     )
 
     ctx = zmq.Context()
-    pub = EventPublisher(ctx, "127.0.0.1", 0, int_hashes=int_hashes, medium="CPU")
-    pub.sock.close(linger=0)
-    pub.sock = cap = _Capture()
+    pub, cap = capturing_publisher(ctx, int_hashes=int_hashes, medium="CPU")
     ix = Index(2 * PAGE, slot_alignment=PAGE)
     ix.listener = pub
     lid = ix.register_layout("ns", "fp", 1, PAGE).layout_id

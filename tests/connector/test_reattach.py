@@ -28,14 +28,7 @@ def _prompt(n, base=10):
 
 
 def _engine(llama_dir, reattach=True):
-    vc = H.make_vllm_config(llama_dir, policy="recompute",
-                            extra={"chunk_size": CHUNK, "reattach": reattach})
-    kcfg = H.attention_cache_config()
-    kcfg.kv_cache_layout = "LBHNC"
-    sched = H.make_scheduler(vc, kcfg)
-    wk, caches = H.make_worker_caches(vc, H.attention_cache_config(), layout="LBHNC")
-    for side in (sched.connector._scheduler, wk._worker):
-        side.session.reattach_interval_s = 0.0  # the test decides when time has passed
+    sched, wk, caches = H.gateway_engine(llama_dir, chunk_size=CHUNK, reattach=reattach)
     # the worker attaches on its background thread and uses the card from the step in which
     # the attach finished (production waits one lookup deadline for it; test_turnoff.py covers
     # a slow one): here bind waits for it, so the steps below see it on any machine load

@@ -33,15 +33,7 @@ def _prompt(n, base=10):
 
 
 def _engine(llama_dir, reattach=False):
-    vc = H.make_vllm_config(llama_dir, policy="recompute",
-                            extra={"chunk_size": CHUNK, "reattach": reattach})
-    kcfg = H.attention_cache_config()
-    kcfg.kv_cache_layout = "LBHNC"
-    sched = H.make_scheduler(vc, kcfg)
-    wk, caches = H.make_worker_caches(vc, H.attention_cache_config(), layout="LBHNC")
-    for side in (sched.connector._scheduler, wk._worker):
-        side.session.reattach_interval_s = 0.0  # the test decides when time has passed
-    return sched, wk, caches
+    return H.gateway_engine(llama_dir, chunk_size=CHUNK, reattach=reattach)
 
 
 def _run_timed(sched, wk, caches, req):

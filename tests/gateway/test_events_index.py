@@ -13,8 +13,8 @@ import zmq
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from xkv.gateway.events import EventPublisher
 from xkv.gateway.index import Index
+from xkv.gateway.testing import capturing_publisher
 
 pytestmark = pytest.mark.vllm
 PAGE = 4096
@@ -23,17 +23,6 @@ K = 3  # hash blocks per chunk
 
 def _hashes(key_id: int) -> list[bytes]:
     return [hashlib.sha256(b"%d/%d" % (key_id, j)).digest() for j in range(K)]
-
-
-class _Capture:
-    def __init__(self):
-        self.frames = []
-
-    def send_multipart(self, frames, flags=0):
-        self.frames.append(frames)
-
-    def close(self, linger=None):
-        pass
 
 
 op = st.one_of(
@@ -56,9 +45,7 @@ def test_events_replay_to_the_visible_objects(ops, int_hashes):
     idx = Index(6 * PAGE, slot_alignment=PAGE, lease_ttl_s=5, write_ttl_s=7,
                 quotas={"q": 2 * PAGE})
     ctx = zmq.Context()
-    pub = EventPublisher(ctx, "127.0.0.1", 0, int_hashes=int_hashes)
-    pub.sock.close(linger=0)
-    pub.sock = cap = _Capture()
+    pub, cap = capturing_publisher(ctx, int_hashes=int_hashes)
     idx.listener = pub
     layouts = [idx.register_layout("a", "f1", 1, PAGE), idx.register_layout("a", "f2", 2, 100),
                idx.register_layout("q", "f1", 1, PAGE)]

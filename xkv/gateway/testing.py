@@ -114,3 +114,27 @@ def wait_tier_result(backend, kind: str, timeout_s: float = 20.0, poll_s: float 
             return msg
         time.sleep(poll_s)
     raise RuntimeError(f"no {kind} result in {timeout_s} s")
+
+
+class FrameCapture:
+    """A stand-in for a publisher's ZMQ socket: keeps every multipart message sent."""
+
+    def __init__(self) -> None:
+        self.frames: list = []
+
+    def send_multipart(self, frames, flags: int = 0) -> None:
+        self.frames.append(frames)
+
+    def close(self, linger: int | None = None) -> None:
+        """Nothing to close."""
+
+
+def capturing_publisher(ctx, **kw):
+    """An ``EventPublisher`` on a free loopback port whose frames land in a
+    :class:`FrameCapture` instead of the socket: (publisher, capture). ``kw``: its options."""
+    from xkv.gateway.events import EventPublisher
+
+    pub = EventPublisher(ctx, "127.0.0.1", 0, **kw)
+    pub.sock.close(linger=0)
+    pub.sock = cap = FrameCapture()
+    return pub, cap
