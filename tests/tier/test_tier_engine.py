@@ -84,6 +84,9 @@ def test_two_hosts_one_master(models, master, tmp_path):
         master.kill()
         open(go[2], "w").close()
         reached(3)  # B ran with the master dead
+        # B must have noticed before the master returns: a call still blocked on the dead
+        # master can otherwise complete once it is back, and B never goes down (seen once)
+        b.wait(lambda t: t["tier_up"] == 0, timeout_s=60, what="B noticing the dead master")
         seen["b3"] = b.tier()
         master.start()
         for h in (a, b):
