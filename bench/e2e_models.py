@@ -40,6 +40,9 @@ def add_args(ap) -> None:
     ap.add_argument("--lookup-timeout-ms", type=int, default=None,
                     help="connector LOOKUP deadline (default: the connector's; a loaded CPU box "
                          "needs more)")
+    ap.add_argument("--xkv-extra", default="",
+                    help='JSON object of extra kv_connector_extra_config keys for xkv, e.g. '
+                         '\'{"full_hit_restore": true}\'')
     ap.add_argument("--verify-fresh-engine", action="store_true",
                     help="verify: restore the ref prompt in a second engine of the same child "
                          "(objects written by the first: an engine restart)")
@@ -70,7 +73,13 @@ def _layer_types(c: dict) -> list[str] | None:
 
 def connector_extra(a) -> dict[str, Any]:
     """Extra ``kv_connector_extra_config`` keys of these options."""
-    return {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
+    out: dict[str, Any] = {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
+    if getattr(a, "xkv_extra", ""):
+        extra = json.loads(a.xkv_extra)
+        if not isinstance(extra, dict):
+            raise SystemExit(f"--xkv-extra must be a JSON object, got {a.xkv_extra!r}")
+        out.update(extra)
+    return out
 
 
 def is_hybrid(model_dir: str) -> bool:

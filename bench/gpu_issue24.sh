@@ -49,7 +49,7 @@ for spec in "$@"; do
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
     gputests) mkdir -p "$OUT/$step"
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
-        tests/connector/test_transfer.py > "$OUT/$step/pytest.txt" 2>&1
+        tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
