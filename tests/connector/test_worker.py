@@ -73,7 +73,7 @@ def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n):
 def test_full_hit_restores_all_but_the_last_token(fake_gateway, llama_dir, mla):
     """Issue 24: a stored prompt is restored up to its last token (the last block partly, fenced
     before the forward), the step computes one token and is a light step for the handler
-    (``full_hit_restore``: off by default until a GPU run has verified it)."""
+    (``full_hit_restore``: on by default since the H200 run of 2026-12-03)."""
     s1, w1, c1, bs = _engine(llama_dir, mla=mla)
     n = 4 * CHUNK
     p = _prompt(n)

@@ -59,7 +59,7 @@ OPTIONS: dict[str, Option] = {
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
-    "full_hit_restore": Option(False, (bool,), "a full hit restores all but the last token (not yet GPU-verified)"),
+    "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
 }
@@ -81,7 +81,7 @@ class ConnectorConfig:
     verify_restores: bool = False
     reattach: bool = False
     load_mode: str = "sync"
-    full_hit_restore: bool = False
+    full_hit_restore: bool = True
     gateway_host: str = DEFAULT_GATEWAY_HOST
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -27,8 +27,8 @@ def is_light(scheduled_tokens: int) -> bool:
 
 
 def group_mode() -> str:
-    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups) or ``layer`` (default)."""
-    mode = os.environ.get("XKV_LOAD_GROUPS", "layer")
+    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups; the default) or ``layer``."""
+    mode = os.environ.get("XKV_LOAD_GROUPS", "auto")
     if mode not in GROUP_MODES:
         raise ValueError(f"XKV_LOAD_GROUPS={mode!r}: expected one of {GROUP_MODES}")
     return mode

@@ -106,7 +106,7 @@ class WorkerSide:
         handler_factory: Callable[[torch.device], TransferHandler] | None = None,
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
-        full_hit_restore: bool = False,
+        full_hit_restore: bool = True,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
