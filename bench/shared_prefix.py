@@ -1,0 +1,186 @@
+"""Shared-prefix workload (issue 24 point 5): prefixes that keep falling out of a small GPU KV cache,
+served with no connector, xkv and vLLM's OffloadingConnector, every kind in the same call.
+
+Workload (defaults = the issue's): ``--prefixes`` 16 prefixes of ``--prefix-len`` 8192 tokens, a GPU
+KV cache of ``--gpu-blocks`` 2048 blocks (so at most a few prefixes stay on the GPU), ``--rounds``
+rounds of ``--batch`` 16 requests, each one prefix (a fixed shuffled order per round) plus a fresh
+``--suffix`` 256-token suffix, ``--out-tokens`` 16 greedy output tokens. Round 0 prefills every
+prefix once (stores for the connectors) and is not timed. Reported per kind: mean and median
+round time (wall time of one ``LLM.generate`` of the whole batch), and whether every request's
+output tokens equal the no-connector run's (the same prompts in the same batches).
+
+One child process per kind (each owns the GPU), a fresh ``xkv-gateway`` for xkv, as in
+``bench/e2e_ttft.py``; results in ``OUT/shared_prefix.json`` and a table on stdout.
+
+  python bench/shared_prefix.py --model bench/models/llama8b --out $OUT [--mode eager|graphs]
+      [--kinds none,xkv,offload] [--load-mode sync|async|auto]
+
+With dummy weights the logits are nearly uniform, so a numerically different but equally correct
+computation (a restored prefix against a recomputed one) can flip a greedy tie: the report counts
+equal outputs per request instead of a single yes/no, and a mismatch is evidence to look at, not
+proof of a wrong byte (``e2e_ttft.py``'s ``verify`` kind is the byte check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import e2e_models
+
+KINDS = ("none", "xkv", "offload")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench/models/llama8b")
+    ap.add_argument("--out", default="out/shared_prefix")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--mode", choices=("eager", "graphs"), default="eager")
+    ap.add_argument("--backend", default="FLASH_ATTN")
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=8192)
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--out-tokens", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=2048, help="num_gpu_blocks_override")
+    ap.add_argument("--gpu-util", type=float, default=0.6)
+    ap.add_argument("--max-batched", type=int, default=16384)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--load-mode", choices=("sync", "async", "auto"), default="sync")
+    ap.add_argument("--card-gib", type=float, default=24.0)
+    ap.add_argument("--offload-gib", type=float, default=24.0)
+    ap.add_argument("--port", type=int, default=5598)
+    ap.add_argument("--vocab", type=int, default=120000)
+    ap.add_argument("--child-timeout", type=float, default=400.0)
+    e2e_models.add_args(ap)
+    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def workload(a) -> list[list[list[int]]]:
+    """``rounds + 1`` batches of prompts (round 0: every prefix once, untimed), deterministic."""
+    rng = random.Random(4321)
+    tok = lambda n: [rng.randrange(1000, a.vocab) for _ in range(n)]  # noqa: E731
+    prefixes = [tok(a.prefix_len) for _ in range(a.prefixes)]
+    rounds = [[p + tok(8) for p in prefixes]]
+    for _ in range(a.rounds):
+        order = [rng.randrange(a.prefixes) for _ in range(a.batch)]
+        rounds.append([prefixes[i] + tok(a.suffix) for i in order])
+    return rounds
+
+
+def _engine(a, kind):
+    from vllm import LLM
+
+    kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              enforce_eager=(a.mode == "eager"), gpu_memory_utilization=a.gpu_util,
+              max_model_len=a.prefix_len + a.suffix + a.out_tokens + 64,
+              max_num_batched_tokens=a.max_batched, max_num_seqs=max(a.batch, 16),
+              enable_prefix_caching=True, seed=0, num_gpu_blocks_override=a.gpu_blocks,
+              attention_backend=a.backend, **e2e_models.engine_kwargs(a))
+    if kind == "xkv":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "FusIOnXConnector",
+            "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"xkv_gateway_port": a.port,
+                                          "chunk_size": e2e_models.chunk_tokens(a),
+                                          "load_mode": a.load_mode,
+                                          **e2e_models.connector_extra(a)}}
+    elif kind == "offload":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": int(a.offload_gib * 2**30)}}
+    return LLM(**kw)
+
+
+def _child(a):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=a.out_tokens, temperature=0.0, detokenize=False,
+                        ignore_eos=True)
+    llm = _engine(a, a.child)
+    out = {"kind": a.child, "round_ms": [], "outputs": []}
+    for r, batch in enumerate(workload(a)):
+        t = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        ms = (time.perf_counter() - t) * 1e3
+        if r:
+            out["round_ms"].append(round(ms, 2))
+            out["outputs"].append([list(o.outputs[0].token_ids) for o in res])
+        print(f"SP_ROUND {json.dumps({'round': r, 'ms': round(ms, 2), 'cached': [o.num_cached_tokens for o in res]})}",
+              flush=True)
+    print("SP_DONE " + json.dumps(out), flush=True)
+
+
+def _parent(a):
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"args": vars(a), "kinds": {}, "rc": {}}
+    for kind in a.kinds.split(","):
+        log = open(out / f"{kind}.log", "w")  # noqa: SIM115 (closed below)
+        gw = None
+        if kind == "xkv":
+            from xkv.gateway.testing import spawn_gateway
+
+            gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=300.0, stderr=log)
+        env = dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1")
+        p = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--child", kind], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(a.child_timeout, p.kill)
+        watchdog.start()
+        try:
+            for line in p.stdout:
+                log.write(line)
+                tag, _, body = line.partition(" ")
+                if tag == "SP_ROUND":
+                    print(f"  {kind:8s} {body.strip()[:160]}", flush=True)
+                elif tag == "SP_DONE":
+                    res["kinds"][kind] = json.loads(body)
+            res["rc"][kind] = p.wait()
+        finally:
+            watchdog.cancel()
+            if gw is not None:
+                gw.kill()
+                gw.wait()
+            log.close()
+    (out / "shared_prefix.json").write_text(json.dumps(res))
+    print(report(res), flush=True)
+
+
+def report(res) -> str:
+    ks = res["kinds"]
+    base = ks.get("none", {}).get("outputs")
+    lines = ["| kind | mean round ms | median round ms | rounds | outputs equal to no connector |",
+             "|---|---|---|---|---|"]
+    for kind, r in ks.items():
+        t = r["round_ms"]
+        if base is None or kind == "none":
+            eq = "—"
+        else:
+            pairs = [(x, y) for bx, by in zip(r["outputs"], base, strict=False)
+                     for x, y in zip(bx, by, strict=False)]
+            eq = f"{sum(x == y for x, y in pairs)} of {len(pairs)}"
+        lines.append(f"| {kind} | {statistics.mean(t):.1f} | {statistics.median(t):.1f} | {len(t)} "
+                     f"| {eq} |" if t else f"| {kind} | — | — | 0 | — |")
+    for kind in ("xkv",):
+        if kind in ks and "offload" in ks and ks[kind]["round_ms"] and ks["offload"]["round_ms"]:
+            q = statistics.mean(ks[kind]["round_ms"]) / statistics.mean(ks["offload"]["round_ms"])
+            lines.append(f"\n{kind} / Offloading mean round time: {q:.3f} (target <= 0.80)")
+    lines.append(f"child exit codes: {res.get('rc')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    args = _args()
+    _child(args) if args.child else _parent(args)
