@@ -46,6 +46,13 @@ from xkv.gateway.testing import spawn_gateway, stop_gateway  # noqa: E402
 GATEWAY_ARGS: list[str] = []  # --gateway-args
 
 
+def loadavg() -> list[float]:
+    """The machine's 1/5/15-minute load averages (/proc/loadavg): other users' work that shares
+    the CPUs and the disk with the run (2 cores here: a load above 2 means waiting for a core)."""
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
 def dd(args: list[str]) -> float:
     """Seconds dd reports for one run."""
     p = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
@@ -281,10 +288,12 @@ def main():
     ok = False
     try:
         for t in [int(x) for x in args.threads.split(",")]:
+            load0 = loadavg()
             disk = disk_bandwidth(d, args.size)
             shutil.rmtree(os.path.join(d, "xkv-disk-1"), ignore_errors=True)
             run = one(args, t, d, log)
             run["disk"] = disk
+            run["loadavg_start"], run["loadavg_end"] = load0, loadavg()
             run["write_vs_dd"] = run["write"]["Bps"] / disk["write_Bps"]
             run["restore_vs_dd"] = run["restore"]["Bps"] / disk["read_Bps"]
             result["runs"].append(run)
@@ -296,7 +305,8 @@ def main():
                   f"{run['restore']['probe'].get('p99_ms', 0):.2f} ms (idle "
                   f"{run['probe_idle'].get('p99_ms', 0):.2f} ms, while dd runs "
                   f"{run['probe_dd'].get('p99_ms', 0):.2f} ms); single "
-                  f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }",
+                  f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }"
+                  f"; load {run['loadavg_start'][0]:.2f} -> {run['loadavg_end'][0]:.2f}",
                   flush=True)
         ok = True
     finally:
