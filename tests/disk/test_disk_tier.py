@@ -403,3 +403,23 @@ def test_quota_shares_hold_across_a_restart(tmp_path):
         assert deferred and num == 3
     finally:
         rig.close()
+
+
+def test_after_a_restart_the_oldest_file_goes_first(tmp_path):
+    """The scan orders files by their last use (mtime): the least recently used is deleted first
+    when a new write needs room (not the most recent one, nor one of this start's)."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=3)
+    lay = rig.layout()
+    ks = keys(3)
+    put_each(rig, lay, ks)
+    rig.close()
+    for i, k in enumerate(ks):  # file times a second apart, whatever the file system's clock
+        os.utime(rig.path(lay, k), (1_000_000 + i, 1_000_000 + i))
+    rig = Rig(tmp_path, card_objects=16, disk_objects=3)
+    try:
+        lay = rig.layout()
+        new = keys(2)
+        put_each(rig, lay, new)
+        assert on_disk(rig, lay, ks + new) == [False, False, True, True, True]
+    finally:
+        rig.close()
