@@ -22,7 +22,9 @@ back on :attr:`done`, a SimpleQueue the loop drains):
 * ``delete(names)``: unlink (evicted from the disk); ``("deleted", names)``.
 * the scan at start: ``("scanned", [(digest hex, name, bytes, mtime)], skipped, removed)``.
 
-Reads are served before writes, writes before deletes.
+Reads are served first, then deletes, then writes; no write starts while a delete runs: the
+loop deletes files to make room for the writes it queues after them, and on a full disk a write
+that overtook its delete would fail (ENOSPC) with the room about to be there.
 """
 
 from __future__ import annotations
@@ -80,6 +82,27 @@ class DiskItem:
         return file_bytes(self.num_shards, self.shard_bytes)
 
 
+def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """``pwritev`` until every byte is written. A file system that fills up mid-write returns
+    a short count first and raises ENOSPC only on the next call: the loop turns the one into
+    the other, so a full disk is reported as such (ENOSPC), not as a generic error. O_DIRECT:
+    a short count is a multiple of the block size, so the rest stays aligned."""
+    total = sum(len(b) for b in bufs)
+    done = 0
+    while done < total:
+        n = os.pwritev(fd, bufs, offset + done)
+        if n <= 0:
+            raise OSError(5, f"write made no progress ({done} of {total} bytes)")
+        done += n
+        while n and bufs:  # drop what was written
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            else:
+                bufs = [bufs[0][n:], *bufs[1:]]
+                n = 0
+
+
 class _Read:
     """One read job spread over the threads: the last item done posts the result."""
 
@@ -110,6 +133,7 @@ class DiskStore:
         self._writes: deque = deque()
         self._deletes: deque = deque()
         self._stop = False
+        self._unlinking = 0  # delete jobs running: writes wait for them
         self._threads = [threading.Thread(target=self._main, name=f"xkv-disk-{i}", daemon=True)
                          for i in range(max(threads, 1))]
         self._reads.append(("scan",))
@@ -155,11 +179,12 @@ class DiskStore:
             while not self._stop:
                 if self._reads:
                     return self._reads.popleft()
-                if self._writes:
+                if self._deletes:
+                    self._unlinking += 1
+                    return ("delete", self._deletes.popleft())
+                if self._writes and not self._unlinking:
                     n = min(len(self._writes), _WRITE_BATCH)
                     return ("write", [self._writes.popleft() for _ in range(n)])
-                if self._deletes:
-                    return ("delete", self._deletes.popleft())
                 self._cv.wait()
             return None
 
@@ -177,9 +202,14 @@ class DiskStore:
                 elif job[0] == "write":
                     self.done.put(self._write(job[1], hdr))
                 elif job[0] == "delete":
-                    for digest, name in job[1]:
-                        with contextlib.suppress(OSError):
-                            os.unlink(os.path.join(self.root, rel_path(digest, name)))
+                    try:
+                        for digest, name in job[1]:
+                            with contextlib.suppress(OSError):
+                                os.unlink(os.path.join(self.root, rel_path(digest, name)))
+                    finally:
+                        with self._cv:
+                            self._unlinking -= 1
+                            self._cv.notify_all()  # writes held back for the room
                     self.done.put(("deleted", job[1]))
                 else:
                     self.done.put(self._scan())
@@ -357,15 +387,13 @@ class DiskStore:
             try:
                 iov = self._iov(it)
                 if self.direct:
-                    done = os.pwritev(fd, [hdr, *iov], 0)
-                    if done != it.nbytes:
-                        raise OSError(5, f"short write ({done} of {it.nbytes} bytes)")
+                    _pwrite_all(fd, [memoryview(hdr), *iov], 0)
                 else:
                     os.ftruncate(fd, it.nbytes)
-                    os.pwrite(fd, hdr, 0)
+                    _pwrite_all(fd, [memoryview(hdr)], 0)
                     s = stride(it.shard_bytes)
                     for r, buf in enumerate(iov):
-                        os.pwrite(fd, buf, BLOCK + r * s)
+                        _pwrite_all(fd, [buf], BLOCK + r * s)
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
