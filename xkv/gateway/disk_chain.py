@@ -106,9 +106,9 @@ def start_tiers(gw) -> Tiers | None:
                         capacity_bytes=capacity, wait_s=cfg.disk_wait_ms / 1000,
                         backlog_bytes=cfg.disk_backlog_bytes, quotas=cfg.disk_quotas,
                         default_quota_bytes=cfg.disk_namespace_quota_bytes)
-        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, wait %g ms", store.root,
-                 capacity, "O_DIRECT" if store.direct else "buffered", cfg.disk_threads,
-                 cfg.disk_wait_ms)
+        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, wait %g ms, crc32 by %s",
+                 store.root, capacity, "O_DIRECT" if store.direct else "buffered",
+                 cfg.disk_threads, cfg.disk_wait_ms, store.crc_kind)
         shares = sum(cfg.disk_quotas.values())
         if shares > capacity:  # the shares kept from other namespaces cannot all be kept
             log.warning("disk tier: the --disk-quota values add up to %d B, more than the "

@@ -5,9 +5,10 @@ Files and header: :mod:`xkv.gateway.disk_format`. Bytes move straight between th
 and the file (``preadv``/``pwritev`` with one iovec per shard; no bounce buffer): with O_DIRECT
 when the directory accepts it (probed at start, like vLLM's file tier does) and the card's slot
 alignment is a multiple of :data:`BLOCK`; buffered I/O otherwise. A thread pool, not io_uring:
-the syscalls release the GIL, and ``bench/disk_tier.py`` measures restores and write-backs at
-the disk's own bandwidth with it (bench/RESULTS.md); Python has no io_uring binding that runs
-here (docs/operations.md "Disk tier").
+the syscalls release the GIL, and io_uring (driven through its system calls,
+``bench/disk_uring.py``) moved the tier's files no faster here: at 4 MiB per request the CPU goes
+to the checksum and the kernel's page pinning, which io_uring does not change (bench/RESULTS.md
+"Disk tier"). The payload checksum: :mod:`xkv.gateway.disk_crc`.
 
 Jobs (the loop's side calls :meth:`DiskStore.read`, :meth:`write`, :meth:`delete`; results come
 back on :attr:`done`, a SimpleQueue the loop drains):
@@ -39,10 +40,10 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
+from xkv.gateway.disk_crc import SlotCrc
 from xkv.gateway.disk_dir import DiskError, check_dir
 from xkv.gateway.disk_format import (
     BLOCK,
@@ -125,6 +126,7 @@ class DiskStore:
                             + ("the file system refuses it" if not can_direct else
                                f"the slot alignment {alignment} is not a multiple of {BLOCK}"))
         self._view = memoryview(card)
+        self._crc = SlotCrc(card)  # libdeflate's CRC-32 where the system has it (disk_crc.py)
         self._uid = os.geteuid()
         self._nice = nice  # added to the I/O threads' nice value (Linux: per thread)
         self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -169,6 +171,10 @@ class DiskStore:
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout_s)
+        if any(t.is_alive() for t in self._threads):  # stuck in I/O: keep the card mapped
+            log.warning("disk tier: I/O threads still busy after %g s at close", timeout_s)
+            return
+        self._crc.close()
         with contextlib.suppress(BufferError):
             self._view.release()
 
@@ -340,10 +346,16 @@ class DiskStore:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
+    @property
+    def crc_kind(self) -> str:
+        """Which CRC-32 code runs: ``libdeflate`` or ``zlib`` (same values)."""
+        return self._crc.kind
+
     def crc(self, it: DiskItem) -> int:
-        crc, view = 0, self._view
+        """CRC-32 of the object's shards (``shard_bytes`` of each slot, in order)."""
+        crc, fn = 0, self._crc.crc
         for off in it.offsets:
-            crc = zlib.crc32(view[off:off + it.shard_bytes], crc)  # releases the GIL
+            crc = fn(off, it.shard_bytes, crc)  # releases the GIL
         return crc
 
     # ------------------------------------------------------------------ write
