@@ -423,3 +423,24 @@ def test_after_a_restart_the_oldest_file_goes_first(tmp_path):
         assert on_disk(rig, lay, ks + new) == [False, False, True, True, True]
     finally:
         rig.close()
+
+
+def test_a_namespace_over_its_quota_loses_files_only_down_to_it(tmp_path):
+    """b wrote 4 files without a quota; restarted with b's quota at 2 and a capacity of 5, a's
+    writes take b's oldest files while b is over its quota, then only a's own."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5)
+    b = rig.layout("b")
+    kb = keys(4)
+    put_each(rig, b, kb)
+    rig.close()
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5, disk_quotas={"b": 2 * OBJ_DISK})
+    try:
+        b, a = rig.layout("b"), rig.layout("a")
+        ka = keys(4)
+        put_each(rig, a, ka)
+        assert on_disk(rig, b, kb) == [False, False, True, True]
+        assert on_disk(rig, a, ka) == [False, True, True, True]
+        assert rig.tier.ns_used("b") == 2 * OBJ_DISK
+        assert rig.tier.counters["disk_quota_refused"] == 0
+    finally:
+        rig.close()

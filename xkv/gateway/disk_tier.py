@@ -241,8 +241,9 @@ class DiskTier:
         if fits and self.used_bytes + nbytes > self.capacity_bytes:
             if ns is not None:
                 self._learn_layouts()
-            digests = self._evictable(ns)
             while self.used_bytes + nbytes > self.capacity_bytes:
+                # anew each time: a namespace over its quota is evictable only down to it
+                digests = self._evictable(ns)
                 k = self._oldest(digests)
                 if k is None:
                     fits = False
