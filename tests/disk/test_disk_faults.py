@@ -134,6 +134,8 @@ def test_real_disk_full(tiny_fs):
 
 
 def as_nobody(*cmd: str) -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
     subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                     *cmd], check=True, capture_output=True)
 
