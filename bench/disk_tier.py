@@ -4,13 +4,16 @@ bandwidth, measured in the same run on the same directory.
     python bench/disk_tier.py --dir /var/tmp/xkv-bench --size 512M --json bench/results/disk.json
 
 1. The disk: ``dd`` with O_DIRECT (oflag=direct conv=fdatasync / iflag=direct, 4 MiB blocks)
-   writes and reads a file of ``--size`` bytes of random data (copied from /dev/shm) in ``--dir``.
+   writes and reads a file of ``--size`` bytes of random data (copied from /dev/shm) in ``--dir``,
+   before the gateway's turn and again right after it; the tier is compared with the mean of the
+   two (this virtual disk's speed drifts by tens of percent from one minute to the next), and
+   /proc/loadavg is recorded at both ends (other users of the machine's CPUs and disk).
 2. Per ``--threads`` value, a gateway with ``--disk DIR`` and a card that holds every object:
    * write-behind: ``--size`` bytes of objects (``--shards`` x ``--shard-size``, random bytes)
      are reserved and filled, then committed in one burst; time from the first COMMIT until the
      disk tier reports every object written (fdatasync'd, renamed, directory synced);
    * restore: the gateway is stopped and started again on the same directory (an empty card),
-     and every object is looked up, ``--batch`` chunks per LOOKUP, one LOOKUP at a time; time
+     and ``--size`` bytes of objects are looked up, ``--batch`` chunks per LOOKUP, one LOOKUP at a time; time
      of all lookups (each answered after its read and checksum); plus the latency of single
      LOOKUPs of 1, 4 and 16 chunks from disk (what a vLLM lookup waits for);
    * meanwhile another client (its own process and connection) sends LOOKUPs that hit the
@@ -44,6 +47,13 @@ from xkv.gateway.disk_format import file_bytes  # noqa: E402
 from xkv.gateway.testing import spawn_gateway, stop_gateway  # noqa: E402
 
 GATEWAY_ARGS: list[str] = []  # --gateway-args
+
+
+def loadavg() -> list[float]:
+    """The machine's 1/5/15-minute load averages (/proc/loadavg): other users' work that shares
+    the CPUs and the disk with the run (2 cores here: a load above 2 means waiting for a core)."""
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
 
 
 def dd(args: list[str]) -> float:
@@ -147,7 +157,7 @@ def gateway(card: int, d: str, threads: int, log, cold: bool = False) -> tuple:
 def one(args, threads: int, d: str, log) -> dict:
     shards, sb = args.shards, args.shard_size
     obj = shards * sb
-    n = args.size // obj
+    n = args.size // obj + 2 * (1 + 4 + 16)  # --size for the bulk restore, + the single ones
     card = (n + 16) * obj + (64 << 20)
     keys = [os.urandom(32) for _ in range(n)]
     probe_keys = [b"probe-%d" % i for i in range(4)]
@@ -210,10 +220,8 @@ def one(args, threads: int, d: str, log) -> dict:
         wait_stats(c, lambda s: s["disk_scanned"] == 1)
         probe_keys_stored(c)  # card-resident chunks for the prober (stored anew)
         single = {}
-        pos = 0
+        pos = args.size // obj  # keys[:pos]: the bulk restore; the rest: single lookups
         for k in (1, 4, 16):  # latency of one lookup restoring k chunks, twice each
-            if pos + 2 * k > n // 2:  # keep half of the objects for the bulk restore
-                break
             lat = []
             for _ in range(2):
                 t0 = time.perf_counter()
@@ -224,7 +232,7 @@ def one(args, threads: int, d: str, log) -> dict:
                 pos += k
             single[k] = {"median_ms": 1e3 * statistics.median(lat), "mib": k * obj / 2**20}
         out["restore_latency"] = single
-        rest = keys[pos:]
+        rest = keys[:args.size // obj]
         probe = Prober(port, samples)
         s0 = c.stats()
         t0m = time.monotonic()
@@ -264,8 +272,14 @@ def main():
                     help="restore into a card that was not pre-faulted (no --prefault)")
     ap.add_argument("--gateway-args", default="", help="more xkv-gateway flags, e.g. "
                     "'--disk-io-nice 0'")
+    ap.add_argument("--crc", choices=["auto", "zlib"], default="auto",
+                    help="the tier's CRC-32 code: libdeflate where present (auto) or zlib "
+                         "(XKV_DISK_CRC=zlib), for an A/B")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.crc == "zlib":
+        os.environ["XKV_DISK_CRC"] = "zlib"  # inherited by the gateways this run spawns
+    from xkv.gateway.disk_crc import libdeflate_crc32
     GATEWAY_ARGS.extend(args.gateway_args.split())
     d = args.dir
     shutil.rmtree(d, ignore_errors=True)
@@ -274,29 +288,38 @@ def main():
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                        capture_output=True, text=True).stdout.strip(),
               "machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.platform()}",
-              "command": " ".join(sys.argv), "runs": []}
+              "command": " ".join(sys.argv), "runs": [],
+              "crc": "libdeflate" if libdeflate_crc32 is not None else "zlib"}
     parent = os.path.dirname(os.path.abspath(d))
     log_path = os.path.join(parent, f"xkv-disk-bench-{os.getpid()}.log")  # kept on failure
     log = open(log_path, "wb")  # noqa: SIM115
     ok = False
     try:
         for t in [int(x) for x in args.threads.split(",")]:
+            load0 = loadavg()
             disk = disk_bandwidth(d, args.size)
             shutil.rmtree(os.path.join(d, "xkv-disk-1"), ignore_errors=True)
             run = one(args, t, d, log)
-            run["disk"] = disk
-            run["write_vs_dd"] = run["write"]["Bps"] / disk["write_Bps"]
-            run["restore_vs_dd"] = run["restore"]["Bps"] / disk["read_Bps"]
+            after = disk_bandwidth(d, args.size)  # the disk again, right after the tier's turn
+            run["disk"], run["disk_after"] = disk, after
+            run["loadavg_start"], run["loadavg_end"] = load0, loadavg()
+            # against the mean of dd before and after: the disk's speed drifts minute to minute
+            dd_w = (disk["write_Bps"] + after["write_Bps"]) / 2
+            dd_r = (disk["read_Bps"] + after["read_Bps"]) / 2
+            run["write_vs_dd"] = run["write"]["Bps"] / dd_w
+            run["restore_vs_dd"] = run["restore"]["Bps"] / dd_r
             result["runs"].append(run)
             print(json.dumps({k: run[k] for k in ("threads", "write_vs_dd", "restore_vs_dd")}),
-                  f"dd w {disk['write_Bps'] / 1e6:.0f} MB/s r {disk['read_Bps'] / 1e6:.0f} MB/s;"
+                  f"dd w {disk['write_Bps'] / 1e6:.0f}/{after['write_Bps'] / 1e6:.0f} MB/s r "
+                  f"{disk['read_Bps'] / 1e6:.0f}/{after['read_Bps'] / 1e6:.0f} MB/s (before/after);"
                   f" tier w {run['write']['Bps'] / 1e6:.0f} MB/s r "
                   f"{run['restore']['Bps'] / 1e6:.0f} MB/s; probe p99 w "
                   f"{run['write']['probe'].get('p99_ms', 0):.2f} ms r "
                   f"{run['restore']['probe'].get('p99_ms', 0):.2f} ms (idle "
                   f"{run['probe_idle'].get('p99_ms', 0):.2f} ms, while dd runs "
                   f"{run['probe_dd'].get('p99_ms', 0):.2f} ms); single "
-                  f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }",
+                  f"{ {k: round(v['median_ms'], 1) for k, v in run['restore_latency'].items()} }"
+                  f"; load {run['loadavg_start'][0]:.2f} -> {run['loadavg_end'][0]:.2f}",
                   flush=True)
         ok = True
     finally:

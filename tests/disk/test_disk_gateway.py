@@ -34,9 +34,27 @@ def test_flags():
                      (["--disk", "/x", "--disk-threads", "0"], "--disk-threads must be 1..64"),
                      (["--disk", "/x", "--disk-capacity", "4k"], "at least 1M"),
                      (["--disk", "/x", "--disk-wait-ms", "-1"], ">= 0"),
-                     (["--disk", "/x", "--disk-io-nice", "20"], "0..19")):
+                     (["--disk", "/x", "--disk-io-nice", "20"], "0..19"),
+                     (["--disk-quota", "a=1G"], "needs --disk"),
+                     (["--disk", "/x", "--disk-namespace-quota", "4k"], "at least 1M"),
+                     (["--disk", "/x", "--disk-quota", "a=4k"], "--disk-quota a must be"),
+                     (["--disk", "/x", "--disk-capacity", "1G", "--disk-quota", "a=2G"],
+                      "more than --disk-capacity")):
         with pytest.raises(SystemExit, match=msg):
             parse_args(bad)
+    cfg = parse_args(["--disk", "/x"])
+    assert (cfg.disk_namespace_quota_bytes, cfg.disk_quotas) == (0, {})
+    cfg = parse_args(["--disk", "/x", "--disk-namespace-quota", "100G", "--disk-quota", "a=1T",
+                      "--disk-quota", "b=2G"])
+    assert cfg.disk_namespace_quota_bytes == 100 << 30
+    assert cfg.disk_quotas == {"a": 1 << 40, "b": 2 << 30}
+
+
+def test_bad_disk_quota_is_a_clear_error():
+    p = subprocess.run([sys.executable, "-m", "xkv.gateway", "--disk", "/x", "--disk-quota",
+                        "nosize"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "invalid disk quota 'nosize': expected NAMESPACE=SIZE" in p.stderr
 
 
 def start_fails(args) -> str:
@@ -111,3 +129,30 @@ def test_restart_serves_the_disk_and_damage_is_a_miss(tmp_path):
             assert s["disk_written"] == 0  # restored objects are not written again
     finally:
         stop_gateway(proc)
+
+
+def test_disk_quota_in_a_real_gateway(tmp_path):
+    """--disk-quota a=1M: namespace a keeps 9 files of 108 KiB (its oldest go), namespace b
+    (no quota) keeps all it wrote; the stats and the directory agree."""
+    from xkv.gateway.disk_format import file_bytes
+
+    fb = file_bytes(SHARDS, SHARD_BYTES)
+    d = str(tmp_path / "disk")
+    proc, port = spawn_gateway("16M", extra_args=["--disk", d, "--disk-quota", "a=1M"])
+    try:
+        with GatewayClient("127.0.0.1", port, timeout_s=10) as c:
+            for ns, n in (("a", 12), ("b", 12)):
+                lid = c.register_layout(ns, "fp", SHARDS, SHARD_BYTES).layout_id
+                for _ in range(n):  # one at a time: the LRU order is the order of writing
+                    before = c.stats()["disk_written"]
+                    res = c.reserve(lid, [os.urandom(32)])
+                    for s in range(SHARDS):
+                        c.commit(lid, s, res)
+                    stats_when(c, lambda s, b=before: s["disk_written"] == b + 1)
+            s = stats_when(c, lambda s: s["disk_written"] == 24)
+            assert s["disk_quota_evicted"] == 12 - (1 << 20) // fb and s["disk_quota_refused"] == 0
+            assert s["disk_objects"] == (1 << 20) // fb + 12
+    finally:
+        stop_gateway(proc)
+    files = [f for r, _, fs in os.walk(os.path.join(d, ROOT_NAME)) for f in fs]
+    assert len(files) == (1 << 20) // fb + 12

@@ -288,3 +288,35 @@ def test_io_threads_run_below_the_loop(tmp_path, card):
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the calling thread is unchanged
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("writer, reader", [(True, False), (False, True)])
+def test_files_checked_the_same_by_libdeflate_and_zlib(tmp_path, card, monkeypatch, writer,
+                                                       reader):
+    """A file written with one CRC-32 code verifies with the other (the format's checksum is
+    zlib's either way), and a flipped payload bit fails with both."""
+    from xkv.gateway.disk_crc import SlotCrc
+
+    def using(flag):
+        monkeypatch.setattr(ds, "SlotCrc", lambda c: SlotCrc(c, use_libdeflate=flag))
+
+    using(writer)
+    s = make_store(tmp_path, card)
+    objs = stored(s, card, 2)  # 2 shards of 10000 B (12288 B strides in the file)
+    s.close()
+    using(reader)
+    s = DiskStore(str(tmp_path / "disk"), card, 4096, threads=2)
+    s.start()
+    try:
+        if not reader:
+            assert s.crc_kind == "zlib"
+        wait(s, "scanned")
+        assert read_back(s, card, objs[0][0]) == ("ok", objs[0][1])
+        with open(os.path.join(s.root, objs[1][0].rel), "r+b") as f:
+            f.seek(BLOCK + 12288 + 9999)  # the second shard's last byte
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x80]))
+        assert read_back(s, card, objs[1][0])[0] == "corrupt"
+    finally:
+        s.close()

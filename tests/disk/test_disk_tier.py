@@ -26,14 +26,16 @@ OBJ_DISK = file_bytes(SHARDS, SHARD_BYTES)
 
 
 class Rig:
-    def __init__(self, tmp, card_objects=8, disk_objects=100, wait_s=10.0, quotas=None):
+    def __init__(self, tmp, card_objects=8, disk_objects=100, wait_s=10.0, quotas=None,
+                 disk_quotas=None, disk_default_quota=0):
         size = card_objects * OBJ_CARD
         self.card = mmap.mmap(-1, size)
         self.ix = Index(size, slot_alignment=4096, quotas=quotas or {})
         self.store = DiskStore(str(tmp / "disk"), self.card, 4096, threads=2)
         self.answers: dict = {}
         self.tier = DiskTier(self.ix, self.store, self._answer,
-                             capacity_bytes=disk_objects * OBJ_DISK, wait_s=wait_s)
+                             capacity_bytes=disk_objects * OBJ_DISK, wait_s=wait_s,
+                             quotas=disk_quotas, default_quota_bytes=disk_default_quota)
         self.until(lambda: self.tier.scanned)
         self.n = 0
 
@@ -294,3 +296,151 @@ def test_directory_removed_while_running(rig):
     rig.put(lay, new)  # writes recreate the directories
     rig.settle()
     assert c["disk_written"] == written + 1 and os.path.exists(rig.path(lay, new[0]))
+
+
+# ---------------------------------------------------------------- per-namespace disk quotas
+
+
+def on_disk(rig, lay, ks):
+    rig.until(lambda: not rig.tier._deleting)
+    return [os.path.exists(rig.path(lay, k)) for k in ks]
+
+
+def put_each(rig, lay, ks):
+    """Store ``ks`` one at a time (each written before the next: a definite LRU order)."""
+    for k in ks:
+        rig.put(lay, [k])
+        rig.settle()
+
+
+def test_namespace_at_its_disk_quota_deletes_its_own_oldest_files(tmp_path):
+    rig = Rig(tmp_path, card_objects=16, disk_objects=100, disk_quotas={"a": 3 * OBJ_DISK})
+    try:
+        a, b = rig.layout("a"), rig.layout("b")
+        ka, kb = keys(5), keys(5)
+        put_each(rig, b, kb[:2])
+        put_each(rig, a, ka)
+        put_each(rig, b, kb[2:])
+        assert on_disk(rig, a, ka) == [False, False, True, True, True]
+        assert on_disk(rig, b, kb) == [True] * 5  # no quota: untouched by a's
+        c = rig.tier.counters
+        assert c["disk_quota_evicted"] == 2 and c["disk_evicted"] == 2
+        assert c["disk_quota_refused"] == 0 and c["disk_written"] == 10
+        assert rig.tier.ns_used("a") == 3 * OBJ_DISK and rig.tier.ns_used("b") == 5 * OBJ_DISK
+        assert rig.tier.used_bytes == 8 * OBJ_DISK
+    finally:
+        rig.close()
+
+
+def test_a_namespace_never_evicts_another_within_its_share(tmp_path):
+    """Capacity 6 objects; b's share (quota) 3. a (no quota) fills the disk: its own oldest
+    files make room, b's stay. Without b's quota, a's writes delete b's oldest (the control)."""
+    for quota, b_kept in (({"b": 3 * OBJ_DISK}, [True] * 3), ({}, [False, False, True])):
+        (tmp_path / str(bool(quota))).mkdir()
+        rig = Rig(tmp_path / str(bool(quota)), card_objects=16, disk_objects=6,
+                  disk_quotas=quota)
+        try:
+            a, b = rig.layout("a"), rig.layout("b")
+            ka, kb = keys(5), keys(3)
+            put_each(rig, b, kb)
+            put_each(rig, a, ka)
+            assert on_disk(rig, b, kb) == b_kept
+            assert sum(on_disk(rig, a, ka)) == 6 - sum(b_kept)
+            assert on_disk(rig, a, ka)[-1]  # the newest is always written
+            assert rig.tier.counters["disk_quota_refused"] == 0
+            assert rig.tier.used_bytes <= 6 * OBJ_DISK
+        finally:
+            rig.close()
+
+
+def test_write_refused_when_only_other_shares_are_left(tmp_path):
+    """b's share is the whole disk and b holds it: a's write is refused and counted, b's files
+    stay, a's object is not pinned in the card; an object larger than a's own quota is refused
+    too, before any file of a goes."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=4,
+              disk_quotas={"b": 4 * OBJ_DISK, "tiny": OBJ_DISK - 1})
+    try:
+        a, b, tiny = rig.layout("a"), rig.layout("b"), rig.layout("tiny")
+        kb = keys(4)
+        put_each(rig, b, kb)
+        ka = keys(1)
+        rig.put(a, ka)
+        rig.settle()
+        c = rig.tier.counters
+        assert c["disk_quota_refused"] == 1 and c["disk_write_dropped"] == 1
+        assert on_disk(rig, b, kb) == [True] * 4 and on_disk(rig, a, ka) == [False]
+        assert rig.ix.leased_objects == 0  # nothing left pinned for a write
+        rig.put(tiny, keys(1))
+        rig.settle()
+        assert c["disk_quota_refused"] == 2 and c["disk_evicted"] == 0
+        assert rig.tier.used_bytes == 4 * OBJ_DISK
+    finally:
+        rig.close()
+
+
+def test_quota_shares_hold_across_a_restart(tmp_path):
+    """After a restart the scanned files belong to no namespace until their layout is
+    registered again; from then on b's share is kept from a's writes."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5, disk_quotas={"b": 3 * OBJ_DISK})
+    a, b = rig.layout("a"), rig.layout("b")
+    kb, ka = keys(3), keys(2)
+    put_each(rig, b, kb)
+    put_each(rig, a, ka)
+    rig.close()
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5, disk_quotas={"b": 3 * OBJ_DISK})
+    try:
+        assert rig.tier.counters["disk_scan_found"] == 5
+        assert rig.tier.ns_used("b") == 0  # no layout of b registered yet: nobody's
+        b, a = rig.layout("b"), rig.layout("a")  # registered: the scanned files are attributed
+        assert rig.tier.ns_used("b") == 3 * OBJ_DISK
+        ka2 = keys(3)
+        put_each(rig, a, ka2)
+        assert on_disk(rig, b, kb) == [True] * 3
+        assert on_disk(rig, a, ka + ka2) == [False, False, False, True, True]
+        assert rig.tier.ns_used("b") == 3 * OBJ_DISK and rig.tier.ns_used("a") == 2 * OBJ_DISK
+        # and b's files are still served
+        num, _, _, deferred = rig.lookup(b, kb, lease=False)
+        assert deferred and num == 3
+    finally:
+        rig.close()
+
+
+def test_after_a_restart_the_oldest_file_goes_first(tmp_path):
+    """The scan orders files by their last use (mtime): the least recently used is deleted first
+    when a new write needs room (not the most recent one, nor one of this start's)."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=3)
+    lay = rig.layout()
+    ks = keys(3)
+    put_each(rig, lay, ks)
+    rig.close()
+    for i, k in enumerate(ks):  # file times a second apart, whatever the file system's clock
+        os.utime(rig.path(lay, k), (1_000_000 + i, 1_000_000 + i))
+    rig = Rig(tmp_path, card_objects=16, disk_objects=3)
+    try:
+        lay = rig.layout()
+        new = keys(2)
+        put_each(rig, lay, new)
+        assert on_disk(rig, lay, ks + new) == [False, False, True, True, True]
+    finally:
+        rig.close()
+
+
+def test_a_namespace_over_its_quota_loses_files_only_down_to_it(tmp_path):
+    """b wrote 4 files without a quota; restarted with b's quota at 2 and a capacity of 5, a's
+    writes take b's oldest files while b is over its quota, then only a's own."""
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5)
+    b = rig.layout("b")
+    kb = keys(4)
+    put_each(rig, b, kb)
+    rig.close()
+    rig = Rig(tmp_path, card_objects=16, disk_objects=5, disk_quotas={"b": 2 * OBJ_DISK})
+    try:
+        b, a = rig.layout("b"), rig.layout("a")
+        ka = keys(4)
+        put_each(rig, a, ka)
+        assert on_disk(rig, b, kb) == [False, False, True, True]
+        assert on_disk(rig, a, ka) == [False, True, True, True]
+        assert rig.tier.ns_used("b") == 2 * OBJ_DISK
+        assert rig.tier.counters["disk_quota_refused"] == 0
+    finally:
+        rig.close()

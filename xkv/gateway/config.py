@@ -77,6 +77,8 @@ class GatewayConfig:
     disk_backlog_bytes: int = 256 << 20
     disk_direct: bool | None = None  # None: O_DIRECT where it works
     disk_io_nice: int = 10
+    disk_namespace_quota_bytes: int = 0  # per-namespace disk quotas, as the card's
+    disk_quotas: dict[str, int] = field(default_factory=dict)
 
 
 def build_parser() -> argparse.ArgumentParser:

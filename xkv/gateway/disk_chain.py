@@ -104,10 +104,16 @@ def start_tiers(gw) -> Tiers | None:
             capacity = int(st.f_bavail * st.f_frsize * 0.9)
         disk = DiskTier(gw.index, store, lambda frames, req: resume(gw, frames, req),
                         capacity_bytes=capacity, wait_s=cfg.disk_wait_ms / 1000,
-                        backlog_bytes=cfg.disk_backlog_bytes)
-        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, wait %g ms", store.root,
-                 capacity, "O_DIRECT" if store.direct else "buffered", cfg.disk_threads,
-                 cfg.disk_wait_ms)
+                        backlog_bytes=cfg.disk_backlog_bytes, quotas=cfg.disk_quotas,
+                        default_quota_bytes=cfg.disk_namespace_quota_bytes)
+        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, wait %g ms, crc32 by %s",
+                 store.root, capacity, "O_DIRECT" if store.direct else "buffered",
+                 cfg.disk_threads, cfg.disk_wait_ms, store.crc_kind)
+        shares = sum(cfg.disk_quotas.values())
+        if shares > capacity:  # the shares kept from other namespaces cannot all be kept
+            log.warning("disk tier: the --disk-quota values add up to %d B, more than the "
+                        "capacity %d B: a namespace within its quota may find no room", shares,
+                        capacity)
     if disk is None and moon is None:
         return None
     return Tiers(disk, moon)

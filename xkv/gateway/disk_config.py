@@ -18,6 +18,14 @@ def add_disk_args(p: argparse.ArgumentParser, parse_size) -> None:
     d.add_argument("--disk-capacity", type=parse_size, default=0, metavar="SIZE",
                    help="bytes of files the tier keeps, least recently used deleted first "
                         "(default: 90%% of the file system's free space at start)")
+    d.add_argument("--disk-namespace-quota", type=parse_size, default=0, metavar="SIZE",
+                   help="bytes of disk files any one namespace may keep (default 0 = no quota); "
+                        "a namespace at its quota deletes its own oldest files, and never "
+                        "another namespace's within its quota")
+    d.add_argument("--disk-quota", type=lambda t: _quota(t, parse_size), action="append",
+                   default=[], metavar="NS=SIZE",
+                   help="disk quota of one namespace, overrides --disk-namespace-quota "
+                        "(repeatable)")
     d.add_argument("--disk-threads", type=int, default=4, metavar="N",
                    help="I/O threads (default 4)")
     d.add_argument("--disk-wait-ms", type=float, default=20.0, metavar="MS",
@@ -37,11 +45,21 @@ def add_disk_args(p: argparse.ArgumentParser, parse_size) -> None:
                         "--no-disk-direct uses the page cache)")
 
 
+def _quota(text: str, parse_size) -> tuple[str, int]:
+    """``NS=SIZE`` of --disk-quota (the card's --quota syntax)."""
+    ns, sep, size = text.partition("=")
+    if not sep or not ns:
+        raise argparse.ArgumentTypeError(f"invalid disk quota {text!r}: expected NAMESPACE=SIZE")
+    return ns, parse_size(size)
+
+
 def disk_options(args: argparse.Namespace) -> dict:
     """GatewayConfig fields from the parsed flags; refuses bad values with a clear message."""
     if args.disk_path is None:
         extra = [f for f, v in (("--disk-capacity", args.disk_capacity),
-                                ("--disk-direct", args.disk_direct)) if v]
+                                ("--disk-direct", args.disk_direct),
+                                ("--disk-namespace-quota", args.disk_namespace_quota),
+                                ("--disk-quota", args.disk_quota)) if v]
         if extra:
             raise SystemExit(f"xkv-gateway: {', '.join(extra)} needs --disk DIR")
         return {}
@@ -56,7 +74,16 @@ def disk_options(args: argparse.Namespace) -> dict:
     if args.disk_capacity and args.disk_capacity < 1 << 20:
         raise SystemExit(f"xkv-gateway: --disk-capacity must be at least 1M, got "
                          f"{args.disk_capacity}")
+    quotas = dict(args.disk_quota)
+    for what, size in [("--disk-namespace-quota", args.disk_namespace_quota),
+                       *((f"--disk-quota {ns}", q) for ns, q in quotas.items())]:
+        if size and size < 1 << 20:
+            raise SystemExit(f"xkv-gateway: {what} must be 0 or at least 1M, got {size}")
+        if size and args.disk_capacity and size > args.disk_capacity:
+            raise SystemExit(f"xkv-gateway: {what} {size} is more than --disk-capacity "
+                             f"{args.disk_capacity}")
     return dict(disk_path=args.disk_path, disk_capacity_bytes=args.disk_capacity,
                 disk_threads=args.disk_threads, disk_wait_ms=args.disk_wait_ms,
                 disk_backlog_bytes=args.disk_backlog, disk_direct=args.disk_direct,
-                disk_io_nice=args.disk_io_nice)
+                disk_io_nice=args.disk_io_nice,
+                disk_namespace_quota_bytes=args.disk_namespace_quota, disk_quotas=quotas)

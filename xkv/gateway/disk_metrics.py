@@ -48,7 +48,12 @@ DISK = (
     ("xkv_gateway_disk_write_bytes_total", "disk_write_bytes", "counter",
      "Bytes written to disk (durable, headers and padding included).", ""),
     ("xkv_gateway_disk_evicted_total", "disk_evicted", "counter",
-     "Files deleted to keep within --disk-capacity (least recently used first).", ""),
+     "Files deleted to keep within --disk-capacity or a namespace's disk quota.", ""),
+    ("xkv_gateway_disk_quota_evicted_total", "disk_quota_evicted", "counter",
+     "Files a namespace's own writes deleted to stay within its --disk-quota.", ""),
+    ("xkv_gateway_disk_quota_refused_total", "disk_quota_refused", "counter",
+     "Writes not made: over the namespace's disk quota, or room only in other namespaces' "
+     "shares.", ""),
 )
 
 #: Rows of ``xkv-gateway stats`` (xkv/gateway/stats_cli.py): (section, what, key, unit).
@@ -72,4 +77,6 @@ DISK_ROWS = (
     ("disk", "disk full", "disk_full", "count"),
     ("disk", "writes dropped", "disk_write_dropped", "count"),
     ("disk", "evicted", "disk_evicted", "count"),
+    ("disk", "evicted for a quota", "disk_quota_evicted", "count"),
+    ("disk", "refused by quotas", "disk_quota_refused", "count"),
 )

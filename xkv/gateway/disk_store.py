@@ -5,9 +5,10 @@ Files and header: :mod:`xkv.gateway.disk_format`. Bytes move straight between th
 and the file (``preadv``/``pwritev`` with one iovec per shard; no bounce buffer): with O_DIRECT
 when the directory accepts it (probed at start, like vLLM's file tier does) and the card's slot
 alignment is a multiple of :data:`BLOCK`; buffered I/O otherwise. A thread pool, not io_uring:
-the syscalls release the GIL, and ``bench/disk_tier.py`` measures restores and write-backs at
-the disk's own bandwidth with it (bench/RESULTS.md); Python has no io_uring binding that runs
-here (docs/operations.md "Disk tier").
+the syscalls release the GIL, and io_uring (driven through its system calls,
+``bench/disk_uring.py``) moved the tier's files no faster here: at 4 MiB per request the CPU goes
+to the checksum and the kernel's page pinning, which io_uring does not change (bench/RESULTS.md
+"Disk tier"). The payload checksum: :mod:`xkv.gateway.disk_crc`.
 
 Jobs (the loop's side calls :meth:`DiskStore.read`, :meth:`write`, :meth:`delete`; results come
 back on :attr:`done`, a SimpleQueue the loop drains):
@@ -22,7 +23,9 @@ back on :attr:`done`, a SimpleQueue the loop drains):
 * ``delete(names)``: unlink (evicted from the disk); ``("deleted", names)``.
 * the scan at start: ``("scanned", [(digest hex, name, bytes, mtime)], skipped, removed)``.
 
-Reads are served before writes, writes before deletes.
+Reads are served first, then deletes, then writes; no write starts while a delete runs: the
+loop deletes files to make room for the writes it queues after them, and on a full disk a write
+that overtook its delete would fail (ENOSPC) with the room about to be there.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
+from xkv.gateway.disk_crc import SlotCrc
 from xkv.gateway.disk_dir import DiskError, check_dir
 from xkv.gateway.disk_format import (
     BLOCK,
@@ -80,6 +83,27 @@ class DiskItem:
         return file_bytes(self.num_shards, self.shard_bytes)
 
 
+def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """``pwritev`` until every byte is written. A file system that fills up mid-write returns
+    a short count first and raises ENOSPC only on the next call: the loop turns the one into
+    the other, so a full disk is reported as such (ENOSPC), not as a generic error. O_DIRECT:
+    a short count is a multiple of the block size, so the rest stays aligned."""
+    total = sum(len(b) for b in bufs)
+    done = 0
+    while done < total:
+        n = os.pwritev(fd, bufs, offset + done)
+        if n <= 0:
+            raise OSError(5, f"write made no progress ({done} of {total} bytes)")
+        done += n
+        while n and bufs:  # drop what was written
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            else:
+                bufs = [bufs[0][n:], *bufs[1:]]
+                n = 0
+
+
 class _Read:
     """One read job spread over the threads: the last item done posts the result."""
 
@@ -102,6 +126,7 @@ class DiskStore:
                             + ("the file system refuses it" if not can_direct else
                                f"the slot alignment {alignment} is not a multiple of {BLOCK}"))
         self._view = memoryview(card)
+        self._crc = SlotCrc(card)  # libdeflate's CRC-32 where the system has it (disk_crc.py)
         self._uid = os.geteuid()
         self._nice = nice  # added to the I/O threads' nice value (Linux: per thread)
         self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -110,6 +135,7 @@ class DiskStore:
         self._writes: deque = deque()
         self._deletes: deque = deque()
         self._stop = False
+        self._unlinking = 0  # delete jobs running: writes wait for them
         self._threads = [threading.Thread(target=self._main, name=f"xkv-disk-{i}", daemon=True)
                          for i in range(max(threads, 1))]
         self._reads.append(("scan",))
@@ -145,6 +171,10 @@ class DiskStore:
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout_s)
+        if any(t.is_alive() for t in self._threads):  # stuck in I/O: keep the card mapped
+            log.warning("disk tier: I/O threads still busy after %g s at close", timeout_s)
+            return
+        self._crc.close()
         with contextlib.suppress(BufferError):
             self._view.release()
 
@@ -155,11 +185,12 @@ class DiskStore:
             while not self._stop:
                 if self._reads:
                     return self._reads.popleft()
-                if self._writes:
+                if self._deletes:
+                    self._unlinking += 1
+                    return ("delete", self._deletes.popleft())
+                if self._writes and not self._unlinking:
                     n = min(len(self._writes), _WRITE_BATCH)
                     return ("write", [self._writes.popleft() for _ in range(n)])
-                if self._deletes:
-                    return ("delete", self._deletes.popleft())
                 self._cv.wait()
             return None
 
@@ -177,9 +208,14 @@ class DiskStore:
                 elif job[0] == "write":
                     self.done.put(self._write(job[1], hdr))
                 elif job[0] == "delete":
-                    for digest, name in job[1]:
-                        with contextlib.suppress(OSError):
-                            os.unlink(os.path.join(self.root, rel_path(digest, name)))
+                    try:
+                        for digest, name in job[1]:
+                            with contextlib.suppress(OSError):
+                                os.unlink(os.path.join(self.root, rel_path(digest, name)))
+                    finally:
+                        with self._cv:
+                            self._unlinking -= 1
+                            self._cv.notify_all()  # writes held back for the room
                     self.done.put(("deleted", job[1]))
                 else:
                     self.done.put(self._scan())
@@ -310,10 +346,16 @@ class DiskStore:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
+    @property
+    def crc_kind(self) -> str:
+        """Which CRC-32 code runs: ``libdeflate`` or ``zlib`` (same values)."""
+        return self._crc.kind
+
     def crc(self, it: DiskItem) -> int:
-        crc, view = 0, self._view
+        """CRC-32 of the object's shards (``shard_bytes`` of each slot, in order)."""
+        crc, fn = 0, self._crc.crc
         for off in it.offsets:
-            crc = zlib.crc32(view[off:off + it.shard_bytes], crc)  # releases the GIL
+            crc = fn(off, it.shard_bytes, crc)  # releases the GIL
         return crc
 
     # ------------------------------------------------------------------ write
@@ -357,15 +399,13 @@ class DiskStore:
             try:
                 iov = self._iov(it)
                 if self.direct:
-                    done = os.pwritev(fd, [hdr, *iov], 0)
-                    if done != it.nbytes:
-                        raise OSError(5, f"short write ({done} of {it.nbytes} bytes)")
+                    _pwrite_all(fd, [memoryview(hdr), *iov], 0)
                 else:
                     os.ftruncate(fd, it.nbytes)
-                    os.pwrite(fd, hdr, 0)
+                    _pwrite_all(fd, [memoryview(hdr)], 0)
                     s = stride(it.shard_bytes)
                     for r, buf in enumerate(iov):
-                        os.pwrite(fd, buf, BLOCK + r * s)
+                        _pwrite_all(fd, [buf], BLOCK + r * s)
                 os.fdatasync(fd)
             finally:
                 os.close(fd)

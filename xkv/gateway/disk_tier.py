@@ -11,6 +11,7 @@ only; files are read and written by :class:`xkv.gateway.disk_store.DiskStore`'s 
   at eviction, the disk also holds what the card still holds: a restart serves it.
 * LRU over ``capacity_bytes`` of files: the disk's least recently used objects (written or
   restored) are deleted to make room; objects being restored are never deleted.
+* Namespace quotas: :mod:`xkv.gateway.disk_room` (with the LRU bookkeeping).
 * Lookup miss. A LOOKUP whose card prefix stops short and whose next chunk is on disk (in every
   group) is deferred: the run of chunks the disk holds is reserved in the card (STAGED and held,
   as the Mooncake tier does), read into those slots by the threads, checked, and committed; then
@@ -31,10 +32,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from xkv.gateway.disk_format import file_bytes, file_name
+from xkv.gateway.disk_room import DiskRoom
 from xkv.gateway.disk_store import DiskItem, DiskStore
 from xkv.gateway.protocol import ReserveStatus
 from xkv.gateway.tier import DEFERRED, _Pending  # one home: a deferred lookup; held = (obj, name)
@@ -46,20 +47,22 @@ _COUNTERS = ("disk_lookups", "disk_skipped", "disk_deadline", "disk_asked_chunks
              "disk_misses", "disk_served_chunks", "disk_late_objects", "disk_lost",
              "disk_corrupt", "disk_truncated", "disk_foreign", "disk_read_errors",
              "disk_read_bytes", "disk_written", "disk_write_bytes", "disk_write_errors",
-             "disk_write_dropped", "disk_full", "disk_evicted", "disk_scan_found",
-             "disk_scan_skipped", "disk_scan_removed")
+             "disk_write_dropped", "disk_full", "disk_evicted", "disk_quota_evicted",
+             "disk_quota_refused", "disk_scan_found", "disk_scan_skipped", "disk_scan_removed")
 _FAILED = {"lost": "disk_lost", "corrupt": "disk_corrupt", "truncated": "disk_truncated",
            "foreign": "disk_foreign"}
 
 
-class DiskTier:
+class DiskTier(DiskRoom):
     """``index``: the gateway's Index (its ``on_ready`` hook is chained); ``answer(frames, req)``:
     the reply frames for a lookup from the card as it is now, or None when another tier took it
-    over."""
+    over. ``quotas``: bytes of disk per namespace; ``default_quota_bytes``: for the others (0:
+    none)."""
 
     def __init__(self, index, store: DiskStore, answer: Callable[[tuple, object], list | None], *,
                  capacity_bytes: int, wait_s: float = 0.020, backlog_bytes: int = 256 << 20,
-                 max_deferred: int = 64, max_errors: int = 8, retry_s: float = 5.0):
+                 max_deferred: int = 64, max_errors: int = 8, retry_s: float = 5.0,
+                 quotas: dict[str, int] | None = None, default_quota_bytes: int = 0):
         self.index = index
         self.store = store
         self.answer = answer
@@ -70,8 +73,7 @@ class DiskTier:
         self.max_errors, self.retry_s = max_errors, retry_s
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self.read_seconds = self.write_seconds = 0.0
-        self.entries: OrderedDict[tuple[bytes, str], list[int]] = OrderedDict()  # [bytes, readers]
-        self.used_bytes = 0  # files on disk + writes in flight
+        DiskRoom.__init__(self, quotas, default_quota_bytes)
         self._writing: dict[tuple[bytes, str], int] = {}
         self._deleting: set[tuple[bytes, str]] = set()
         self._backlog = 0
@@ -97,6 +99,7 @@ class DiskTier:
             d = layout_digest(layout.namespace, layout.fingerprint, layout.num_shards,
                               layout.shard_bytes)
             self._digests[layout.layout_id] = d
+            self._ns[d] = layout.namespace
         return d
 
     def _item(self, obj, name: str) -> DiskItem:
@@ -112,28 +115,6 @@ class DiskTier:
         """How long the loop may block in recv: short while results are to be expected."""
         return 1 if self._live or self._writing or self._now or not self.scanned else 100
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Delete least recently used files (not being read) until ``nbytes`` more fit."""
-        if nbytes > self.capacity_bytes:
-            return False
-        gone = []
-        entries = self.entries
-        skipped = 0
-        while self.used_bytes + nbytes > self.capacity_bytes and skipped < len(entries):
-            k, e = next(iter(entries.items()))
-            if e[1]:  # being restored: keep, look at the next one
-                entries.move_to_end(k)
-                skipped += 1
-                continue
-            del entries[k]
-            self.used_bytes -= e[0]
-            self._deleting.add(k)
-            gone.append(k)
-        if gone:
-            self.counters["disk_evicted"] += len(gone)
-            self.store.delete(gone)
-        return self.used_bytes + nbytes <= self.capacity_bytes
-
     # ------------------------------------------------------------------ write-behind
 
     def _on_ready(self, obj) -> None:
@@ -142,16 +123,17 @@ class DiskTier:
         lay = obj.layout
         k = (self._digest(lay), file_name(obj.key))
         if k in self.entries:  # on disk already (restored, or stored again after eviction)
-            self.entries.move_to_end(k)
+            self._touch(k)
             return
         nbytes = file_bytes(lay.num_shards, lay.shard_bytes)
         if (k in self._writing or k in self._deleting or not self.up
-                or self._backlog + nbytes > self.backlog_bytes or not self._make_room(nbytes)):
+                or self._backlog + nbytes > self.backlog_bytes
+                or not self._make_room(nbytes, lay.namespace)):
             self.counters["disk_write_dropped"] += 1
             return
         self.index.pin(obj)  # until the write is durable: its slots are the write's source
         self._writing[k] = nbytes
-        self.used_bytes += nbytes
+        self._charge(k[0], nbytes)
         self._backlog += nbytes
         self._offer.append(self._item(obj, k[1]))  # handed to the threads once per loop turn
 
@@ -165,11 +147,11 @@ class DiskTier:
             size = self._writing.pop(k)
             self._backlog -= size
             if st == "ok":
-                self.entries[k] = [size, 0]
+                self._add(k, size)
                 self.counters["disk_written"] += 1
                 self._errors = 0
                 continue
-            self.used_bytes -= size
+            self._charge(k[0], -size)
             if st == "full":
                 self.counters["disk_full"] += 1
                 shrunk = self.used_bytes  # what fits: the next write evicts to make room
@@ -271,7 +253,7 @@ class DiskTier:
                 obj.leases = 1  # held: Index.commit/abort/expire leave it to us
                 name = file_name(key)
                 self.entries[(digest, name)][1] += 1
-                self.entries.move_to_end((digest, name))  # a use
+                self._touch((digest, name))  # a use
                 p.held.append((obj, name))
                 items.append(self._item(obj, name))
         return items
@@ -298,8 +280,7 @@ class DiskTier:
                 self.counters[_FAILED.get(st, "disk_read_errors")] += 1
                 self.index.abort(lay.layout_id, 0, [obj.key])
                 if entry is not None:  # the file is gone, bad (removed) or not ours: forget it
-                    del self.entries[k]
-                    self.used_bytes -= entry[0]
+                    self._forget(k)
         finally:
             self._suppress = False
         if p.answered:
@@ -330,15 +311,16 @@ class DiskTier:
         self.scanned = True
         c = self.counters
         c["disk_scan_skipped"], c["disk_scan_removed"] = skipped, removed
-        for digest_hex, name, size, _mtime in found:
+        for digest_hex, name, size, _mtime in reversed(found):  # newest first: each goes in
+            # front of the ones before it, so the oldest file ends up least recently used
             k = (bytes.fromhex(digest_hex), name)
             if k in self.entries or k in self._writing:
                 continue
             # entries of this start (written already) stay the most recent
-            self.entries[k] = [size, 0]
-            self.entries.move_to_end(k, last=False)
-            self.used_bytes += size
+            self._charge(k[0], size)
+            self._add(k, size, oldest=True)
             c["disk_scan_found"] += 1
+        self._learn_layouts()
         self._make_room(0)
         log.info("disk tier: %d objects (%d B) found in %s, capacity %d B%s", c["disk_scan_found"],
                  self.used_bytes, self.store.root, self.capacity_bytes,
