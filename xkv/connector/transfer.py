@@ -4,7 +4,10 @@ Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
 ``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
 forward: ``loads.load_transfers``' ``fence_tail``),
-``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
+``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves,
+or, with ``save_mode`` step, ``save_group`` (every layer after the forward, one launch per page
+size) and ``fence_saves_deferred`` + ``order_after_saves`` (the compute stream waits for those
+copies only at the next step's bind, so they overlap sampling and the next step's preparation).
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
 layer, so a layer's attention waits for its own pages only) and a save stream ordered after the
@@ -177,7 +180,30 @@ class TransferHandler(abc.ABC):
 
     @abc.abstractmethod
     def fence_saves(self) -> Any:
-        """A fence after every save issued (``synchronize()``), or None: already on the card."""
+        """A fence after every save issued (``synchronize()``), or None: already on the card.
+        What runs next on the compute stream is ordered after those saves."""
+
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """``save_mode`` step: save every layer of a group at once, after the step's forward
+        (``offsets`` int64 ``[L, n]``, host; ``pools[l]`` is layer ``names[l]``). This default
+        goes layer by layer through :meth:`prepare_saves` / :meth:`save_prepared` (a wrapper
+        that only sees those still checks every copy); the real handlers issue one launch per
+        page size."""
+        prep = self.prepare_saves(pools, block_ids, card, offsets)
+        for i, (name, pool) in enumerate(zip(names, pools, strict=True)):
+            self.save_prepared(prep, i, name, pool, block_ids, card, offsets[i])
+
+    def fence_saves_deferred(self) -> Any:
+        """:meth:`fence_saves` without ordering the compute stream after the saves yet: the
+        caller calls :meth:`order_after_saves` before anything may overwrite the saved pages
+        (``save_mode`` step: at the next step's bind). This default orders at once (correct,
+        without the overlap)."""
+        return self.fence_saves()
+
+    def order_after_saves(self) -> None:
+        """What runs next on the compute stream waits (on the GPU, no host wait) for every save
+        :meth:`fence_saves_deferred` fenced. Nothing to do when the copies ran inline."""
+        return None
 
 
 class SyncTransferHandler(TransferHandler):
@@ -252,6 +278,13 @@ class SyncTransferHandler(TransferHandler):
         """The copies ran inline: nothing to wait for (None), the caller commits at once."""
         self.flush_saves()
 
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """Every layer inline, one call per page size (:func:`save_all`)."""
+        save_all(pools, block_ids, card, offsets, "auto")
+        if self.verifier is not None:
+            for i, pool in enumerate(pools):
+                self.verifier.record("save", card, offsets[i], pool, block_ids)
+
 
 def _engine(var: str) -> str:
     e = os.environ.get(var, "auto")
@@ -291,6 +324,7 @@ class CudaTransferHandler(TransferHandler):
         # [start event, host start, host end of issue, bytes, host plan seconds, launches]
         self._t: list = []
         self._preps: list = []  # this step's prepared loads (see load_group)
+        self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 
     def set_light_step(self, light: bool) -> None:
         self.light_step = light
@@ -429,7 +463,52 @@ class CudaTransferHandler(TransferHandler):
         ev = torch.cuda.Event(blocking=True)
         ev.record(self.save_stream)
         torch.cuda.current_stream(self.device).wait_event(ev)
+        self._unordered = None  # an earlier deferred fence is before this one on the save stream
         return ev
+
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """Every layer of the group in one launch per page size (:func:`save_all`) on the save
+        stream, ordered after the compute stream's work so far (the step's forward, which wrote
+        the pages): one plan and one launch per step instead of one per layer."""
+        self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.save_stream):
+            save_all(pools, block_ids, card, offsets, self.save_engine)
+        if self.verifier is not None:
+            for i, pool in enumerate(pools):
+                self.verifier.record("save", card, offsets[i], pool, block_ids)
+
+    def fence_saves_deferred(self) -> torch.cuda.Event | None:
+        """An event on the save stream after every save issued (blocking-sync, as
+        :meth:`fence_saves`), and the compute stream NOT yet waiting on it: the copies overlap
+        what the GPU runs next (sampling, the next step's preparation) until
+        :meth:`order_after_saves`. ``verify_restores``: waited for and checked here (None)."""
+        if self.verifier is not None:
+            self.flush_saves()
+            return None
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self.save_stream)
+        self._unordered = ev
+        return ev
+
+    def order_after_saves(self) -> None:
+        """The compute stream waits (on the GPU) for the last deferred save fence: pages still
+        being copied cannot be overwritten by what is queued next (a reallocated block's new KV).
+        One wait covers every earlier save (one save stream, in order)."""
+        ev, self._unordered = self._unordered, None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+
+def save_all(pools, block_ids, card, offsets, engine: str) -> None:
+    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host) at once: one
+    :func:`xkv.kernels.save_layers` call (validated, one launch per geometry) per page size, on
+    the current stream."""
+    sizes: dict[int, list[int]] = {}
+    for i, p in enumerate(pools):
+        sizes.setdefault(p.block_bytes, []).append(i)
+    for idx in sizes.values():
+        kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
+                            engine=engine)
 
 
 def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
