@@ -330,6 +330,8 @@ def test_step_mode_turned_off_mid_step_aborts_and_copies_nothing(fake_gateway, l
     w.turn_off("test: the gateway went away mid-step")
     conn.wait_for_save()
     assert "save_group" not in w.handler.calls
+    for f in w.handler.fences:  # the (empty) save stream reaches the step's fence
+        f.complete()
     assert w.drain_saves(10)
     assert not fake_gateway.committed(1)
     assert conn.get_kv_connector_stats().data["save_errors"] == 4
