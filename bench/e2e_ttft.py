@@ -75,6 +75,8 @@ def _args(argv=None):
                     help="xkv chunk tokens; 0: one block of a hybrid model (bench/e2e_models.py)")
     ap.add_argument("--load-mode", choices=("sync", "async", "auto"), default="sync",
                     help="xkv's load_mode (restores in the step, or parked; docs/architecture.md)")
+    ap.add_argument("--xkv-extra", default="{}",
+                    help="JSON merged into xkv's kv_connector_extra_config (e.g. save_mode)")
     ap.add_argument("--card-gib", type=float, default=40.0)
     ap.add_argument("--offload-gib", type=float, default=24.0)
     ap.add_argument("--port", type=int, default=5599)
@@ -113,7 +115,8 @@ def _engine(a, kind, max_len):
                                           "chunk_size": e2e_models.chunk_tokens(a),
                                           "verify_restores": kind == "verify",
                                           "load_mode": a.load_mode,
-                                          **e2e_models.connector_extra(a)},
+                                          **e2e_models.connector_extra(a),
+                                          **json.loads(a.xkv_extra)},
         }
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
