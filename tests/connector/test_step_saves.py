@@ -416,3 +416,20 @@ def test_engine_start_line_names_the_mode(fake_gateway, llama_dir, caplog):
     with caplog.at_level(logging.INFO):
         _engine(llama_dir, "step")
     assert "XKV: stores: save_mode 'step' (one launch per group after the forward)" in caplog.text
+
+
+def test_hybrid_model_asking_for_step_runs_layer(fake_gateway, llama_dir, caplog):
+    """A Mamba hybrid (attention + state group over one buffer, as this vLLM allocates it):
+    'step' would let the next step's zeroing and state writes overtake the copies; 'layer' runs,
+    and the start-up line says why."""
+    import logging
+
+    nb, bs = 8, 16
+    kvc, caches, _, page, state = H.make_hybrid(bs, nb)
+    vc = H.make_vllm_config(llama_dir, block_size=bs,
+                            extra={"chunk_size": bs, "save_mode": "step"})
+    with caplog.at_level(logging.INFO):
+        conn = H.make_worker(vc, kvc, H.Caches(caches, {}, {}, page, state))
+    assert conn._worker.saver.mode == "layer"
+    assert "save_mode 'step' requested, 'layer' used: recurrent-state groups" in caplog.text
+    conn.shutdown()
