@@ -223,9 +223,9 @@ def test_step_mode_does_nothing_per_layer_and_saves_once_per_step(fake_gateway, 
     sched.add_request(H.make_request("b", _prompt(200, base=500), block_size=bs, max_tokens=1))
     with _Counts() as counts:
         _, _, out = _step(sched, conn, caches, bs, probe=lambda: (len(h.calls), dict(counts.n)))
-        # one group: the compute stream ordered after the (empty) past, one save_group for
-        # every layer of both requests, one deferred fence; no per-layer call at all
-        assert h.calls == ["order_after_saves", "save_group", "fence_saves_deferred"]
+        # one group: one save_group for every layer of both requests, one deferred fence; no
+        # per-layer call at all
+        assert h.calls == ["save_group", "fence_saves_deferred"]
         assert sum(counts.n.values()) == 0  # queued on the fake save stream, nothing ran yet
         (fence,) = h.fences
         assert not fence.query() and not committed and not any(fake_gateway.card)
@@ -245,7 +245,7 @@ def test_layer_mode_still_saves_per_layer(fake_gateway, llama_dir):
     committed, torn = _watch_commits(sched, w, caches, bs)
     sched.add_request(H.make_request("a", _prompt(300), block_size=bs, max_tokens=1))
     _step(sched, conn, caches, bs)
-    calls = [c for c in w.handler.calls if c != "order_after_saves"]
+    calls = w.handler.calls
     assert calls == ["prepare_saves"] + ["save_prepared"] * len(caches) + ["fence_saves"]
     assert w.drain_saves(10)
     assert len(committed) == 4 and not torn
@@ -349,10 +349,11 @@ def test_step_mode_saves_owed_without_wait_for_save_at_the_next_bind(fake_gatewa
     assert "save_group" not in w.handler.calls and w.saver.has_unflushed
     conn.wait_for_save = orig
     H.step_with_worker(sched, conn, caches, bs)
-    # the owed save, its fence, then the compute stream ordered after it, before the forward
-    i = w.handler.calls.index("save_group")
-    assert w.handler.calls[i:i + 3] == ["save_group", "fence_saves_deferred",
-                                        "order_after_saves"]
+    # the owed save and its fence at the bind, before the forward (a decode step writing none
+    # of its blocks: the compute stream need not wait)
+    assert w.handler.calls[:2] == ["save_group", "fence_saves_deferred"]
+    for f in w.handler.fences:
+        f.complete()
     assert w.drain_saves(10)
     assert len(committed) == 4 and not torn
 
@@ -433,3 +434,39 @@ def test_hybrid_model_asking_for_step_runs_layer(fake_gateway, llama_dir, caplog
     assert conn._worker.saver.mode == "layer"
     assert "save_mode 'step' requested, 'layer' used: recurrent-state groups" in caplog.text
     conn.shutdown()
+
+
+def test_compute_stream_waits_only_for_steps_that_write_a_block_being_copied(fake_gateway,
+                                                                              llama_dir):
+    """Decode steps of the request whose chunks are still being copied write none of those
+    blocks: no wait, the copies overlap them. A step that hands one of those blocks to another
+    request (its loads or its forward write it) waits first. Unknown written blocks: waits."""
+    from vllm.v1.request import RequestStatus
+
+    from xkv.connector.metadata import StepMetadata
+
+    sched, conn, w, caches, bs = _engine(llama_dir, "step", num_blocks=16)
+    committed, torn = _watch_commits(sched, w, caches, bs)
+    h = w.handler
+    sched.add_request(H.make_request("a", _prompt(300), block_size=bs, max_tokens=8))
+    H.step_with_worker(sched, conn, caches, bs)  # prefill: 4 chunks saved, fence pending
+    (fence,) = h.fences
+    for _ in range(3):  # decode steps: no wait, the copy still "runs"
+        so, meta, _ = H.step_with_worker(sched, conn, caches, bs)
+        assert meta.written_blocks is not None
+        assert "order_after_saves" not in h.calls and not fence.query()
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.add_request(H.make_request("b", _prompt(400, base=600), block_size=bs, max_tokens=1))
+    H.step_with_worker(sched, conn, caches, bs)  # B gets A's blocks: ordered before its forward
+    assert h.calls.count("order_after_saves") == 1 and fence.query()
+    assert w.drain_saves(10)
+    assert len(committed) >= 4 and not torn
+    # a step whose written blocks are not known (older metadata): always waits
+    sched.add_request(H.make_request("c", _prompt(300, base=77), block_size=bs, max_tokens=1))
+    H.step_with_worker(sched, conn, caches, bs)
+    n = h.calls.count("order_after_saves")
+    conn.bind_connector_metadata(type(sched.schedule().kv_connector_metadata)(StepMetadata()))
+    assert h.calls.count("order_after_saves") == n + 1
+    for f in h.fences:
+        f.complete()
+    assert w.drain_saves(10) and not torn

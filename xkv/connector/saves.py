@@ -32,9 +32,12 @@ reserved slots.
 * ``"step"``: ``save_kv_layer`` does nothing (no launch, no allocation, no lookup);
   ``wait_for_save`` saves every layer of every group at once (``TransferHandler.save_group``: one
   validation and one launch per page size, on the save stream after the compute stream's forward)
-  and fences it with ``fence_saves_deferred``: the copies overlap sampling and the next step's
-  preparation, and the compute stream waits for them at the next :meth:`Saver.bind` (before the
-  next step's forward can write a reallocated block). Only for models where nothing the runner
+  and fences it with ``fence_saves_deferred``: the copies overlap sampling and the next steps.
+  The compute stream waits for them at a later :meth:`Saver.bind` only when that step may write
+  a block whose copy may still run (``StepMetadata.written_blocks``, the blocks of its scheduled
+  requests, and the blocks its loads fill, meet the blocks of a fence not yet completed; unknown
+  written blocks: always): a block freed and handed to another request is never overwritten
+  before its copy ran, and a step that touches none of them does not wait. Only for models where nothing the runner
   runs before that bind writes KV pages: no recurrent-state group (their pages are rewritten in
   place, and vLLM zeroes new blocks of hybrid caches before the bind), no zeroing of new blocks
   (mixed-precision caches) and no copy-on-write of partial prefix hits (a group whose block size
@@ -223,6 +226,9 @@ class Saver:
         self._saved: dict[int, set[int]] = {}
         self._unflushed: StepMetadata | None = None
         self._flushed = False
+        # step mode: (fence, block ids it copies) of deferred fences the compute stream has not
+        # been ordered after yet
+        self._inflight: list[tuple[Any, frozenset[int]]] = []
         self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, [L, n] offsets, prepared)
         self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
         self._counts: Counter = Counter()
@@ -246,9 +252,7 @@ class Saver:
             # saves of a step whose wait_for_save never came: issue (step mode), fence and
             # commit them now
             self._finish(self._unflushed)
-        # step mode: the compute stream waits for the last step's copies before this step
-        # writes any page (a no-op when nothing is deferred)
-        self.handler.order_after_saves()
+        self._order_if_needed(meta)
         self._flushed = False
         self._meta = meta
         self._plan = {}
@@ -329,6 +333,22 @@ class Saver:
     def clear(self) -> None:
         self._meta = None
 
+    def _order_if_needed(self, meta: StepMetadata) -> None:
+        """Step mode: make the compute stream wait for the deferred save copies if this step may
+        write a block one of them still reads (see the module docstring)."""
+        self._inflight = [(f, b) for f, b in self._inflight if not f.query()]
+        if not self._inflight:
+            return
+        if meta.written_blocks is not None:
+            writes = set(meta.written_blocks)
+            for job in meta.loads + meta.async_loads:
+                for gt in job.groups:
+                    writes.update(gt.block_ids)
+            if all(writes.isdisjoint(b) for _, b in self._inflight):
+                return
+        self.handler.order_after_saves()  # the last fence: every earlier copy too
+        self._inflight = []
+
     def _finish(self, meta: StepMetadata) -> None:
         """Step mode: save every layer of ``meta``'s jobs, then fence and commit; layer mode:
         fence and commit what was saved."""
@@ -365,6 +385,9 @@ class Saver:
         # copies at the next bind only
         fence = (self.handler.fence_saves_deferred() if self.mode == "step"
                  else self.handler.fence_saves())
+        if self.mode == "step" and fence is not None:
+            self._inflight.append((fence, frozenset(
+                b for job in meta.saves for gt in job.groups for b in gt.block_ids)))
         batch = SaveBatch()
         for job in meta.saves:
             for gt in job.groups:
