@@ -37,8 +37,8 @@ reserved slots.
   a block whose copy may still run (``StepMetadata.written_blocks``, the blocks of its scheduled
   requests, and the blocks its loads fill, meet the blocks of a fence not yet completed; unknown
   written blocks: always): a block freed and handed to another request is never overwritten
-  before its copy ran, and a step that touches none of them does not wait. Only for models where nothing the runner
-  runs before that bind writes KV pages: no recurrent-state group (their pages are rewritten in
+  before its copy ran, and a step that touches none of them does not wait. Only for models
+  where nothing the runner runs before the bind writes KV pages: no recurrent-state group (their pages are rewritten in
   place, and vLLM zeroes new blocks of hybrid caches before the bind), no zeroing of new blocks
   (mixed-precision caches) and no copy-on-write of partial prefix hits (a group whose block size
   differs from the hash block size): ``setup.save_mode`` falls back to ``"layer"`` elsewhere,
