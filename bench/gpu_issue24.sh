@@ -50,8 +50,8 @@ for spec in "$@"; do
     profile_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv,offload ;;
     profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
-    stores_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" ;;
-    stores_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" ;;
+    stores_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
+    stores_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
     gputests) mkdir -p "$OUT/$step"
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
         tests/connector/test_transfer.py > "$OUT/$step/pytest.txt" 2>&1

@@ -373,7 +373,9 @@ def _parent(a):
                 if line.startswith("PROFILE_RESULT "):
                     r = json.loads(line.split(" ", 1)[1])
                     r.update(tag=a.tag, model=a.model, backend=a.backend, runner=a.runner,
-                             xkv_timing=timing)
+                             xkv_timing=timing,
+                             stores=[ln.split("XKV: stores:", 1)[1].strip()
+                                     for ln in text.splitlines() if "XKV: stores:" in ln][:1])
                     results.append(r)
             print(f"[{kind}:{mode}] {time.perf_counter() - t:.0f} s, results {len(results)}", flush=True)
             if gw is not None:
@@ -397,6 +399,8 @@ def _report(results, out):
     for r in results:
         lines.append(f"### {r.get('tag', '')} {Path(r.get('model', '?')).name} {r.get('backend', '')} "
                      f"runner {r.get('runner', '?')}: {r['kind']} / {r['mode']} (engine start {r['engine_start_s']} s; first run after start: {r['first']})")
+        if r.get("stores"):
+            lines.append(f"- stores: {r['stores'][0]}")
         lines.append("| phase | tokens | ms (median) | cached | host ms per request in hooks (median) |")
         lines.append("|---|---|---|---|---|")
         groups = collections.defaultdict(list)
