@@ -38,11 +38,11 @@ reserved slots.
   requests, and the blocks its loads fill, meet the blocks of a fence not yet completed; unknown
   written blocks: always): a block freed and handed to another request is never overwritten
   before its copy ran, and a step that touches none of them does not wait. Only for models
-  where nothing the runner runs before the bind writes KV pages: no recurrent-state group (their pages are rewritten in
-  place, and vLLM zeroes new blocks of hybrid caches before the bind), no zeroing of new blocks
-  (mixed-precision caches) and no copy-on-write of partial prefix hits (a group whose block size
-  differs from the hash block size): ``setup.save_mode`` falls back to ``"layer"`` elsewhere,
-  saying why. A step whose ``wait_for_save`` never came is saved at the next bind (its forward
+  where nothing the runner runs before the bind writes KV pages: no recurrent-state group
+  (their pages are rewritten in place, and vLLM zeroes new blocks of hybrid caches before the
+  bind), no zeroing of new blocks (mixed-precision caches) and no copy-on-write of partial
+  prefix hits (a group whose block size differs from the hash block size): ``setup.save_mode``
+  falls back to ``"layer"`` elsewhere, saying why. A step whose ``wait_for_save`` never came is saved at the next bind (its forward
   is done; the next one has not started).
 """
 
@@ -382,7 +382,7 @@ class Saver:
         self._unflushed = None
         saved, self._saved = self._saved, {}
         # None: the bytes are on the card already; step mode: the compute stream waits for the
-        # copies at the next bind only
+        # copies only at a later bind that may overwrite one of their blocks (_order_if_needed)
         fence = (self.handler.fence_saves_deferred() if self.mode == "step"
                  else self.handler.fence_saves())
         if self.mode == "step" and fence is not None:
