@@ -222,11 +222,24 @@ def state_check_class():
                 self.inner.flush_saves()  # the save copies landed (and the verifier's checked)
                 _compare("state_saves", card, offsets, pool, block_ids)
 
+        def save_group(self, names, pools, block_ids, card, offsets):
+            self.inner.save_group(names, pools, block_ids, card, offsets)
+            for offs, pool in zip(offsets, pools, strict=True):
+                if pool.kind == STATE_KIND:  # save_mode step keeps state groups on 'layer'
+                    self.inner.flush_saves()
+                    _compare("state_saves", card, offs, pool, block_ids)
+
         def flush_saves(self):
             self.inner.flush_saves()
 
         def fence_saves(self):
             return self.inner.fence_saves()
+
+        def fence_saves_deferred(self):
+            return self.inner.fence_saves_deferred()
+
+        def order_after_saves(self):
+            self.inner.order_after_saves()
 
     return StateCheck
 

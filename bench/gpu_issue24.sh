@@ -7,6 +7,9 @@
 #                   none / xkv / offload, 2k and 16k: hook host time, CUDA events around every hook
 #                   (GPU position, stall on each layer's copy), a torch.profiler view per case
 #   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA); profile_mla_xkv: xkv only
+#   stores_llama / stores_mla   profile_steps.py with kinds none, xkv@layer, xkv@step (save_mode,
+#                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
+#                   LENS (default 4096,16384)
 #   gputests        pytest -m gpu of the tail fence and the CUDA transfer handler
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs   bench/e2e_ttft.py, every connector and the
 #                   correctness checks (logprobs vs no connector, verify child, gateway kill)
@@ -47,6 +50,8 @@ for spec in "$@"; do
     profile_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv,offload ;;
     profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
+    stores_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
+    stores_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
     gputests) mkdir -p "$OUT/$step"
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
         tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py > "$OUT/$step/pytest.txt" 2>&1

@@ -45,7 +45,9 @@ def _args(argv=None):
     ap.add_argument("--out", default="out/profile")
     ap.add_argument("--lens", default="4096,16384")
     ap.add_argument("--modes", default="eager,graphs")
-    ap.add_argument("--kinds", default="none,xkv,offload")
+    ap.add_argument("--kinds", default="none,xkv,offload",
+                    help="none, xkv, offload; xkv@MODE: xkv with save_mode MODE (layer, step), so "
+                         "one call compares store modes")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--chunk-size", type=int, default=256)
@@ -151,13 +153,14 @@ def _engine(a, kind, mode, max_len):
               enable_prefix_caching=True, seed=0)
     if a.backend:
         kw["attention_backend"] = a.backend
-    if kind == "xkv":
+    if kind.split("@")[0] == "xkv":
+        save = {"save_mode": kind.split("@")[1]} if "@" in kind else {}
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"xkv_gateway_port": a.port, "chunk_size": a.chunk_size,
-                                          **json.loads(a.xkv_extra)}}
+                                          **json.loads(a.xkv_extra), **save}}
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"cpu_bytes_to_use": int(a.offload_gib * 2**30)}}
@@ -265,7 +268,7 @@ def _child(a):
     from vllm import SamplingParams
 
     clock = HookClock()
-    if kind == "xkv":
+    if kind.split("@")[0] == "xkv":
         from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
 
         clock.wrap(FusIOnXConnector)
@@ -346,7 +349,7 @@ def _parent(a):
     for mode in a.modes.split(","):
         for kind in a.kinds.split(","):
             gw = None
-            if kind == "xkv":
+            if kind.split("@")[0] == "xkv":
                 from xkv.gateway.testing import spawn_gateway
 
                 gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=200.0)
@@ -370,7 +373,9 @@ def _parent(a):
                 if line.startswith("PROFILE_RESULT "):
                     r = json.loads(line.split(" ", 1)[1])
                     r.update(tag=a.tag, model=a.model, backend=a.backend, runner=a.runner,
-                             xkv_timing=timing)
+                             xkv_timing=timing,
+                             stores=[ln.split("XKV: stores:", 1)[1].strip()
+                                     for ln in text.splitlines() if "XKV: stores:" in ln][:1])
                     results.append(r)
             print(f"[{kind}:{mode}] {time.perf_counter() - t:.0f} s, results {len(results)}", flush=True)
             if gw is not None:
@@ -394,6 +399,8 @@ def _report(results, out):
     for r in results:
         lines.append(f"### {r.get('tag', '')} {Path(r.get('model', '?')).name} {r.get('backend', '')} "
                      f"runner {r.get('runner', '?')}: {r['kind']} / {r['mode']} (engine start {r['engine_start_s']} s; first run after start: {r['first']})")
+        if r.get("stores"):
+            lines.append(f"- stores: {r['stores'][0]}")
         lines.append("| phase | tokens | ms (median) | cached | host ms per request in hooks (median) |")
         lines.append("|---|---|---|---|---|")
         groups = collections.defaultdict(list)

@@ -115,12 +115,13 @@ class Engine:
     """A scheduler + a worker connector inside V2's wrapper, over vLLM's own CPU allocation
     (poisoned) of a two-layer attention cache."""
 
-    def __init__(self, llama_dir, port, ns, policy=None, num_blocks=64, load_mode="sync"):
+    def __init__(self, llama_dir, port, ns, policy=None, num_blocks=64, load_mode="sync",
+                 save_mode="layer"):
         kvc = V.make_kv_cache_config("attention", block_size=BS, num_blocks=num_blocks)
         self.caches = V.allocate(kvc, "attention", layout=V.layout_name("HND"))
         self.vc = V.make_vllm_config(llama_dir, block_size=BS, policy=policy, extra={
             "xkv_gateway_port": port, "chunk_size": CHUNK, "key_namespace": ns,
-            "load_mode": load_mode})
+            "load_mode": load_mode, "save_mode": save_mode})
         _V2.add(id(self.vc))
         self.sched = V.make_scheduler(self.vc, kvc)
         self.conn = FusIOnXConnector(self.vc, KVConnectorRole.WORKER, kvc)
@@ -259,14 +260,16 @@ def test_v2_wrapper_detected_and_required(llama_dir, monkeypatch):
         compat.require_supported(vc)
 
 
+@pytest.mark.parametrize("save_mode", ["layer", "step"], ids=["save-layer", "save-step"])
 @pytest.mark.parametrize("defer", [False, True], ids=["step", "deferred-finalize"])
-def test_store_then_restore_through_v2_wrapper(engines, defer, caplog, monkeypatch):
+def test_store_then_restore_through_v2_wrapper(engines, defer, save_mode, caplog, monkeypatch):
     if defer and not CAN_DEFER:
         pytest.skip("this vLLM's V2 wrapper has no defer_finalize")
-    ns = f"v2-{defer}-{next(_ns)}"
+    ns = f"v2-{defer}-{save_mode}-{next(_ns)}"
     caplog.set_level("INFO", logger="xkv")
     monkeypatch.setattr(logging.getLogger("xkv"), "propagate", True)
-    a = engines(ns)
+    a = engines(ns, save_mode=save_mode)
+    assert a.conn._worker.saver.mode == save_mode
     assert a.init_calls == ["register_kv_caches", "set_host_xfer_buffer_ops"]  # before any step
     assert "XKV: vLLM model runner V2" in caplog.text
     stats = a.run("a", P, defer=defer)
@@ -285,17 +288,19 @@ def test_store_then_restore_through_v2_wrapper(engines, defer, caplog, monkeypat
     b.assert_restored("b", P, 256)
 
 
-def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines, monkeypatch):
+@pytest.mark.parametrize("save_mode", ["layer", "step"])
+def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines, monkeypatch,
+                                                                        save_mode):
     """V2's FULL-CUDA-graph step (ruled out by requires_piecewise_for_cudagraph, made safe
     anyway): no layer hook runs, so start_load_kv fences every layer itself, and the pages the
     graph wrote are saved in wait_for_save, after the forward (issue 18: a layer whose
     save_kv_layer did not come is saved in bulk, not aborted); a fresh engine restores them."""
-    ns = f"v2-full-{next(_ns)}"
-    a = engines(ns)
+    ns = f"v2-full-{save_mode}-{next(_ns)}"
+    a = engines(ns, save_mode=save_mode)
     a.run("a", P)
     a.close()
     prompt = P + [(3 + 11 * i) % 1000 + 4 for i in range(100)]  # 400 tokens, 6 whole chunks
-    c = engines(ns)
+    c = engines(ns, save_mode=save_mode)
     fenced = []
     orig = c.conn._worker.wait_for_layer_load
     monkeypatch.setattr(c.conn._worker, "wait_for_layer_load",

@@ -33,29 +33,32 @@ def caches(kind, rank, poison=None):
     return out
 
 
-def side(kind, tp, gw):
+def side(kind, tp, gw, mode="layer"):
     bb = (576 if kind == "mla" else 2 * 8) * BS
     reg = build_registry([CacheGroup(0, kind, LAYERS, BS, bb)], tp_size=tp, pp_size=1,
                          chunk_size=BS * K)
-    cfg = ConnectorConfig.from_extra({"chunk_size": BS * K}, {"PYTHONHASHSEED": "0"})
+    cfg = ConnectorConfig.from_extra({"chunk_size": BS * K, "save_mode": mode},
+                                     {"PYTHONHASHSEED": "0"})
     sched = SchedulerSide(cfg, reg, ["fp-" + kind], hash_block_size=BS, world_size=tp,
                           gateway_factory=gw.client)
     return reg, sched
 
 
-def worker(reg, rank, gw, kv):
+def worker(reg, rank, gw, kv, mode="layer"):
     w = WorkerSide(reg, ["fp-" + reg.groups[0].group.kind], namespace="default", tp_rank=rank,
-                   gateway_factory=gw.client)
+                   gateway_factory=gw.client, save_mode=mode)
     w.register_kv_caches(kv, num_blocks=NB)
     return w
 
 
+@pytest.mark.parametrize("mode", ["layer", "step"])
 @pytest.mark.parametrize("kind", ["attention", "mla"])
-def test_two_ranks(kind):
+def test_two_ranks(kind, mode):
     gw, n = FakeGateway(capacity=1 << 22), 5 * BS  # 2 full chunks (4 blocks) + 1 block
-    reg, s = side(kind, 2, gw)
+    reg, s = side(kind, 2, gw, mode)
     src = [caches(kind, r) for r in (0, 1)]
-    ws = [worker(reg, r, gw, src[r]) for r in (0, 1)]
+    ws = [worker(reg, r, gw, src[r], mode) for r in (0, 1)]
+    assert all(w.saver.mode == mode for w in ws)
     req = Req("a", n)
     assert s.get_num_new_matched_tokens(req, 0) == 0
     ids = list(range(3, 8))

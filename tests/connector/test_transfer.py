@@ -257,3 +257,62 @@ def test_every_handler_implements_the_whole_interface():
     inner = transfer.SyncTransferHandler(verify=True)
     assert e2e_models.StateCheck(inner).verifier is inner.verifier
     assert inner.load_fence() is None  # inline copies: already landed
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@given(data=st.data())
+def test_save_group_bit_exact_and_ordered(device, data):
+    """``save_mode`` step: ``save_group`` copies every layer of the step (one launch per page size,
+    two page sizes here), byte for byte, nothing outside the step's fragments. CUDA: the save
+    stream waits for the forward (the compute stream writes the pages after a sleep), and after
+    ``fence_saves_deferred`` + ``order_after_saves`` a compute-stream write cannot overtake a
+    delayed copy (the save stream sleeps first)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L = data.draw(st.integers(1, 4), label="layers")
+    n = data.draw(st.integers(0, B), label="blocks")
+    ids = torch.tensor(data.draw(st.permutations(range(B)))[:n], dtype=torch.int64)
+    half = data.draw(st.lists(st.booleans(), min_size=L, max_size=L), label="small page")
+    caches, raw = [], []
+    for small in half:  # a second page size: half the tokens per block (an indexer-like cache)
+        mem = torch.zeros(B, N // 2 if small else N, H, D2, dtype=torch.bfloat16, device=device)
+        caches.append(mem.permute(0, 2, 1, 3))
+        raw.append(mem.view(B, -1).view(torch.uint8))  # block b's page = raw[b] (block-compact)
+    pools = [describe_cache(c, num_blocks=B, layout="NHD") for c in caches]
+    big = max(p.block_bytes for p in pools)
+    slots = torch.tensor(data.draw(st.permutations(range(B)))[:n], dtype=torch.int64)
+    offs = torch.stack([4096 + (i * B + slots) * big for i in range(L)]) if L else None
+    out = torch.zeros(4096 + L * B * big, dtype=torch.uint8)
+    out = out.pin_memory() if device == "cuda" else out
+    h = _handler(device)
+    g = torch.Generator().manual_seed(n)
+    final = [torch.randint(0, 256, (B, p.block_bytes), dtype=torch.uint8, generator=g)
+             for p in pools]
+    if device == "cuda":
+        torch.cuda._sleep(20_000_000)  # the "forward" is slow: its writes land late
+    for r, f in zip(raw, final, strict=True):
+        r.copy_(f.to(device), non_blocking=True)
+    names = [f"l{i}" for i in range(L)]
+    h.save_group(names, pools, ids, out, offs)
+    fence = h.fence_saves_deferred()
+    if device == "cuda":
+        with torch.cuda.stream(h.save_stream):  # a save stream still busy ...
+            torch.cuda._sleep(20_000_000)
+        h.save_group(names, pools, ids, out, offs)  # ... with a second copy of the same pages
+        fence = h.fence_saves_deferred()
+    h.order_after_saves()
+    for r in raw:  # the next step's forward reuses the blocks
+        r.fill_(0x5A)
+    if fence is not None:
+        fence.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    written = torch.zeros(out.numel(), dtype=torch.bool)
+    for i, pool in enumerate(pools):
+        bb = pool.block_bytes
+        for j, b in enumerate(ids.tolist()):
+            o = int(offs[i, j])
+            assert torch.equal(out[o:o + bb], final[i][b]), (i, j, b)
+            assert pools[i].block(b).numel() == bb
+            written[o:o + bb] = True
+    assert not bool(out[~written].any())  # nothing outside the step's fragments

@@ -45,10 +45,11 @@ def _run(sched, wk, caches, bs, req, **kw):
     return outs
 
 
+@pytest.mark.parametrize("save_mode", ["layer", "step"])
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
 @pytest.mark.parametrize("n", [300, 200])
-def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n):
-    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n, save_mode):
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla, extra={"save_mode": save_mode})
     p = _prompt(n)
     _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
     assert len(fake_gateway.committed(1)) == n // CHUNK

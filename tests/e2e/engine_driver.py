@@ -195,6 +195,14 @@ class _CheckedHandler:
         self.inner.flush_saves()
         self.checks.compare("save", card, offsets, pool, block_ids)
 
+    def save_group(self, names, pools, block_ids, card, offsets):
+        # save_mode step: the inner handler's one launch per page size, every layer checked
+        self.inner.save_group(names, pools, block_ids, card, offsets)
+        self.inner.flush_saves()
+        self.checks.res["group_saves"] = self.checks.res.get("group_saves", 0) + 1
+        for offs, pool in zip(offsets, pools, strict=True):
+            self.checks.compare("save", card, offs.clone(), pool, block_ids.clone())
+
 
 def _gateway_stats(port):
     from xkv.gateway.client import GatewayClient, GatewayError

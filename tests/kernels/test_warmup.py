@@ -187,3 +187,26 @@ def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monk
             prep.launch(i)
         K.restore_layers(card, offs[:, :1], pools, ids[:1], engine="triton")
     assert seen and set(seen) <= keys
+
+
+@pytest.mark.parametrize("L", [2, 16, 32])
+def test_all_layer_saves_after_warmup_compile_nothing_new(L, monkeypatch):
+    """``save_mode`` step saves every layer of a group in one launch (``save_layers``): its
+    variants are warmed by ``save_groups``, and only by it (restore groups do not cover them)."""
+    g = Geometry(40, 4096, ((0, 4096),))
+    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
+    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    every = [list(range(L))]
+    keys = K.warmup(pools, card, engine="triton", save_groups=every)
+    without = K.warmup(pools, card, engine="triton", restore_groups=every)
+    seen = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
+    for n in (1, 3, 16, 40):
+        ids = np.arange(n)[::-1].copy()
+        slot = np.arange(n, dtype=np.int64) * 4096
+        offs = np.stack([k * n * 4096 + slot for k in range(L)])
+        K.save_layers(pools, ids, card, offs, engine="triton")
+    assert seen and set(seen) <= keys
+    assert not set(seen) <= without

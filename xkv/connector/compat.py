@@ -245,6 +245,14 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
+def zeroes_new_blocks(kv_cache_config: Any) -> bool:
+    """Whether the runner zeroes newly allocated KV blocks before the connector's bind
+    (``KVCacheConfig.needs_kv_cache_zeroing``: Mamba models; 28+ also mixed-precision caches).
+    A vLLM without the property: True (assume it does)."""
+    value = getattr(kv_cache_config, "needs_kv_cache_zeroing", None)
+    return value if isinstance(value, bool) else True
+
+
 def parallel_sizes(vllm_config: Any) -> tuple[int, int, int]:
     """(tensor parallel size, pipeline parallel size, world size)."""
     p = vllm_config.parallel_config

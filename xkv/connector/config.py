@@ -32,6 +32,9 @@ DEFAULT_CHUNK_TOKENS = 256
 #: Values of ``load_mode`` (``xkv.connector.async_loads``); the first is the default.
 LOAD_MODES = ("sync", "async", "auto")
 
+#: Values of ``save_mode`` (``xkv.connector.saves``); the first is the default.
+SAVE_MODES = ("layer", "step")
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -60,6 +63,7 @@ OPTIONS: dict[str, Option] = {
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
+    "save_mode": Option("layer", (str,), "stores: 'layer' (one copy per save_kv_layer) or 'step' (one after the forward)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
 }
@@ -82,6 +86,7 @@ class ConnectorConfig:
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True
+    save_mode: str = "layer"
     gateway_host: str = DEFAULT_GATEWAY_HOST
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -144,6 +149,11 @@ class ConnectorConfig:
                 f"load_mode={self.load_mode!r}: expected one of {', '.join(map(repr, LOAD_MODES))}"
                 " ('sync': layer-wise restores inside the step, the default; 'async': vLLM parks "
                 "the request until its restore landed; 'auto': async while other requests run)")
+        if self.save_mode not in SAVE_MODES:
+            raise ConfigError(
+                f"save_mode={self.save_mode!r}: expected one of {', '.join(map(repr, SAVE_MODES))}"
+                " ('layer': each layer's pages copied as its save_kv_layer comes, the default; "
+                "'step': nothing per layer, every layer copied by one launch after the forward)")
         for name in ("lookup_timeout_ms", "gateway_timeout_ms"):
             v = getattr(self, name)
             if not 0 < v <= 60_000:

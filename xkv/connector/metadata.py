@@ -103,7 +103,9 @@ class StepMetadata:
     """Everything workers need for one step. ``epoch``: the gateway process the offsets belong
     to; ``layout_ids[g]``: the gateway's id of group g's layout; ``turned_off``: the scheduler
     side lost the gateway (workers turn off too, once). ``async_loads``: restores of parked
-    requests, issued whole and reported in ``finished_recving`` once done (async_loads.py)."""
+    requests, issued whole and reported in ``finished_recving`` once done (async_loads.py).
+    ``written_blocks``: every block id handed to a request scheduled in this step (the blocks
+    its forward may write), for ``save_mode`` step (``saves.Saver.bind``); None: not known."""
 
     loads: tuple[TransferJob, ...] = ()
     async_loads: tuple[TransferJob, ...] = ()
@@ -112,6 +114,7 @@ class StepMetadata:
     scheduled_tokens: int = -1  # tokens the step computes (-1: unknown); light_steps.is_light
     layout_ids: tuple[int, ...] = ()
     turned_off: bool = False
+    written_blocks: tuple[int, ...] | None = None
 
 
 @dataclass

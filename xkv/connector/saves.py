@@ -23,6 +23,27 @@ the step's decisions (which keys of which group/shard to commit or abort) to a :
 A fence that cannot be waited on (a CUDA error) turns its commits into aborts: bytes that may be
 torn are never published. The gateway's write TTL stays the backstop for a process that dies with
 reserved slots.
+
+``save_mode`` (``Saver(mode=...)``):
+
+* ``"layer"``: as above: per layer, as ``save_kv_layer`` comes (the first call of a group plans
+  the step: ~0.25 ms of host time per layer on the H200's host, in the forward's critical path),
+  and ``fence_saves`` makes the compute stream wait for the save stream before sampling;
+* ``"step"``: ``save_kv_layer`` does nothing (no launch, no allocation, no lookup);
+  ``wait_for_save`` saves every layer of every group at once (``TransferHandler.save_group``: one
+  validation and one launch per page size, on the save stream after the compute stream's forward)
+  and fences it with ``fence_saves_deferred``: the copies overlap sampling and the next steps.
+  The compute stream waits for them at a later :meth:`Saver.bind` only when that step may write
+  a block whose copy may still run (``StepMetadata.written_blocks``, the blocks of its scheduled
+  requests, and the blocks its loads fill, meet the blocks of a fence not yet completed; unknown
+  written blocks: always): a block freed and handed to another request is never overwritten
+  before its copy ran, and a step that touches none of them does not wait. Only for models
+  where nothing the runner runs before the bind writes KV pages: no recurrent-state group
+  (their pages are rewritten in place, and vLLM zeroes new blocks of hybrid caches before the
+  bind), no zeroing of new blocks (mixed-precision caches) and no copy-on-write of partial
+  prefix hits (a group whose block size differs from the hash block size): ``setup.save_mode``
+  falls back to ``"layer"`` elsewhere, saying why. A step whose ``wait_for_save`` never came is saved at the next bind (its forward
+  is done; the next one has not started).
 """
 
 from __future__ import annotations
@@ -31,7 +52,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +92,24 @@ class SaveBatch:
             for keys, req in jobs:
                 out.add(g, shard, False, keys, req)
         return out
+
+
+def save_groups(registry: Registry, pool_names: Sequence[str], tp_rank: int,
+                page_bytes: dict[str, int]) -> list[list[int]]:
+    """The layer groups one save launch copies together with ``save_mode`` step (every layer of
+    a cache group this rank writes, per page size: ``transfer.save_all``), as indices into
+    ``pool_names`` (the warmup's order)."""
+    at = {name: i for i, name in enumerate(pool_names)}
+    out: list[list[int]] = []
+    for plan in registry.groups:
+        if not plan.writes(tp_rank):
+            continue
+        by_size: dict[int, list[int]] = {}
+        for n in plan.group.layer_names:
+            if n in at:
+                by_size.setdefault(page_bytes[n], []).append(at[n])
+        out += list(by_size.values())
+    return out
 
 
 class Committer:
@@ -170,17 +209,26 @@ class Saver:
     def __init__(self, registry: Registry, tp_rank: int, session: GatewaySession,
                  stats: ConnectorStats, handler: TransferHandler, *,
                  pools: Mapping[str, Any], layer_pos: Mapping[str, tuple[int, int]],
-                 on_bulk_saves: Callable[[list[str]], None]):
+                 on_bulk_saves: Callable[[list[str]], None], mode: str = "layer"):
+        if mode not in ("layer", "step"):
+            raise ValueError(f"save mode {mode!r}: expected 'layer' or 'step'")
+        if mode == "step" and any(p.is_state for p in registry.groups):
+            raise ValueError("save mode 'step' with recurrent-state groups: their pages are "
+                             "rewritten before the next step's bind (use 'layer')")
+        self.mode = mode
         self.registry, self.tp_rank, self.session, self.stats = registry, tp_rank, session, stats
         self.handler, self.pools, self.layer_pos = handler, pools, layer_pos
         self.on_bulk_saves = on_bulk_saves
         self._meta: StepMetadata | None = None
         # the layers written this step per group (every job of a group is saved by one call);
-        # the step whose saves were issued and not yet fenced; whether this step's
-        # wait_for_save ran (vLLM 0.33 calls it every step, and it must act once per step)
+        # the step whose saves were issued (step mode: are owed) and not yet fenced; whether
+        # this step's wait_for_save ran (vLLM 0.33 calls it every step, and it must act once)
         self._saved: dict[int, set[int]] = {}
         self._unflushed: StepMetadata | None = None
         self._flushed = False
+        # step mode: (fence, block ids it copies) of deferred fences the compute stream has not
+        # been ordered after yet
+        self._inflight: list[tuple[Any, frozenset[int]]] = []
         self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, [L, n] offsets, prepared)
         self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
         self._counts: Counter = Counter()
@@ -195,24 +243,32 @@ class Saver:
 
     @property
     def has_unflushed(self) -> bool:
-        """Saves were issued in a step whose ``wait_for_save`` has not run yet."""
+        """Saves were issued (step mode: are owed) in a step whose ``wait_for_save`` has not run
+        yet."""
         return self._unflushed is not None
 
     def bind(self, meta: StepMetadata) -> None:
         if self._unflushed is not None:
-            # saves issued in a step whose wait_for_save never came: fence and commit them now
-            self._flush(self._unflushed)
+            # saves of a step whose wait_for_save never came: issue (step mode), fence and
+            # commit them now
+            self._finish(self._unflushed)
+        self._order_if_needed(meta)
         self._flushed = False
         self._meta = meta
         self._plan = {}
         self._tainted = set()
+        if self.mode == "step" and meta.saves:
+            self._unflushed = meta
 
     def taint(self, req_ids: set[str]) -> None:
         """Abort this step's saves of ``req_ids`` (decided before ``wait_for_save`` flushes)."""
         self._tainted |= req_ids
 
     def save_layer(self, layer_name: str) -> None:
-        """Copy ``layer_name``'s pages of this step's reserved chunks to their slots."""
+        """Copy ``layer_name``'s pages of this step's reserved chunks to their slots (step mode:
+        nothing; ``wait_for_save`` copies every layer)."""
+        if self.mode == "step":
+            return
         meta, card = self._meta, self.session.card
         if meta is None or not meta.saves or self.session.turned_off or card is None:
             return
@@ -254,6 +310,10 @@ class Saver:
             return
         self._flushed = True
         t0 = time.perf_counter()
+        if self.mode == "step":
+            self._finish(meta)
+            self.stats.add("seconds_saved", time.perf_counter() - t0)
+            return
         # Layers whose save_kv_layer did not come (state layers have no hook; some attention
         # classes bypass vLLM's decorated op): saved here, after the forward that wrote them;
         # the copies wait for the compute stream (save_prepared).
@@ -273,12 +333,61 @@ class Saver:
     def clear(self) -> None:
         self._meta = None
 
+    def _order_if_needed(self, meta: StepMetadata) -> None:
+        """Step mode: make the compute stream wait for the deferred save copies if this step may
+        write a block one of them still reads (see the module docstring)."""
+        self._inflight = [(f, b) for f, b in self._inflight if not f.query()]
+        if not self._inflight:
+            return
+        if meta.written_blocks is not None:
+            writes = set(meta.written_blocks)
+            for job in meta.loads + meta.async_loads:
+                for gt in job.groups:
+                    writes.update(gt.block_ids)
+            if all(writes.isdisjoint(b) for _, b in self._inflight):
+                return
+        self.handler.order_after_saves()  # the last fence: every earlier copy too
+        self._inflight = []
+
+    def _finish(self, meta: StepMetadata) -> None:
+        """Step mode: save every layer of ``meta``'s jobs, then fence and commit; layer mode:
+        fence and commit what was saved."""
+        if self.mode == "step":
+            self._save_step(meta)
+        self._flush(meta)
+
+    def _save_step(self, meta: StepMetadata) -> None:
+        """Step mode: every layer of every group this rank writes, in one ``save_group`` call per
+        group (after the forward: the save stream waits for the compute stream). Nothing when the
+        session is off, has no card or another gateway epoch (the chunks are then aborted)."""
+        card = self.session.card
+        if self.session.turned_off or card is None or meta.epoch != self.session.epoch:
+            return
+        for g, plan in enumerate(self.registry.groups):
+            if not plan.writes(self.tp_rank):
+                continue
+            transfers = [gt for job in meta.saves for gt in job.groups if gt.group == g]
+            if not transfers:
+                continue
+            blocks, offs = copy_table(plan, self.tp_rank, transfers)
+            names = plan.group.layer_names
+            self.handler.save_group(names, [self.pools[n] for n in names], blocks, card, offs)
+            self._saved[g] = set(range(len(names)))
+            self.stats.add("bytes_saved",
+                           len(blocks) * sum(plan.group.bytes_of(i) for i in range(len(names))))
+
     def _flush(self, meta: StepMetadata) -> None:
         """Decide commit/abort for every save job of ``meta`` (from the layers written), fence
         the copies and submit the batch. A chunk with a layer not written is aborted."""
         self._unflushed = None
         saved, self._saved = self._saved, {}
-        fence = self.handler.fence_saves()  # None: the bytes are on the card already
+        # None: the bytes are on the card already; step mode: the compute stream waits for the
+        # copies only at a later bind that may overwrite one of their blocks (_order_if_needed)
+        fence = (self.handler.fence_saves_deferred() if self.mode == "step"
+                 else self.handler.fence_saves())
+        if self.mode == "step" and fence is not None:
+            self._inflight.append((fence, frozenset(
+                b for job in meta.saves for gt in job.groups for b in gt.block_ids)))
         batch = SaveBatch()
         for job in meta.saves:
             for gt in job.groups:
@@ -352,6 +461,6 @@ class Saver:
         """Fence and send what is left; commits waiting on their fence go out before the
         session closes."""
         if self._unflushed is not None:
-            self._flush(self._unflushed)
+            self._finish(self._unflushed)
         self._committer.close(timeout_s=timeout_s)
         self.merge_counts()

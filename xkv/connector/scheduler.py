@@ -254,7 +254,13 @@ class SchedulerSide:
             self.ledger.forget()
         saves: list[TransferJob] = []
         computed: dict[str, int] = {}  # tokens each request had before this step
+        # save_mode step: the blocks this step's forward may write, of every request (a block
+        # freed since a save was issued and handed out again is among them)
+        written: set[int] | None = set() if self.cfg.save_mode == "step" else None
         for req_id, num_computed, blocks, replace in compat.scheduled_blocks(so):
+            if written is not None and blocks is not None:
+                for b in blocks:
+                    written.update(b)
             st = self.ledger.admitted(req_id)
             if st is None:
                 continue
@@ -285,6 +291,7 @@ class SchedulerSide:
             layout_ids=self.layout_ids,
             turned_off=self.turned_off,
             scheduled_tokens=sum(so.num_scheduled_tokens.values()),
+            written_blocks=None if written is None else tuple(sorted(written)),
         )
 
     def update_connector_output(self, report: WorkerReport | None) -> None:

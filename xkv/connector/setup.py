@@ -105,9 +105,34 @@ def scheduler_side(s: Setup, vllm_config: Any, kv_cache_config: Any) -> Schedule
     )
 
 
+def save_mode(requested: str, registry: Registry, *, zeroing: bool,
+              hash_block_size: int) -> tuple[str, str]:
+    """The save mode a worker runs and the start-up line that says why (``saves`` module
+    docstring): ``"step"`` defers the compute stream's wait for the copies to the next step's
+    bind, which is safe only if nothing the runner queues before that bind writes KV pages."""
+    if requested != "step":
+        return requested, f"XKV: stores: save_mode {requested!r} (one copy per layer hook)"
+    why = []
+    if any(p.is_state for p in registry.groups):
+        why.append("recurrent-state groups (pages rewritten in place every step)")
+    if zeroing:
+        why.append("vLLM zeroes new blocks before the connector's bind")
+    sizes = sorted({p.group.block_size for p in registry.groups if not p.is_state})
+    if any(b != hash_block_size for b in sizes):
+        why.append(f"block sizes {sizes} != hash block {hash_block_size} tokens (copy-on-write "
+                   "of partial prefix hits before the bind)")
+    if why:
+        return "layer", ("XKV: stores: save_mode 'step' requested, 'layer' used: "
+                         + "; ".join(why))
+    return "step", "XKV: stores: save_mode 'step' (one launch per group after the forward)"
+
+
 def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> WorkerSide:
     from xkv.connector.worker import WorkerSide
 
+    mode, line = save_mode(s.cfg.save_mode, s.registry,
+                           zeroing=compat.zeroes_new_blocks(kv_cache_config),
+                           hash_block_size=compat.hash_block_size(vllm_config, kv_cache_config))
     fanout = (functools.partial(_fanout_factory, s, vllm_config, kv_cache_config, tp_rank)
               if s.cfg.fanout.enabled else None)
     return WorkerSide(
@@ -119,6 +144,7 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         fanout_factory=fanout,
         reattach=s.cfg.reattach,
         full_hit_restore=s.cfg.full_hit_restore,
+        save_mode=mode, save_line=line,
     )
 
 
@@ -126,11 +152,13 @@ def worker_parts(registry: Registry, tp_rank: int, session: Any, stats: Connecto
                  outcomes: LoadOutcomes, pools: dict[str, Any],
                  layer_pos: dict[str, tuple[int, int]],
                  hooks: Mapping[str, tuple[bool, str]] | None,
-                 new_handler: Callable[[], TransferHandler], restorer: Any) -> WorkerParts:
+                 new_handler: Callable[[], TransferHandler], restorer: Any,
+                 save_mode: str = "layer") -> WorkerParts:
     """Everything a worker rank builds once its caches are registered, each piece whole:
     ``pools``/``layer_pos`` from ``register_kv_caches``; ``hooks`` from ``compat.layer_hooks``
     (the fence plan); ``new_handler()`` makes a transfer handler (one for sync loads and saves,
-    one per in-flight async batch); ``restorer``: the fan-out restorer (None: off)."""
+    one per in-flight async batch); ``restorer``: the fan-out restorer (None: off);
+    ``save_mode``: the saver's (:func:`save_mode`)."""
     from xkv.connector.worker import WorkerParts
 
     plan = HookPlan([p.group.layer_names for p in registry.groups],
@@ -139,7 +167,7 @@ def worker_parts(registry: Registry, tp_rank: int, session: Any, stats: Connecto
     return WorkerParts(
         pools=pools, layer_pos=layer_pos, hooks=plan, handler=handler,
         saver=Saver(registry, tp_rank, session, stats, handler, pools=pools, layer_pos=layer_pos,
-                    on_bulk_saves=plan.note_bulk_saves),
+                    on_bulk_saves=plan.note_bulk_saves, mode=save_mode),
         async_loads=AsyncLoadWorker(registry, tp_rank, outcomes, stats, pools=pools,
                                     new_handler=new_handler),
         fanout=(FanoutLoads(restorer, registry, tp_rank, pools)

@@ -4,7 +4,9 @@ Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
 ``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
 forward: ``loads.load_transfers``' ``fence_tail``),
-``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves.
+``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves;
+``save_mode`` step: ``save_group`` + ``fence_saves_deferred``, ``order_after_saves`` at the next
+bind (``saves`` module docstring).
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
 kernels run their torch engine. ``CudaTransferHandler`` runs them on a load stream (one event per
 layer, so a layer's attention waits for its own pages only) and a save stream ordered after the
@@ -38,39 +40,10 @@ import torch
 
 from xkv import kernels
 from xkv.connector import light_steps
+from xkv.connector.copy_tables import copy_table, layer_offsets  # noqa: F401 (re-exported)
 from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
-
-def layer_offsets(plan, base: torch.Tensor, transfers=()) -> torch.Tensor:
-    """int64 ``[L, n]``: card offsets of every layer of ``plan``'s group, from ``base`` (int64
-    ``[n]``, layer 0; see ``GroupPlan.card_offsets``); objects are layer-major, so row ``l`` is
-    ``base + plan.object_offset(l, 0)``, plus, for a group of mixed page sizes whose objects hold
-    several blocks, ``j * (bytes_of(l) - bytes_of(0))`` for the block at object position ``j``
-    (read from ``transfers``, the ``GroupTransfer``s ``base`` was made from, in order; only
-    then). One host op for the group."""
-    g = plan.group
-    starts = torch.tensor([plan.object_offset(i, 0) for i in range(len(g.layer_names))],
-                          dtype=torch.int64)
-    out = base.reshape(1, -1) + starts.reshape(-1, 1)
-    lb = g.layer_bytes
-    if lb and plan.blocks_per_object > 1:
-        pos = torch.tensor([j for gt in transfers for j in gt.block_in_chunk], dtype=torch.int64)
-        if pos.numel() != base.numel():
-            raise ValueError(f"group {g.index}: mixed page sizes need each block's transfer")
-        step = torch.tensor([b - lb[0] for b in lb], dtype=torch.int64)
-        out = out + step.reshape(-1, 1) * pos.reshape(1, -1)
-    return out
-
-
-def copy_table(plan, tp_rank: int, transfers) -> tuple[torch.Tensor, torch.Tensor]:
-    """One group's copy table for a step: ``(block_ids, offsets)``, host int64 tensors, block
-    ids ``[n]`` of every ``GroupTransfer`` in ``transfers`` (in order) and their card offsets
-    ``[L, n]`` in this rank's shard (:func:`layer_offsets`). The one builder of restores
-    (sync, async, fan-out) and saves."""
-    blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-    base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
-    return blocks, layer_offsets(plan, base, transfers)
 
 
 class _BySize:
@@ -89,14 +62,10 @@ class _BySize:
 def _prepare(make, pools, offsets: torch.Tensor):
     """``make(pools, offsets)`` for the whole group, or per page size (:class:`_BySize`); the
     common case (one size) is the kernels' own prepared step, unchanged."""
-    sizes = sorted({p.block_bytes for p in pools})
+    sizes = _by_size(pools)
     if len(sizes) <= 1:
         return make(pools, offsets)
-    parts = []
-    for size in sizes:
-        idx = [i for i, p in enumerate(pools) if p.block_bytes == size]
-        parts.append((idx, make([pools[i] for i in idx], offsets[idx])))
-    return _BySize(parts)
+    return _BySize([(idx, make([pools[i] for i in idx], offsets[idx])) for idx in sizes])
 
 
 def _verifier(verify: bool) -> PageVerifier | None:
@@ -177,7 +146,27 @@ class TransferHandler(abc.ABC):
 
     @abc.abstractmethod
     def fence_saves(self) -> Any:
-        """A fence after every save issued (``synchronize()``), or None: already on the card."""
+        """A fence after every save issued (``synchronize()``), or None: already on the card.
+        What runs next on the compute stream is ordered after those saves."""
+
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """``save_mode`` step: every layer of a group at once, after the forward (``offsets``
+        int64 ``[L, n]``, host; ``pools[l]`` is ``names[l]``). Default: per layer through
+        :meth:`save_prepared` (what wrappers see); the real handlers: one launch per page size."""
+        prep = self.prepare_saves(pools, block_ids, card, offsets)
+        for i, (name, pool) in enumerate(zip(names, pools, strict=True)):
+            self.save_prepared(prep, i, name, pool, block_ids, card, offsets[i])
+
+    def fence_saves_deferred(self) -> Any:
+        """:meth:`fence_saves`, the compute stream not yet ordered after the saves: the caller
+        calls :meth:`order_after_saves` before anything may overwrite the pages (step mode: at
+        the next bind). Default: ordered at once (correct, no overlap)."""
+        return self.fence_saves()
+
+    def order_after_saves(self) -> None:
+        """The compute stream waits (on the GPU) for every save :meth:`fence_saves_deferred`
+        fenced; nothing to do for inline copies."""
+        return None
 
 
 class SyncTransferHandler(TransferHandler):
@@ -252,6 +241,13 @@ class SyncTransferHandler(TransferHandler):
         """The copies ran inline: nothing to wait for (None), the caller commits at once."""
         self.flush_saves()
 
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """Every layer inline, one call per page size (:func:`save_all`)."""
+        save_all(pools, block_ids, card, offsets, "auto")
+        if self.verifier is not None:
+            for i, pool in enumerate(pools):
+                self.verifier.record("save", card, offsets[i], pool, block_ids)
+
 
 def _engine(var: str) -> str:
     e = os.environ.get(var, "auto")
@@ -291,6 +287,7 @@ class CudaTransferHandler(TransferHandler):
         # [start event, host start, host end of issue, bytes, host plan seconds, launches]
         self._t: list = []
         self._preps: list = []  # this step's prepared loads (see load_group)
+        self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 
     def set_light_step(self, light: bool) -> None:
         self.light_step = light
@@ -429,16 +426,59 @@ class CudaTransferHandler(TransferHandler):
         ev = torch.cuda.Event(blocking=True)
         ev.record(self.save_stream)
         torch.cuda.current_stream(self.device).wait_event(ev)
+        self._unordered = None  # an earlier deferred fence is before this one on the save stream
         return ev
+
+    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+        """One launch per page size (:func:`save_all`) on the save stream, after the compute
+        stream's work so far (the forward that wrote the pages)."""
+        self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.save_stream):
+            save_all(pools, block_ids, card, offsets, self.save_engine)
+        if self.verifier is not None:
+            for i, pool in enumerate(pools):
+                self.verifier.record("save", card, offsets[i], pool, block_ids)
+
+    def fence_saves_deferred(self) -> torch.cuda.Event | None:
+        """A blocking-sync event on the save stream, the compute stream NOT waiting on it yet: the
+        copies overlap sampling and the next step's preparation until :meth:`order_after_saves`.
+        ``verify_restores``: waited for and checked here (None)."""
+        if self.verifier is not None:
+            self.flush_saves()
+            return None
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self.save_stream)
+        self._unordered = ev
+        return ev
+
+    def order_after_saves(self) -> None:
+        """The compute stream waits (on the GPU) for the last deferred fence, which covers every
+        earlier save (one stream): a reallocated block's new KV cannot overtake its copy."""
+        ev, self._unordered = self._unordered, None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+
+def _by_size(pools) -> list[list[int]]:
+    """Layer indices per page size (the kernels take layers of one block size together)."""
+    sizes: dict[int, list[int]] = {}
+    for i, p in enumerate(pools):
+        sizes.setdefault(p.block_bytes, []).append(i)
+    return list(sizes.values())
+
+
+def save_all(pools, block_ids, card, offsets, engine: str) -> None:
+    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host): one
+    :func:`xkv.kernels.save_layers` call per page size, on the current stream."""
+    for idx in _by_size(pools):
+        kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
+                            engine=engine)
 
 
 def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
     """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
     per page size (the kernels take layers of one block size together), on the current
     stream."""
-    sizes: dict[int, list[int]] = {}
-    for i, p in enumerate(pools):
-        sizes.setdefault(p.block_bytes, []).append(i)
-    for idx in sizes.values():
+    for idx in _by_size(pools):
         kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
                                engine=engine)

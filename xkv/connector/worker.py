@@ -42,7 +42,7 @@ from xkv.connector.fences import HookPlan
 from xkv.connector.loads import LoadOutcomes, by_group, issue
 from xkv.connector.metadata import StepMetadata, TransferJob, WorkerReport
 from xkv.connector.registry import Registry
-from xkv.connector.saves import Saver
+from xkv.connector.saves import Saver, save_groups
 from xkv.connector.session import GatewaySession, LayoutSpec
 from xkv.connector.setup import worker_parts
 from xkv.connector.stats import ConnectorStats
@@ -107,10 +107,14 @@ class WorkerSide:
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
         full_hit_restore: bool = True,
+        save_mode: str = "layer",
+        save_line: str = "",
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
-        ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
+        ``handler_factory(device)``: a transfer handler (default: the inline CPU one).
+        ``save_mode``: the saver's (``setup.save_mode``), ``save_line`` its start-up line."""
         self.registry = registry
+        self._save_mode, self._save_line = save_mode, save_line
         self.tp_rank = tp_rank
         # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
         self._warm_tails = full_hit_restore
@@ -214,7 +218,8 @@ class WorkerSide:
                     if self._fanout_factory is not None else None)
         self.parts = worker_parts(self.registry, self.tp_rank, self.session, self.stats,
                                   self.outcomes, pools, expected, hooks,
-                                  lambda: self._handler_factory(device), restorer)
+                                  lambda: self._handler_factory(device), restorer,
+                                  save_mode=self._save_mode)
         cuda = device.type == "cuda"
         self.offpath.device = device if cuda else None
         t0 = time.perf_counter()
@@ -233,13 +238,18 @@ class WorkerSide:
             groups = light_steps.warm_groups(self.registry, list(self.pools),
                                              grouped=light_steps.group_mode() == "auto",
                                              tails=self._warm_tails)
-            log.info("XKV: compiling copy kernels (%d caches, %d restore layer groups)",
-                     len(self.pools), len(groups))
+            saves = (save_groups(self.registry, list(self.pools), self.tp_rank,
+                                             {n: p.block_bytes for n, p in self.pools.items()})
+                     if self._save_mode == "step" else [])
+            log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer "
+                     "groups)", len(self.pools), len(groups), len(saves))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
-                                      offset_alignment=max(1, align), restore_groups=groups)
+                                      offset_alignment=max(1, align), restore_groups=groups,
+                                      save_groups=saves)
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
+        lines += [self._save_line] if self._save_line else []
         return lines + self.registry.log_lines() + self.hooks.start_lines()
 
     # ------------------------------------------------------------------ loads

@@ -10,9 +10,10 @@ the kernel starts and returns without reading or writing a byte, so nothing of t
 buffers is touched. Integer arguments are not specialised (see ``_triton.py``), so a zero-row
 launch compiles exactly the variant a real one uses.
 
-Multi-layer restore launches (grouped prepared restores, ``restore_layers``) are warmed for the
-layer groups the caller names (``restore_groups``). Not covered: slices, pack/unpack, the staged
-engine's ring (fan-out and calibrated large copies) and multi-layer saves.
+Multi-layer restore and save launches (grouped prepared restores, ``restore_layers``,
+``save_layers``) are warmed for the layer groups the caller names (``restore_groups``,
+``save_groups``). Not covered: slices, pack/unpack, the staged engine's ring (fan-out and
+calibrated large copies).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
 def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            offset_alignment: int = 4096, max_programs: int | None = None,
            engine: str = "auto",
-           restore_groups: Sequence[Sequence[int]] = ()) -> set[tuple]:
+           restore_groups: Sequence[Sequence[int]] = (),
+           save_groups: Sequence[Sequence[int]] = ()) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -71,6 +73,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         restore_groups: lists of indices into ``pools`` restored by one launch together (grouped
             prepared restores, ``restore_layers``); a list whose pools differ in geometry is
             skipped (those copies run per layer).
+        save_groups: the same for multi-layer saves (``save_layers``).
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -107,18 +110,18 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
                 for p in _samples([pool], flat, save, g, budget):
                     warmed.setdefault(p.key, p)
     seen_groups = set()
-    for idx in restore_groups:
+    for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
         grp = [pools[i] for i in idx]
         if len(grp) < 2 or len(_launch.geometry_groups(grp)) != 1:
             continue
-        key = (len(grp), grp[0].block_stride, grp[0].runs,
+        key = (save, len(grp), grp[0].block_stride, grp[0].runs,
                np.gcd.reduce([p.data_ptr - grp[0].data_ptr for p in grp] + [0]) & 15,
                grp[0].data_ptr % 16)
         if key in seen_groups:
             continue
         seen_groups.add(key)
         for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
-            for p in _samples(grp, flat, False, g, budget):
+            for p in _samples(grp, flat, save, g, budget):
                 warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
