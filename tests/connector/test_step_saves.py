@@ -459,6 +459,8 @@ def test_compute_stream_waits_only_for_steps_that_write_a_block_being_copied(fak
     sched.add_request(H.make_request("b", _prompt(400, base=600), block_size=bs, max_tokens=1))
     H.step_with_worker(sched, conn, caches, bs)  # B gets A's blocks: ordered before its forward
     assert h.calls.count("order_after_saves") == 1 and fence.query()
+    for f in h.fences:  # the GPU finishes B's own (deferred) copies too
+        f.complete()
     assert w.drain_saves(10)
     assert len(committed) >= 4 and not torn
     # a step whose written blocks are not known (older metadata): always waits
