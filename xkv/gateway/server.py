@@ -275,11 +275,11 @@ class Gateway:
                                f"client speaks protocol {req.version}, gateway speaks "
                                f"{P.PROTOCOL_VERSION}: upgrade xkv on both sides together")
         lay = self.index.register_layout(req.namespace, req.fingerprint, req.num_shards,
-                                         req.shard_bytes, self._peer)
+                                         req.shard_bytes, self._peer, req.check_words)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
                             self.config.lease_ttl_s, self.config.write_ttl_s,
-                            self.events is not None)
+                            self.events is not None, lay.check_words)
 
     def _card(self, req: P.Card, owner: bytes) -> P.CardInfo:
         c = self.card
@@ -317,7 +317,9 @@ class Gateway:
     def _lookup_reply(self, num: int, lease_id: int, hits: list) -> P.LookupReply:
         offsets = [b"".join([obj.packed[0] for obj in row]) for row in hits]
         gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
-        return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
+        # opaque words as the COMMITs stored them, chunk-major then shard (b"" without words)
+        checks = [b"".join([obj.checks for obj in row]) for row in hits]
+        return P.LookupReply(self.epoch, num, lease_id, offsets, gens, checks)
 
     def _reserve(self, req: P.Reserve, owner: bytes) -> P.ReserveReply:
         self._check_epoch(req.epoch)
@@ -337,7 +339,7 @@ class Gateway:
     def _commit(self, req: P.Commit, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
         done = self.index.commit(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
-                                 now=time.monotonic())
+                                 now=time.monotonic(), checksums=req.checksums)
         return P.Ack(self.epoch, done, len(req.keys) - done)
 
     def _abort(self, req: P.Abort, owner: bytes) -> P.Ack:
