@@ -364,6 +364,27 @@ class GatewayClient:
             gens.append(gen)
         return (keys, offs, gens, checks) if keys else None
 
+    def report_corrupt(self, layout_id: int, shard: int, refs: Sequence[ChunkRef], *,
+                       timeout_s: float | None = None) -> int:
+        """CORRUPT: the bytes of ``shard`` of these objects (the ChunkRefs a lookup returned,
+        ``ChunkRef.at``) did not match their checksum words. The gateway removes each one whose
+        token is still its live committed object (no later lookup returns it; its slots are
+        freed once no lease holds them); stale tokens remove nothing. Returns how many were
+        removed. Sent whatever the mapped generation table says: a report is never dropped."""
+        _check_keys(refs)
+        keys, offs, gens = [], [], []
+        for r in refs:
+            if not isinstance(r, ChunkRef):
+                raise TypeError(f"report_corrupt takes ChunkRefs (ChunkRef.at(key, slots)), not "
+                                f"{type(r).__name__}: the gateway needs each one's token")
+            keys.append(bytes(r.key))
+            offs.append(r.offsets[shard])
+            gens.append(r.generations[shard])
+        if not keys:
+            return 0
+        return self._call(P.Corrupt(self._epoch(), layout_id, shard, keys, offs, gens), P.Ack,
+                          timeout_s).count
+
     def release(self, lease_id: int, *, timeout_s: float | None = None) -> int:
         """Drop a lookup's lease; returns 0 if it had already expired. lease_id 0 is a no-op."""
         if not lease_id:

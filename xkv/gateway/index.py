@@ -109,10 +109,12 @@ class Index(Removals):
         # Gauges kept incrementally so metrics never walk the objects.
         self.ready_objects = self.staged_objects = self.leased_objects = 0
         self.ready_bytes = self.staged_bytes = 0
+        self.doomed_objects = 0  # reported corrupt, out of the index, pages held by a lease
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
              "committed", "aborted", "evicted", "write_expired", "lease_expired", "released",
-             "refused_commits", "refused_releases", "quarantined"), 0)
+             "refused_commits", "refused_releases", "quarantined", "corrupt_reports",
+             "corrupt_removed"), 0)
         #: Called with each object that becomes READY (the scale-out tier's write-through hook).
         self.on_ready: Callable[[Obj], None] | None = None
         # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
@@ -305,11 +307,15 @@ class Index(Removals):
         obj.leases += 1
 
     def unpin(self, obj: Obj) -> None:
-        """One holder less; the last one puts it back at the most recently used end."""
+        """One holder less; the last one puts it back at the most recently used end (or frees
+        it, if it was reported corrupt meanwhile: removal.py)."""
         obj.leases -= 1
         if not obj.leases:
-            self.room.list(obj)
             self.leased_objects -= 1
+            if obj.alive:
+                self.room.list(obj)
+            else:
+                self._release_doomed(obj)
 
     # ------------------------------------------------------------- writing
 
@@ -472,4 +478,5 @@ class Index(Removals):
                     ready_bytes=self.ready_bytes, staged_bytes=self.staged_bytes,
                     leased_objects=self.leased_objects, leases=len(self._leases),
                     quarantined_bytes=self.quarantined_pages * self.alignment,
+                    corrupt_held_objects=self.doomed_objects,
                     layouts=len(self.layouts))

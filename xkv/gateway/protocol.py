@@ -32,7 +32,8 @@ Version history (``PROTOCOL_VERSION``, checked at HELLO):
       of the layout's identity, echoed in LayoutInfo); COMMIT's ``checksums`` (key-major, exactly
       len(keys) * check_words * 4 bytes); LookupReply's ``checksums`` (per group, chunk-major then
       shard). The gateway stores the words as opaque bytes: it never computes or checks them
-      (the restore kernels do). CORRUPT reports objects whose bytes failed their words.
+      (the restore kernels do). CORRUPT (request type 10) removes objects whose bytes failed
+      their words, named by token.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class RequestType(enum.IntEnum):
     RELEASE = 7
     PING = 8
     STATS = 9
+    CORRUPT = 10
 
 
 class ErrorCode(enum.IntEnum):
@@ -201,6 +203,14 @@ class Abort(_Tokened, **_S):
     """Give up the reservations of ``keys``."""
 
 
+class Corrupt(_Tokened, **_S):
+    """These shards' bytes did not match their checksum words (the restore kernels found it).
+    Each key whose token (offset, generation of ``shard``) matches its LIVE COMMITTED object is
+    removed from the index at once (no later LOOKUP returns it; its slots are freed when no lease
+    holds them any more); a token that matches nothing (a stale report, an object since removed
+    or re-stored) is refused and removes nothing. Reply: Ack(removed, refused)."""
+
+
 class Release(msgspec.Struct, **_S):
     epoch: U64
     lease_id: U64
@@ -214,7 +224,7 @@ class Stats(msgspec.Struct, **_S):
     pass
 
 
-Request = Hello | Card | Lookup | Reserve | Commit | Abort | Release | Ping | Stats
+Request = Hello | Card | Lookup | Reserve | Commit | Abort | Release | Ping | Stats | Corrupt
 
 # ---------------------------------------------------------------- replies
 
@@ -278,9 +288,9 @@ class ReserveReply(msgspec.Struct, tag=True, gc=False):
 
 
 class Ack(msgspec.Struct, tag=True, gc=False):
-    """COMMIT/ABORT/RELEASE reply; ``count`` = keys (or leases) the request applied to;
+    """COMMIT/ABORT/RELEASE/CORRUPT reply; ``count`` = keys (or leases) the request applied to;
     ``refused`` = keys whose token matched no live reservation (expired, aborted, someone
-    else's), or leases that are not this client's."""
+    else's) or, for CORRUPT, no live committed object; or leases that are not this client's."""
 
     epoch: int
     count: int = 0
@@ -320,6 +330,7 @@ SPEC: dict[RequestType, tuple[type, type]] = {
     RequestType.RELEASE: (Release, Ack),
     RequestType.PING: (Ping, PingReply),
     RequestType.STATS: (Stats, StatsReply),
+    RequestType.CORRUPT: (Corrupt, Ack),
 }
 REQUEST_TYPE: dict[type, RequestType] = {req: t for t, (req, _) in SPEC.items()}
 

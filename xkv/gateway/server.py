@@ -32,6 +32,7 @@ import zmq
 from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
+from xkv.gateway.corrupt import CorruptWarnings
 from xkv.gateway.disk_chain import start_tiers
 from xkv.gateway.endpoints import bind_events, bind_tcp, instance_dir, router
 from xkv.gateway.index import Index, RequestError
@@ -55,6 +56,7 @@ class Gateway:
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
         self._jobs: collections.deque[SlicedReserve] = collections.deque()
+        self.corrupt_warnings = CorruptWarnings()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -79,6 +81,7 @@ class Gateway:
             P.Hello: self._hello, P.Card: self._card, P.Lookup: self._lookup,
             P.Reserve: self._reserve, P.Commit: self._commit, P.Abort: self._abort,
             P.Release: self._release, P.Ping: self._ping, P.Stats: self._stats,
+            P.Corrupt: self._corrupt,
         }
 
     # ------------------------------------------------------------------ setup
@@ -329,7 +332,7 @@ class Gateway:
                                                             time.monotonic()))
 
     @staticmethod
-    def _tokens(req: P.Commit | P.Abort) -> list[tuple[int, int]]:
+    def _tokens(req: P.Commit | P.Abort | P.Corrupt) -> list[tuple[int, int]]:
         if not len(req.keys) == len(req.offsets) == len(req.generations):
             raise RequestError(P.ErrorCode.BAD_REQUEST,
                                f"{len(req.keys)} keys, {len(req.offsets)} offsets and "
@@ -347,6 +350,12 @@ class Gateway:
         done = self.index.abort(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
                                 now=time.monotonic())
         return P.Ack(self.epoch, done, len(req.keys) - done)
+
+    def _corrupt(self, req: P.Corrupt, owner: bytes) -> P.Ack:
+        self._check_epoch(req.epoch)
+        removed = self.index.corrupt(req.layout_id, req.shard, req.keys, self._tokens(req))
+        self.corrupt_warnings.removed(removed)
+        return P.Ack(self.epoch, len(removed), len(req.keys) - len(removed))
 
     def _release(self, req: P.Release, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
