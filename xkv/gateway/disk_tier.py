@@ -95,14 +95,16 @@ class DiskTier:
         d = self._digests.get(layout.layout_id)
         if d is None:
             d = layout_digest(layout.namespace, layout.fingerprint, layout.num_shards,
-                              layout.shard_bytes)
+                              layout.shard_bytes, layout.check_words)
             self._digests[layout.layout_id] = d
         return d
 
     def _item(self, obj, name: str) -> DiskItem:
         lay = obj.layout
+        # checksum words (issue 25): READY, the index's bytes to write; STAGED for a read, the
+        # object's own buffer, filled by the read and served once it commits
         return DiskItem(self._digest(lay), obj.key, name, lay.num_shards, lay.shard_bytes,
-                        obj.slots.offsets, obj)
+                        obj.slots.offsets, obj, obj.checks or None)
 
     @property
     def up(self) -> bool:
@@ -144,7 +146,7 @@ class DiskTier:
         if k in self.entries:  # on disk already (restored, or stored again after eviction)
             self.entries.move_to_end(k)
             return
-        nbytes = file_bytes(lay.num_shards, lay.shard_bytes)
+        nbytes = file_bytes(lay.num_shards, lay.shard_bytes, len(obj.checks))
         if (k in self._writing or k in self._deleting or not self.up
                 or self._backlog + nbytes > self.backlog_bytes or not self._make_room(nbytes)):
             self.counters["disk_write_dropped"] += 1

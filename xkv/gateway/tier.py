@@ -91,13 +91,19 @@ class Tier:
         d = self._digests.get(layout.layout_id)
         if d is None:
             d = self._digests[layout.layout_id] = layout_digest(
-                layout.namespace, layout.fingerprint, layout.num_shards, layout.shard_bytes)
+                layout.namespace, layout.fingerprint, layout.num_shards, layout.shard_bytes,
+                layout.check_words)
         return d
 
     def _item(self, obj) -> TierItem:
         lay = obj.layout
+        # checksum words (issue 25): READY, a copy of the index's to push (the thread needs a
+        # writable buffer's address); STAGED for a pull, the object's own buffer, which it fills
+        checks = None
+        if obj.checks:
+            checks = bytearray(obj.checks) if obj.ready else obj.checks
         return TierItem(self._digest(lay), obj.key, lay.num_shards, lay.shard_bytes,
-                        obj.slots.offsets, obj)
+                        obj.slots.offsets, obj, checks)
 
     @property
     def up(self) -> bool:
