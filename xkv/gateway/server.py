@@ -57,6 +57,8 @@ class Gateway:
         self.hist = Histogram()
         self._jobs: collections.deque[SlicedReserve] = collections.deque()
         self.corrupt_warnings = CorruptWarnings()
+        #: Callables run on the loop thread once per turn (tests: xkv.gateway.testing.on_loop).
+        self.loop_calls: collections.deque = collections.deque()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -203,6 +205,8 @@ class Gateway:
                     self.metrics.publish()
             now = time.monotonic()
             expire(now)
+            while self.loop_calls:
+                self.loop_calls.popleft()()
             if self.events is not None:
                 self.events.flush()
                 self.events.serve_replay()
