@@ -214,3 +214,33 @@ def test_restart_serves_restored_objects_with_their_words(tmp_path):
             assert s["disk_corrupt"] == 1 and not os.path.exists(victim)
     finally:
         stop_gateway(proc)
+
+
+def test_corrupt_report_deletes_the_disk_copy(tmp_path):
+    """An object reported corrupt is not restored from disk again (its file may hold the same
+    bad bytes: a torn write reaches the disk as it reached the card)."""
+    d = str(tmp_path / "disk")
+    proc, port = spawn_gateway("16M", extra_args=["--disk", d, "--disk-wait-ms", "5000"])
+    try:
+        with GatewayClient("127.0.0.1", port, timeout_s=10) as c:
+            lid = c.register_layout("prod", "fp", 1, 8192, check_words=2).layout_id
+            keys = [os.urandom(32) for _ in range(3)]
+            res = c.reserve(lid, keys)
+            assert c.commit(lid, 0, res, checksums=[os.urandom(8) for _ in keys]) == 3
+            _stats_when(c, lambda s: s["disk_written"] == 3 and not s["disk_write_backlog_bytes"])
+            files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
+                     for f in fs]
+            assert len(files) == 3
+            assert c.report_corrupt(lid, 0, [res[1]]) == 1
+            deadline = time.monotonic() + 10
+            while any(os.path.basename(f) == keys[1].hex() for f in
+                      (os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
+                       for f in fs)):
+                assert time.monotonic() < deadline, "the corrupt object's file stayed"
+                time.sleep(0.01)
+            # evict nothing; the card lost keys[1]: a lookup stops there, the disk has no copy
+            r = c.lookup([(lid, keys)], lease=False)
+            assert r.num_chunks == 1
+            assert c.stats()["disk_hits"] == 0
+    finally:
+        stop_gateway(proc)

@@ -19,6 +19,7 @@ from xkv.gateway.tier_store import (
     MooncakeSettings,
     TierItem,
     layout_digest,
+    mooncake_key,
 )
 
 CARD = 4 << 20
@@ -109,3 +110,27 @@ def test_pulled_object_is_served_with_its_words(master, tmp_path):
         check(b, r, ks, data, shard_bytes)
         assert r.raw_checksums == [b"".join(checks[(k, s)] for k in ks for s in range(shards))]
         b.client.release(r.lease_id)
+
+
+def test_corrupt_report_removes_the_mooncake_copy(master, tmp_path):
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "5000"]) as (a, b):
+        la = a.client.register_layout("prod", "fp-c", 1, 8192, check_words=1).layout_id
+        ks = [os.urandom(32) for _ in range(2)]
+        res = a.client.reserve(la, ks)
+        assert a.client.commit(la, 0, res, checksums=[os.urandom(4) for _ in ks]) == 2
+        a.wait(lambda t: t["tier_written"] == 2 and t["tier_inflight"] == 0, what="written")
+        assert a.client.report_corrupt(la, 0, [res[0]]) == 1
+        names = [mooncake_key(layout_digest("prod", "fp-c", 1, 8192, 1), k) for k in ks]
+        hand = master.client()
+        try:
+            deadline = time.monotonic() + 20
+            while hand.is_exist(names[0]) == 1:  # removed by A's pull thread
+                assert time.monotonic() < deadline, "the corrupt object's Mooncake copy stayed"
+                time.sleep(0.05)
+            assert hand.is_exist(names[1]) == 1
+        finally:
+            hand.close()
+        lb = b.client.register_layout("prod", "fp-c", 1, 8192, check_words=1).layout_id
+        assert b.client.lookup([(lb, ks[:1])], lease=False).num_chunks == 0
+        r = b.client.lookup([(lb, ks[1:])], lease=False)
+        assert r.num_chunks == 1  # the other object is still served from Mooncake

@@ -74,6 +74,7 @@ class DiskTier:
         self.used_bytes = 0  # files on disk + writes in flight
         self._writing: dict[tuple[bytes, str], int] = {}
         self._deleting: set[tuple[bytes, str]] = set()
+        self._forget: set[tuple[bytes, str]] = set()  # reported corrupt while being written
         self._backlog = 0
         self._offer: list[DiskItem] = []
         self._digests: dict[int, bytes] = {}
@@ -166,10 +167,14 @@ class DiskTier:
             k = (it.digest, it.name)
             size = self._writing.pop(k)
             self._backlog -= size
+            forget = k in self._forget
+            self._forget.discard(k)
             if st == "ok":
                 self.entries[k] = [size, 0]
                 self.counters["disk_written"] += 1
                 self._errors = 0
+                if forget:
+                    self._forget_file(k)
                 continue
             self.used_bytes -= size
             if st == "full":
@@ -189,6 +194,24 @@ class DiskTier:
                                 self._errors, self.retry_s)
                     self._down_until = time.monotonic() + self.retry_s
                     self._errors = 0
+
+    def forget(self, obj) -> None:
+        """``obj`` was reported corrupt (CORRUPT, issue 25): its file is deleted, now or when
+        its write lands, so the disk does not restore the same bad bytes again."""
+        k = (self._digest(obj.layout), file_name(obj.key))
+        if k in self._writing:
+            self._forget.add(k)
+        else:
+            self._forget_file(k)
+
+    def _forget_file(self, k: tuple[bytes, str]) -> None:
+        e = self.entries.get(k)
+        if e is None or e[1]:  # not on disk, or being restored (into another object)
+            return
+        del self.entries[k]
+        self.used_bytes -= e[0]
+        self._deleting.add(k)
+        self.store.delete([k])
 
     # ------------------------------------------------------------------ lookup miss
 

@@ -117,6 +117,8 @@ class Index(Removals):
              "corrupt_removed"), 0)
         #: Called with each object that becomes READY (the scale-out tier's write-through hook).
         self.on_ready: Callable[[Obj], None] | None = None
+        #: Called with each object a CORRUPT report removed (the tiers drop their copies).
+        self.on_corrupt: Callable[[Obj], None] | None = None
         # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
         # (num_shards * shard_bytes) found by lookups / made visible by commits; the evictions a
         # namespace quota forced (``evicted`` counts them too).

@@ -111,6 +111,8 @@ class Gateway:
                            default_quota_bytes=cfg.namespace_quota_bytes,
                            quotas=cfg.quotas, generations=self.card.generations)
         self.tier = start_tiers(self)  # card -> disk -> Mooncake (disk_chain.py)
+        if self.tier is not None:  # a copy of an object reported corrupt is not restored again
+            self.index.on_corrupt = self.tier.forget
         self.events = bind_events(self.ctx, cfg)
         self.index.listener = self.events
         self.ipc = router(self.ctx, IPC_DOMAIN)

@@ -132,6 +132,12 @@ class Tier:
         self._inflight -= len(items)
         self.counters["tier_write_bytes"] += nbytes
 
+    def forget(self, obj) -> None:
+        """``obj`` was reported corrupt (CORRUPT, issue 25): its Mooncake copy is removed (by
+        the pull thread; best effort: a copy another host is reading stays)."""
+        if self.up:
+            self.backend.submit(("remove", 0, [mooncake_key(self._digest(obj.layout), obj.key)]))
+
     # ------------------------------------------------------------------ lookup miss
 
     def wants(self, req, num: int) -> bool:
@@ -249,6 +255,8 @@ class Tier:
                 out += self._exists(msg[1], msg[2], now)
             elif msg[0] == "pull":
                 out += self._pulled(msg[1], msg[2], msg[3], msg[4])
+            elif msg[0] == "removed":
+                continue
             else:
                 self._pushed(msg[1], msg[2], msg[3])
         for p in self._live.values():

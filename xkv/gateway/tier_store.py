@@ -221,7 +221,8 @@ class MooncakeBackend:
     def submit(self, job: tuple) -> None:
         """("exists", token, [names]) -> done gets ("exists", token, [0/1 per name]);
         ("pull", token, [TierItem]) -> ("pull", token, [status per item], bytes, seconds);
-        status is "ok", "lost", "corrupt", "truncated" or "error"."""
+        status is "ok", "lost", "corrupt", "truncated" or "error";
+        ("remove", token, [names]) -> ("removed", token, [Mooncake's return code per name])."""
         self._jobs.put(job)
 
     def offer(self, items: list[TierItem]) -> None:
@@ -334,6 +335,8 @@ class MooncakeBackend:
     def _failure(self, job: tuple, why: str) -> tuple:
         if job[0] == "exists":
             return ("exists", job[1], [0] * len(job[2]))
+        if job[0] == "remove":
+            return ("removed", job[1], [RPC_FAIL] * len(job[2]))
         return ("pull", job[1], ["error"] * len(job[2]), 0, 0.0)
 
     def _run(self, job: tuple) -> tuple:
@@ -345,6 +348,8 @@ class MooncakeBackend:
             if any(r == RPC_FAIL for r in res):
                 self._failed("batch_is_exist", RPC_FAIL)
             return ("exists", token, [int(r == 1) for r in res])
+        if kind == "remove":
+            return ("removed", token, [self.store.remove(name) for name in payload])
         return self._pull(token, payload)
 
     def _pull(self, token, items: list[TierItem]) -> tuple:
