@@ -244,3 +244,46 @@ def test_corrupt_report_deletes_the_disk_copy(tmp_path):
             assert c.stats()["disk_hits"] == 0
     finally:
         stop_gateway(proc)
+
+
+def test_corrupt_report_while_the_write_behind_runs(tmp_path):
+    """Reported corrupt before its disk write landed: the object leaves the index at once, its
+    pages stay pinned by the write, and when the write lands the file is deleted (never served)
+    and the pages are freed."""
+    from xkv.gateway.disk_tier import DiskTier
+    from xkv.gateway.index import Index
+
+    card = mmap.mmap(-1, 1 << 20)
+    ix = Index(1 << 20, slot_alignment=4096)
+    store = DiskStore(str(tmp_path / "disk"), card, 4096, threads=2)
+    tier = DiskTier(ix, store, lambda frames, req: None, capacity_bytes=64 << 20, wait_s=5.0)
+    ix.on_corrupt = tier.forget
+
+    def until(pred):
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline, "timed out"
+            tier.poll(time.monotonic())
+            time.sleep(0.001)
+
+    try:
+        until(lambda: tier.scanned)
+        lay = ix.register_layout("prod", "fp", 1, 5000, check_words=3)
+        ks = [b"a" * 32, b"b" * 32]
+        out = ix.reserve(lay.layout_id, ks, time.monotonic())
+        tokens = [(s.offsets[0], s.generations[0]) for _, s in out]
+        assert ix.commit(lay.layout_id, 0, ks, tokens=tokens, checksums=os.urandom(24)) == 2
+        assert len(tier._writing) == 2  # queued, not landed: pinned
+        removed = ix.corrupt(lay.layout_id, 0, ks[:1], tokens[:1])
+        assert len(removed) == 1 and ix.snapshot()["corrupt_held_objects"] == 1
+        until(lambda: not tier._writing and not tier._deleting)
+        digest = layout_digest("prod", "fp", 1, 5000, 3)
+        assert (digest, file_name(ks[0])) not in tier.entries
+        assert (digest, file_name(ks[1])) in tier.entries
+        names = {f for _, _, fs in os.walk(store.root) for f in fs}
+        assert file_name(ks[0]) not in names and file_name(ks[1]) in names
+        assert ix.snapshot()["corrupt_held_objects"] == 0  # the write's pin went: pages free
+        assert tier.used_bytes == file_bytes(1, 5000, 12)
+    finally:
+        tier.close()
+        card.close()
