@@ -47,6 +47,7 @@ from collections.abc import Callable, MutableSequence, Sequence
 from xkv.gateway.alloc import CardAllocator, extent_pages_for
 from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
+    CHECK_BYTES_PER_SLOT_BYTE,
     MAX_CHECK_WORDS,
     MAX_LAYOUTS,
     MAX_LAYOUTS_PER_CLIENT,
@@ -170,6 +171,12 @@ class Index(Removals):
                                f"this client created {mine} layouts already, at most "
                                f"{MAX_LAYOUTS_PER_CLIENT} per client")
         slot_pages = -(-shard_bytes // self.alignment)
+        if check_words * 4 * CHECK_BYTES_PER_SLOT_BYTE > slot_pages * self.alignment:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"check_words={check_words} ({check_words * 4} bytes per shard) "
+                               f"exceeds 1/{CHECK_BYTES_PER_SLOT_BYTE} of the "
+                               f"{slot_pages * self.alignment}-byte slot: the gateway keeps the "
+                               f"words in its own memory, bounded by a fraction of the card")
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
         if object_bytes > min(limit, self.alloc.max_object_pages * self.alignment):
