@@ -119,6 +119,7 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         fanout_factory=fanout,
         reattach=s.cfg.reattach,
         full_hit_restore=s.cfg.full_hit_restore,
+        verify_checksums=s.cfg.verify_checksums,
     )
 
 

@@ -37,6 +37,7 @@ import torch
 from xkv import kernels
 from xkv.connector import light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
+from xkv.connector.checksums import check_words, session_words, unverified_reason
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.loads import LoadOutcomes, by_group, issue
@@ -107,9 +108,12 @@ class WorkerSide:
         fanout_factory: Callable[[Mapping[str, torch.Tensor], torch.device], Any] | None = None,
         reattach: bool = False,
         full_hit_restore: bool = False,
+        verify_checksums: bool = True,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
-        ``handler_factory(device)``: a transfer handler (default: the inline CPU one)."""
+        ``handler_factory(device)``: a transfer handler (default: the inline CPU one).
+        ``verify_checksums``: saves compute checksum words, restores check them
+        (``checksums.py``)."""
         self.registry = registry
         self.tp_rank = tp_rank
         # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
@@ -120,9 +124,11 @@ class WorkerSide:
         self._fanout_factory = fanout_factory
         self.parts: WorkerParts | None = None  # built by register_kv_caches
         self.stats = ConnectorStats()
+        self.verify_checksums = verify_checksums
         self.session = GatewaySession(
             gateway_factory,
-            [LayoutSpec(fp, p.num_shards, p.registered_bytes)
+            [LayoutSpec(fp, p.num_shards, p.registered_bytes,
+                        check_words(p, verify_checksums))
              for p, fp in zip(registry.groups, fingerprints, strict=True)],
             namespace=namespace, on_off=self._log_off, map_card=True, reattach=reattach,
             on_reattach=self._log_reattach)
@@ -236,11 +242,30 @@ class WorkerSide:
             log.info("XKV: compiling copy kernels (%d caches, %d restore layer groups)",
                      len(self.pools), len(groups))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
-                                      offset_alignment=max(1, align), restore_groups=groups)
+                                      offset_alignment=max(1, align), restore_groups=groups,
+                                      checks=any(self.session.check_words))
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
-        return lines + self.registry.log_lines() + self.hooks.start_lines()
+        return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()
+
+    def _check_lines(self) -> list[str]:
+        """What restores verify (``verify_checksums``), per group, for the start-up log."""
+        if not self.verify_checksums:
+            return ["XKV: restores are NOT verified by checksums (verify_checksums off)"]
+        out = []
+        for g, (plan, cw) in enumerate(zip(self.registry.groups, self.session.check_words,
+                                           strict=True)):
+            if not cw:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores NOT verified "
+                           f"({unverified_reason(plan)})")
+            elif self.fanout is not None and plan.group.kind == "mla" and not plan.is_state:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores through NVLink "
+                           "fan-out are NOT verified; others are (one checksum word per layer)")
+            else:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
+                           f"checksums ({cw} words per object shard)")
+        return out
 
     # ------------------------------------------------------------------ loads
 
@@ -331,7 +356,9 @@ class WorkerSide:
         fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned, fence_tail=True)
+              skip=fanned, fence_tail=True,
+              check_words=session_words(self.session),
+              on_checks=self.outcomes.add_check)
         for g in groups:
             if g in fanned:
                 continue
@@ -409,6 +436,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         self.handler.sync_loads()
         self.outcomes.check_stale(self._load_checks)
+        self.outcomes.check_sums()  # the step's mismatch flags, read once
         self._load_checks = []
         self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
         self._t_load = 0.0
