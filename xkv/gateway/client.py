@@ -39,96 +39,15 @@ from xkv.gateway import protocol as P
 from xkv.gateway import sockdir, transport
 from xkv.gateway.card import open_card
 from xkv.gateway.protocol import ChunkSlots, LayoutInfo, PingReply, ReserveStatus
-
-
-class GatewayError(Exception):
-    """The gateway refused a request (bad request, wrong version, unknown layout, ...).
-    ``code`` is a :class:`protocol.ErrorCode` or None for client-side failures."""
-
-    def __init__(self, message: str, code: P.ErrorCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-
-class MessageTooLarge(GatewayError, ValueError):
-    """A request that would exceed the gateway's frame limit (refused before sending: the
-    gateway's transport would drop it without a reply). The client stays usable."""
-
-
-class GatewayUnavailable(GatewayError):
-    """The gateway is dead, restarted (its epoch changed) or missed a deadline."""
-
-
-class ChunkRef(msgspec.Struct, frozen=True, gc=False):
-    """One stored object, from LOOKUP (or RESERVE) to COMMIT/ABORT: its key and, per shard, the
-    byte offset of its slot in the card and the slot's generation. The (offset, generation) of a
-    shard is the token its COMMIT/ABORT presents (only a ChunkRef is accepted there)."""
-
-    key: bytes
-    offsets: tuple[int, ...]
-    generations: tuple[int, ...]
-
-    @classmethod
-    def at(cls, key: bytes, slots: ChunkSlots) -> ChunkRef:
-        """``key`` stored where a LOOKUP said (``slots``: its ``ChunkSlots``)."""
-        return cls(bytes(key), tuple(slots.offsets), tuple(slots.generations))
-
-
-Reservation = ChunkRef  # what RESERVE answers per key: the object it may write
-
-
-class LookupResult:
-    """Answer to a lookup: ``num_chunks`` (longest prefix stored in every group), ``lease_id``
-    (0 = none taken) and ``slots[g][c]`` = ChunkSlots(offsets per shard, generations per shard).
-    ``offsets[g]`` / ``generations[g]`` are the same numbers flat (chunk-major, list[int]);
-    ``raw_offsets[g]`` / ``raw_generations[g]`` the little-endian uint64 bytes they came in
-    (e.g. for ``torch.frombuffer(..., dtype=torch.int64)``). Lists are built on first use."""
-
-    __slots__ = ("epoch", "num_chunks", "lease_id", "raw_offsets", "raw_generations",
-                 "_offsets", "_generations", "_slots")
-
-    def __init__(self, reply: P.LookupReply):
-        self.epoch = reply.epoch
-        self.num_chunks = reply.num_chunks
-        self.lease_id = reply.lease_id
-        self.raw_offsets = reply.offsets
-        self.raw_generations = reply.generations
-        self._offsets = self._generations = self._slots = None
-
-    @property
-    def offsets(self) -> list[list[int]]:
-        if self._offsets is None:
-            self._offsets = [memoryview(b).cast("Q").tolist() for b in self.raw_offsets]
-        return self._offsets
-
-    @property
-    def generations(self) -> list[list[int]]:
-        if self._generations is None:
-            self._generations = [memoryview(b).cast("Q").tolist() for b in self.raw_generations]
-        return self._generations
-
-    @property
-    def slots(self) -> list[list[ChunkSlots]]:
-        if self._slots is None:
-            n, out = self.num_chunks, []
-            for offs, gens in zip(self.offsets, self.generations, strict=True):
-                k = len(offs) // n if n else 0
-                out.append([ChunkSlots(tuple(offs[c * k:(c + 1) * k]),
-                                       tuple(gens[c * k:(c + 1) * k])) for c in range(n)])
-            self._slots = out
-        return self._slots
-
-    def __repr__(self) -> str:
-        return (f"LookupResult(epoch={self.epoch}, num_chunks={self.num_chunks}, "
-                f"lease_id={self.lease_id}, slots={self.slots!r})")
-
-
-class ReserveResult(list):
-    """``list[ChunkRef | None]`` (None = not reserved) with ``status[i]``: a ReserveStatus
-    (OK, EXISTS: stored or being written by someone else, NO_SPACE)."""
-
-    status: list[ReserveStatus]
-
+from xkv.gateway.replies import (
+    ChunkRef,
+    GatewayError,
+    GatewayUnavailable,
+    LookupResult,
+    MessageTooLarge,
+    Reservation,
+    ReserveResult,
+)
 
 _MORE, _NOBLOCK, _RCVTIMEO = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK), int(zmq.RCVTIMEO)
 
@@ -186,6 +105,8 @@ class GatewayClient:
         self._alignment = 0
         #: Reservations commit/abort skipped because their slot generation had moved.
         self.stale_reservations = 0
+        #: layout_id -> check_words, for the layouts this client registered (commit checks).
+        self._check_words: dict[int, int] = {}
 
     # ------------------------------------------------------------------ transport
 
@@ -310,13 +231,21 @@ class GatewayClient:
     # ------------------------------------------------------------------ API
 
     def register_layout(self, namespace: str, fingerprint: str, num_shards: int,
-                        shard_bytes: int, *, timeout_s: float | None = None) -> LayoutInfo:
+                        shard_bytes: int, *, check_words: int = 0,
+                        timeout_s: float | None = None) -> LayoutInfo:
         """HELLO. Returns LayoutInfo(epoch, layout_id, slot_bytes, num_shards, shard_bytes,
-        capacity_bytes, lease_ttl_s, write_ttl_s); the same arguments give the same layout_id."""
+        capacity_bytes, lease_ttl_s, write_ttl_s, events, check_words); the same arguments give
+        the same layout_id. ``check_words``: opaque uint32 checksum words per shard of one object
+        (0 <= check_words <= MAX_CHECK_WORDS) that every COMMIT of this layout carries and every
+        LOOKUP returns; the same (namespace, fingerprint) with another count is LAYOUT_MISMATCH."""
+        if not 0 <= check_words <= P.MAX_CHECK_WORDS:
+            raise ValueError(f"check_words {check_words}: expected 0 <= check_words <= "
+                             f"{P.MAX_CHECK_WORDS}")
         req = P.Hello(P.PROTOCOL_VERSION, namespace, fingerprint, num_shards, shard_bytes,
-                      os.getpid())
+                      os.getpid(), check_words)
         info = self._call(req, LayoutInfo, timeout_s or self.setup_timeout_s)
         self.events_enabled = info.events
+        self._check_words[info.layout_id] = info.check_words
         return info
 
     def lookup(self, groups: Sequence[tuple[int, Sequence[bytes]]], *, lease: bool = True,
@@ -355,17 +284,40 @@ class GatewayClient:
         return out
 
     def commit(self, layout_id: int, shard: int, reservations: Sequence, *,
-               timeout_s: float | None = None) -> int:
+               checksums: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         """This shard of each reservation is written; an object is visible once all shards
         committed. ``reservations``: the ChunkRefs ``reserve`` returned for the keys (None entries
         skipped; anything else raises TypeError). If the card is mapped, a reservation
         whose slot generation moved (it expired or was aborted: the bytes went to a quarantined
-        slot) is not sent. Returns how many the gateway applied."""
-        items = self._live_tokens(shard, reservations)
+        slot) is not sent. Returns how many the gateway applied.
+
+        ``checksums[i]``: reservation i's check_words * 4 bytes (little-endian uint32 words of
+        this shard, opaque to the gateway); required for a layout registered with check_words >
+        0, None or empty entries for one without. Skipped together with their reservation.
+        Wrong lengths raise ValueError before anything is sent. A COMMIT that would not fit one
+        frame goes as several (``protocol.commit_keys_per_message``); the counts add up."""
+        words = self._check_words.get(layout_id)
+        if checksums is not None and len(checksums) != len(reservations):
+            raise ValueError(f"{len(checksums)} checksums for {len(reservations)} reservations: "
+                             f"expected one per reservation")
+        if checksums is None and words:
+            raise ValueError(f"layout {layout_id} has check_words={words}: commit needs "
+                             f"checksums ({words * 4} bytes per reservation)")
+        items = self._live_tokens(shard, reservations, checksums, words)
         if not items:
             return 0
-        return self._call(P.Commit(self._epoch(), layout_id, shard, *items), P.Ack,
-                          timeout_s).count
+        keys, offs, gens, checks = items
+        width = len(checks[0]) if checks else 0
+        if words is None and any(len(c) != width for c in checks):
+            raise ValueError(f"checksums of different lengths {sorted({len(c) for c in checks})}: "
+                             f"every reservation of a layout carries check_words * 4 bytes")
+        step = P.commit_keys_per_message(width // 4)
+        done, epoch = 0, self._epoch()
+        for i in range(0, len(keys), step):
+            j = i + step
+            done += self._call(P.Commit(epoch, layout_id, shard, keys[i:j], offs[i:j], gens[i:j],
+                                        b"".join(checks[i:j])), P.Ack, timeout_s).count
+        return done
 
     def abort(self, layout_id: int, shard: int, reservations: Sequence, *,
               timeout_s: float | None = None) -> int:
@@ -373,30 +325,65 @@ class GatewayClient:
         items = self._live_tokens(shard, reservations)
         if not items:
             return 0
-        return self._call(P.Abort(self._epoch(), layout_id, shard, *items), P.Ack,
+        return self._call(P.Abort(self._epoch(), layout_id, shard, *items[:3]), P.Ack,
                           timeout_s).count
 
-    def _live_tokens(self, shard: int, reservations: Sequence):
-        """(keys, offsets, generations) of the reservations still live per the mapped
-        generation table (all of them when the card is not mapped); None when none is."""
+    def _live_tokens(self, shard: int, reservations: Sequence,
+                     checksums: Sequence[bytes] | None = None, words: int | None = None):
+        """(keys, offsets, generations, checksums) of the reservations still live per the
+        mapped generation table (all of them when the card is not mapped); None when none is.
+        ``checksums`` (one per reservation) are kept or dropped with their reservation and
+        checked against ``words`` (check_words; None = unknown here, the gateway checks)."""
         _check_keys(reservations)
-        keys, offs, gens = [], [], []
+        keys, offs, gens, checks = [], [], [], []
         table, align = self._gen_q, self._alignment
-        for r in reservations:
+        for i, r in enumerate(reservations):
             if r is None:  # a key reserve() did not reserve (EXISTS / NO_SPACE)
                 continue
             if not isinstance(r, ChunkRef):
                 raise TypeError(f"commit/abort take the reservations (ChunkRefs) reserve() "
                                 f"returned, not {type(r).__name__}: the gateway needs each "
                                 "one's token")
+            if checksums is not None:
+                c = checksums[i] if checksums[i] is not None else b""
+                if words is not None and len(c) != words * 4:
+                    raise ValueError(f"checksums[{i}] has {len(c)} bytes; the layout has "
+                                     f"check_words={words}, so expected {words * 4}")
+                if len(c) % 4:
+                    raise ValueError(f"checksums[{i}] has {len(c)} bytes: expected whole "
+                                     f"uint32 words")
+                checks.append(bytes(c))
             off, gen = r.offsets[shard], r.generations[shard]
             if table is not None and table[off // align] != gen:
                 self.stale_reservations += 1
+                if checksums is not None:
+                    checks.pop()
                 continue
             keys.append(bytes(r.key))
             offs.append(off)
             gens.append(gen)
-        return (keys, offs, gens) if keys else None
+        return (keys, offs, gens, checks) if keys else None
+
+    def report_corrupt(self, layout_id: int, shard: int, refs: Sequence[ChunkRef], *,
+                       timeout_s: float | None = None) -> int:
+        """CORRUPT: the bytes of ``shard`` of these objects (the ChunkRefs a lookup returned,
+        ``ChunkRef.at``) did not match their checksum words. The gateway removes each one whose
+        token is still its live committed object (no later lookup returns it; its slots are
+        freed once no lease holds them); stale tokens remove nothing. Returns how many were
+        removed. Sent whatever the mapped generation table says: a report is never dropped."""
+        _check_keys(refs)
+        keys, offs, gens = [], [], []
+        for r in refs:
+            if not isinstance(r, ChunkRef):
+                raise TypeError(f"report_corrupt takes ChunkRefs (ChunkRef.at(key, slots)), not "
+                                f"{type(r).__name__}: the gateway needs each one's token")
+            keys.append(bytes(r.key))
+            offs.append(r.offsets[shard])
+            gens.append(r.generations[shard])
+        if not keys:
+            return 0
+        return self._call(P.Corrupt(self._epoch(), layout_id, shard, keys, offs, gens), P.Ack,
+                          timeout_s).count
 
     def release(self, lease_id: int, *, timeout_s: float | None = None) -> int:
         """Drop a lookup's lease; returns 0 if it had already expired. lease_id 0 is a no-op."""
@@ -470,5 +457,5 @@ def _ms(deadline: float) -> int:
 
 
 __all__ = ["ChunkRef", "ChunkSlots", "GatewayClient", "GatewayError", "GatewayUnavailable",
-           "LayoutInfo", "LookupResult", "PingReply", "Reservation", "ReserveResult",
-           "ReserveStatus"]
+           "LayoutInfo", "LookupResult", "MessageTooLarge", "PingReply", "Reservation",
+           "ReserveResult", "ReserveStatus"]

@@ -40,7 +40,6 @@ over it until the tier commits or aborts it. A READY object is pinned with :meth
 
 from __future__ import annotations
 
-import heapq
 import secrets
 import struct
 from collections.abc import Callable, MutableSequence, Sequence
@@ -48,19 +47,22 @@ from collections.abc import Callable, MutableSequence, Sequence
 from xkv.gateway.alloc import CardAllocator, extent_pages_for
 from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
+    MAX_CHECK_WORDS,
     MAX_LAYOUTS,
     MAX_LAYOUTS_PER_CLIENT,
     MAX_LEASED_PER_CLIENT,
+    MAX_REPLY_BYTES,
     ChunkSlots,
     ErrorCode,
     ReserveStatus,
 )
+from xkv.gateway.removal import Removals
 from xkv.gateway.room import EVICTIONS_PER_CALL, MAX_EVICTIONS_PER_KEY, Room
 
 __all__ = ["MAX_EVICTIONS_PER_KEY", "Index", "Layout", "Lease", "Obj", "RequestError"]
 
 
-class Index:
+class Index(Removals):
     def __init__(
         self,
         capacity_bytes: int,
@@ -107,10 +109,12 @@ class Index:
         # Gauges kept incrementally so metrics never walk the objects.
         self.ready_objects = self.staged_objects = self.leased_objects = 0
         self.ready_bytes = self.staged_bytes = 0
+        self.doomed_objects = 0  # reported corrupt, out of the index, pages held by a lease
         self.counters = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_chunks", "reserved", "exists", "no_space",
              "committed", "aborted", "evicted", "write_expired", "lease_expired", "released",
-             "refused_commits", "refused_releases", "quarantined"), 0)
+             "refused_commits", "refused_releases", "quarantined", "corrupt_reports",
+             "corrupt_removed"), 0)
         #: Called with each object that becomes READY (the scale-out tier's write-through hook).
         self.on_ready: Callable[[Obj], None] | None = None
         # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
@@ -120,25 +124,40 @@ class Index:
         #: Told about object life (``xkv.gateway.events.EventPublisher``): ``stored(obj)`` when
         #: an object becomes visible, ``freed(obj)`` before any object is freed. None = nobody.
         self.listener = None
+        #: Most bytes of a lookup's packed arrays (offsets, generations, checksums): a lookup
+        #: answers the longest prefix that fits (protocol.MAX_REPLY_BYTES).
+        self.max_reply_bytes = MAX_REPLY_BYTES
 
     # ------------------------------------------------------------- layouts
 
     def register_layout(self, namespace: str, fingerprint: str, num_shards: int,
-                        shard_bytes: int, owner: bytes = b"") -> Layout:
+                        shard_bytes: int, owner: bytes = b"", check_words: int = 0) -> Layout:
         """The layout of (namespace, fingerprint); registering the same again returns it.
-        ``owner`` (the client) may create at most MAX_LAYOUTS_PER_CLIENT layouts."""
+        ``owner`` (the client) may create at most MAX_LAYOUTS_PER_CLIENT layouts.
+        ``check_words``: opaque uint32 checksum words per shard of one object (COMMIT stores
+        them, LOOKUP returns them); part of the layout's identity."""
         old = self._layout_by_name.get((namespace, fingerprint))
         if old is not None:
-            if (old.num_shards, old.shard_bytes) != (num_shards, shard_bytes):
+            if (old.num_shards, old.shard_bytes, old.check_words) != (num_shards, shard_bytes,
+                                                                       check_words):
                 raise RequestError(
                     ErrorCode.LAYOUT_MISMATCH,
                     f"namespace {namespace!r} fingerprint {fingerprint!r} is registered with "
-                    f"num_shards={old.num_shards} shard_bytes={old.shard_bytes}, not "
-                    f"num_shards={num_shards} shard_bytes={shard_bytes}")
+                    f"num_shards={old.num_shards} shard_bytes={old.shard_bytes} "
+                    f"check_words={old.check_words}, not num_shards={num_shards} "
+                    f"shard_bytes={shard_bytes} check_words={check_words}")
             return old
         if num_shards < 1 or shard_bytes < 1:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"num_shards and shard_bytes must be >= 1, got {num_shards}, {shard_bytes}")
+        if not 0 <= check_words <= MAX_CHECK_WORDS:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"check_words must be in [0, {MAX_CHECK_WORDS}], got {check_words}")
+        if num_shards * (16 + 4 * check_words) > self.max_reply_bytes:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"one object of {num_shards} shards with {check_words} checksum "
+                               f"words each would not fit a lookup reply of "
+                               f"{self.max_reply_bytes} bytes")
         if len(self.layouts) >= MAX_LAYOUTS:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"{MAX_LAYOUTS} layouts are registered already; restart the "
@@ -158,7 +177,7 @@ class Index:
         layout = Layout(len(self.layouts) + 1, namespace, fingerprint, num_shards, shard_bytes,
                         slot_pages * self.alignment, slot_pages,
                         self.room.namespace_lru(namespace),
-                        self.room.size_lru(slot_pages * num_shards))
+                        self.room.size_lru(slot_pages * num_shards), check_words=check_words)
         self.layouts[layout.layout_id] = layout
         self._layout_by_name[(namespace, fingerprint)] = layout
         self._layouts_of[owner] = mine + 1
@@ -186,7 +205,8 @@ class Index:
         the lease or ``lease_ttl_s`` passed; lease_id (random, 63 bits) is 0 when nothing was hit
         or ``lease`` is False. ``client`` (default ``owner``) may hold at most
         MAX_LEASED_PER_CLIENT chunks leased: past it the lookup is refused (TOO_LARGE) before
-        anything is leased."""
+        anything is leased. At most the chunks whose reply (offsets, generations and checksum
+        words of every group) fits ``max_reply_bytes`` are looked at: a shorter prefix."""
         layouts = [self.layout(layout_id) for layout_id, _ in groups]
         n = len(groups[0][1]) if groups else 0
         if any(len(keys) != n for _, keys in groups):
@@ -196,9 +216,12 @@ class Index:
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += n * len(groups)
         self.counters["lookup_chunks"] += n
+        per_chunk = sum(lay.num_shards * (16 + lay.check_bytes) for lay in layouts)
+        n = min(n, self.max_reply_bytes // per_chunk) if per_chunk else n
         if len(groups) == 1:  # the common case, without the per-chunk inner loop
             objects, row = layouts[0].objects, []
-            for key in groups[0][1]:
+            keys = groups[0][1]
+            for key in (keys if n == len(keys) else keys[:n]):
                 obj = objects.get(key)
                 if obj is None or not obj.ready:
                     break
@@ -284,11 +307,15 @@ class Index:
         obj.leases += 1
 
     def unpin(self, obj: Obj) -> None:
-        """One holder less; the last one puts it back at the most recently used end."""
+        """One holder less; the last one puts it back at the most recently used end (or frees
+        it, if it was reported corrupt meanwhile: removal.py)."""
         obj.leases -= 1
         if not obj.leases:
-            self.room.list(obj)
             self.leased_objects -= 1
+            if obj.alive:
+                self.room.list(obj)
+            else:
+                self._release_doomed(obj)
 
     # ------------------------------------------------------------- writing
 
@@ -337,6 +364,8 @@ class Index:
             fmt = f"<{layout.num_shards}Q"
             packed = (struct.pack(fmt, *slots.offsets), struct.pack(fmt, *slots.generations))
             obj = Obj(layout, key, start, now + self.write_ttl_s, slots, packed, layout.lru)
+            if layout.check_words:
+                obj.checks = bytearray(layout.num_shards * layout.check_bytes)
             layout.objects[key] = obj
             self.room.placed(obj)
             self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
@@ -371,22 +400,37 @@ class Index:
                 continue  # another (newer) reservation of the same key
             if now is not None and now >= obj.deadline:
                 continue  # expired: its pages are about to go to quarantine
-            yield obj
+            yield i, obj
 
     def commit(self, layout_id: int, shard: int, keys: Sequence[bytes], *,
-               tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None) -> int:
+               tokens: Sequence[tuple[int, int]] | None = None, now: float | None = None,
+               checksums: bytes | None = None) -> int:
         """Mark ``shard`` written for each STAGED key; returns how many keys it applied to
         (a key whose reservation expired, was aborted, or does not match its token is
-        skipped and counted in ``refused_commits``)."""
+        skipped and counted in ``refused_commits``). ``checksums``: the shard's opaque check
+        words of each key, key-major, exactly ``len(keys) * layout.check_bytes`` bytes (b"" for
+        a layout without words), else BAD_REQUEST before anything changes; stored beside the
+        slot. None: leave the words alone (callers inside the gateway that set them)."""
         layout = self.layout(layout_id)
         self._check_shard(layout, shard)
+        w = layout.check_bytes
+        if checksums is not None and len(checksums) != len(keys) * w:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"COMMIT of {len(keys)} keys carries {len(checksums)} checksum "
+                               f"bytes; layout {layout_id} has check_words={layout.check_words}, "
+                               f"so expected {len(keys)} * {layout.check_words} * 4 = "
+                               f"{len(keys) * w} bytes")
         full = (1 << layout.num_shards) - 1
         done = 0
-        for obj in self._live(layout, shard, keys, tokens, now):
+        for i, obj in self._live(layout, shard, keys, tokens, now):
+            if w and checksums is not None:
+                obj.checks[shard * w:(shard + 1) * w] = checksums[i * w:(i + 1) * w]
             obj.committed |= 1 << shard
             done += 1
             if obj.committed == full:
                 obj.ready = True
+                if w:
+                    obj.checks = bytes(obj.checks)  # fixed from now on
                 nbytes = layout.object_pages * self.alignment
                 self._staged.pop(obj, None)  # absent if the tier held it past its deadline
                 self.staged_objects -= 1
@@ -410,73 +454,11 @@ class Index:
         layout = self.layout(layout_id)
         self._check_shard(layout, shard)
         done = 0
-        for obj in self._live(layout, shard, keys, tokens, now):
+        for _, obj in self._live(layout, shard, keys, tokens, now):
             self._free(obj, now if now is not None else obj.deadline)
             self.counters["aborted"] += 1
             done += 1
         return done
-
-    # ------------------------------------------------------------- freeing
-
-    def _evict(self, obj: Obj) -> None:
-        self.room.unlist(obj)
-        self._free(obj)
-        self.counters["evicted"] += 1
-
-    def _free(self, obj: Obj, now: float | None = None) -> None:
-        """Unlink ``obj`` and bump its slots' generations. A READY object's pages are free at
-        once; a STAGED one's (``now`` given) are quarantined until its write deadline plus
-        ``quarantine_s``: a writer that outlived its deadline can only hit pages nobody uses."""
-        if self.listener is not None:
-            self.listener.freed(obj)
-        layout = obj.layout
-        for r in range(layout.num_shards):
-            self.generations[obj.start + r * layout.slot_pages] += 1
-        del layout.objects[obj.key]
-        self.room.gone(obj)
-        nbytes = layout.object_pages * self.alignment
-        self.ns_used[layout.namespace] -= nbytes
-        if obj.ready:
-            self.ready_objects -= 1
-            self.ready_bytes -= nbytes
-            self.alloc.free(obj.start, layout.object_pages)
-        else:
-            self._staged.pop(obj, None)
-            self.staged_objects -= 1
-            self.staged_bytes -= nbytes
-            until = max(obj.deadline, now if now is not None else obj.deadline) + self.quarantine_s
-            heapq.heappush(self._quarantine, (until, obj.start, layout.object_pages))
-            self.quarantined_pages += layout.object_pages
-            self.counters["quarantined"] += 1
-        obj.alive = False
-
-    def _release_quarantine(self, now: float) -> None:
-        q = self._quarantine
-        while q and q[0][0] <= now:
-            _, start, pages = heapq.heappop(q)
-            self.quarantined_pages -= pages
-            self.alloc.free(start, pages)
-
-    def expire(self, now: float) -> None:
-        """Drop leases and unfinished writes whose deadline is <= now; end quarantines."""
-        leases = self._leases
-        while leases:
-            lease_id, held = next(iter(leases.items()))
-            if held.deadline > now:
-                break
-            self._drop_lease(lease_id)
-            self.counters["lease_expired"] += 1
-        staged = self._staged
-        while staged:
-            obj = next(iter(staged))
-            if obj.deadline > now:
-                break
-            if obj.leases:  # held by the tier: it commits or aborts it, no TTL applies
-                del staged[obj]
-                continue
-            self._free(obj, now)
-            self.counters["write_expired"] += 1
-        self._release_quarantine(now)
 
     # ------------------------------------------------------------- accounting
 
@@ -496,4 +478,5 @@ class Index:
                     ready_bytes=self.ready_bytes, staged_bytes=self.staged_bytes,
                     leased_objects=self.leased_objects, leases=len(self._leases),
                     quarantined_bytes=self.quarantined_pages * self.alignment,
+                    corrupt_held_objects=self.doomed_objects,
                     layouts=len(self.layouts))

@@ -61,6 +61,13 @@ _GAUGES = (
     ("xkv_gateway_freed_objects_total", "evicted_quota", "counter", "", 'reason="quota"'),
     ("xkv_gateway_freed_objects_total", "aborted", "counter", "", 'reason="abort"'),
     ("xkv_gateway_freed_objects_total", "write_expired", "counter", "", 'reason="write_ttl"'),
+    ("xkv_gateway_corrupt_reports_total", "corrupt_reports", "counter",
+     "Keys named by CORRUPT reports (restored bytes that did not match their checksum words).",
+     ""),
+    ("xkv_gateway_corrupt_removed_total", "corrupt_removed", "counter",
+     "Objects removed by CORRUPT reports (the other reported keys had stale tokens).", ""),
+    ("xkv_gateway_corrupt_held_objects", "corrupt_held_objects", "gauge",
+     "Objects removed as corrupt whose pages a lease still holds (freed at its release).", ""),
     ("xkv_gateway_lease_expired_total", "lease_expired", "counter",
      "Leases dropped by the lease TTL instead of a RELEASE.", ""),
     # operator's view (issue 16): hits and misses per chunk, bytes, fill, evictions, events

@@ -30,6 +30,12 @@ class Layout:
     lru: OrderedDict[Obj, None]  # unleased READY objects of the namespace, least recent first
     size_lru: OrderedDict[Obj, None]  # the same over every layout of its object size (pages)
     objects: dict[bytes, Obj] = field(default_factory=dict)
+    check_words: int = 0  # opaque uint32 checksum words per shard of one object (HELLO)
+
+    @property
+    def check_bytes(self) -> int:
+        """Bytes of checksum words per shard of one object (check_words * 4)."""
+        return self.check_words * 4
 
     @property
     def object_pages(self) -> int:
@@ -55,6 +61,10 @@ class Obj(msgspec.Struct, gc=False, eq=False):
     committed: int = 0  # bit r set = shard r committed
     leases: int = 0
     alive: bool = True
+    #: The COMMITs' opaque checksum words, shard-major (shard r at bytes
+    #: ``[r * check_bytes, (r + 1) * check_bytes)``): a bytearray of num_shards * check_bytes
+    #: for a layout with check words, b"" without. Fixed once READY.
+    checks: bytes | bytearray = b""
 
 
 class Lease(msgspec.Struct, gc=False):

@@ -28,6 +28,12 @@ Version history (``PROTOCOL_VERSION``, checked at HELLO):
   2 — COMMIT/ABORT carry the reservation token (offsets, generations) of every key; lease ids
       are random and owned; key counts derived from the message size limit
       (RESERVE's optional blocks are bounded by the client's size check before sending).
+  3 — checksums (issue 25): HELLO's ``check_words`` (uint32 words per shard of one object, part
+      of the layout's identity, echoed in LayoutInfo); COMMIT's ``checksums`` (key-major, exactly
+      len(keys) * check_words * 4 bytes); LookupReply's ``checksums`` (per group, chunk-major then
+      shard). The gateway stores the words as opaque bytes: it never computes or checks them
+      (the restore kernels do). CORRUPT (request type 10) removes objects whose bytes failed
+      their words, named by token.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 if sys.byteorder != "little":  # packed uint64 arrays are read with memoryview.cast("Q")
     raise ImportError("xkv.gateway needs a little-endian host")
@@ -65,6 +71,13 @@ MAX_LAYOUTS = 4096
 MAX_LAYOUTS_PER_CLIENT = 64
 #: Objects (chunks x groups) one client (process, or CURVE key) may hold leased at once.
 MAX_LEASED_PER_CLIENT = 1 << 20
+#: Most uint32 checksum words per shard of one object (HELLO's ``check_words``).
+MAX_CHECK_WORDS = 4096
+#: Most bytes of the packed arrays (offsets, generations, checksums) of one LOOKUP reply: the
+#: gateway answers a shorter prefix rather than more (a shorter prefix is always correct). At
+#: least MAX_KEYS chunks x MAX_SHARDS shards x 16 bytes, so a layout without checksum words is
+#: never shortened; a layout whose one object alone would pass it is refused at HELLO.
+MAX_REPLY_BYTES = 64 << 20
 #: Most block hashes one chunk's BlockInfo may carry (chunk_size / hash block size).
 MAX_HASHES_PER_CHUNK = 1024
 
@@ -85,6 +98,7 @@ class RequestType(enum.IntEnum):
     RELEASE = 7
     PING = 8
     STATS = 9
+    CORRUPT = 10
 
 
 class ErrorCode(enum.IntEnum):
@@ -119,6 +133,8 @@ class Hello(msgspec.Struct, **_S):
     num_shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_SHARDS)]
     shard_bytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
     pid: int = 0
+    #: uint32 checksum words per shard of one object (0: none); part of the layout's identity.
+    check_words: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHECK_WORDS)] = 0
 
 
 class Card(msgspec.Struct, **_S):
@@ -173,11 +189,26 @@ class _Tokened(msgspec.Struct, **_S):
 
 
 class Commit(_Tokened, **_S):
-    """Shard ``shard`` of each key is written."""
+    """Shard ``shard`` of each key is written. ``checksums``: the layout's ``check_words``
+    little-endian uint32 words of each key's shard, key-major (key i's at bytes
+    ``[i * check_words * 4, (i + 1) * check_words * 4)``); exactly that long for a layout with
+    check_words > 0, empty for one with 0 (anything else is BAD_REQUEST before anything
+    changes). Opaque to the gateway: stored beside the slot, returned by LOOKUP. Its length is
+    bounded by the frame (the client splits a COMMIT that would not fit)."""
+
+    checksums: Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)] = b""
 
 
 class Abort(_Tokened, **_S):
     """Give up the reservations of ``keys``."""
+
+
+class Corrupt(_Tokened, **_S):
+    """These shards' bytes did not match their checksum words (the restore kernels found it).
+    Each key whose token (offset, generation of ``shard``) matches its LIVE COMMITTED object is
+    removed from the index at once (no later LOOKUP returns it; its slots are freed when no lease
+    holds them any more); a token that matches nothing (a stale report, an object since removed
+    or re-stored) is refused and removes nothing. Reply: Ack(removed, refused)."""
 
 
 class Release(msgspec.Struct, **_S):
@@ -193,7 +224,7 @@ class Stats(msgspec.Struct, **_S):
     pass
 
 
-Request = Hello | Card | Lookup | Reserve | Commit | Abort | Release | Ping | Stats
+Request = Hello | Card | Lookup | Reserve | Commit | Abort | Release | Ping | Stats | Corrupt
 
 # ---------------------------------------------------------------- replies
 
@@ -217,6 +248,7 @@ class LayoutInfo(msgspec.Struct, tag=True, gc=False):
     lease_ttl_s: float
     write_ttl_s: float
     events: bool = False  # this gateway publishes KV events: send RESERVE's block information
+    check_words: int = 0  # uint32 checksum words per shard of one object, as HELLO asked
 
 
 class CardInfo(msgspec.Struct, tag=True, gc=False):
@@ -234,14 +266,19 @@ class CardInfo(msgspec.Struct, tag=True, gc=False):
 class LookupReply(msgspec.Struct, tag=True, gc=False):
     """LOOKUP reply, packed for cheap encoding and decoding: for group g, ``offsets[g]`` and
     ``generations[g]`` are num_chunks x num_shards little-endian uint64, chunk-major (chunk c,
-    shard r at index ``c * num_shards + r``). ``lease_id`` 0 = no lease taken. The client wraps
-    it in ``client.LookupResult``, whose ``slots[g][c]`` are ChunkSlots."""
+    shard r at index ``c * num_shards + r``). ``checksums[g]``: num_chunks x num_shards x
+    check_words little-endian uint32 as the COMMITs stored them, chunk-major then shard (chunk c,
+    shard r at word ``(c * num_shards + r) * check_words``); b"" for a layout with check_words 0.
+    ``num_chunks`` may be shortened to keep the packed arrays under MAX_REPLY_BYTES. ``lease_id``
+    0 = no lease taken. The client wraps it in ``client.LookupResult``, whose ``slots[g][c]``
+    are ChunkSlots."""
 
     epoch: int
     num_chunks: int
     lease_id: int
     offsets: list[bytes]
     generations: list[bytes]
+    checksums: list[bytes] = []
 
 
 class ReserveReply(msgspec.Struct, tag=True, gc=False):
@@ -251,9 +288,9 @@ class ReserveReply(msgspec.Struct, tag=True, gc=False):
 
 
 class Ack(msgspec.Struct, tag=True, gc=False):
-    """COMMIT/ABORT/RELEASE reply; ``count`` = keys (or leases) the request applied to;
+    """COMMIT/ABORT/RELEASE/CORRUPT reply; ``count`` = keys (or leases) the request applied to;
     ``refused`` = keys whose token matched no live reservation (expired, aborted, someone
-    else's), or leases that are not this client's."""
+    else's) or, for CORRUPT, no live committed object; or leases that are not this client's."""
 
     epoch: int
     count: int = 0
@@ -293,6 +330,7 @@ SPEC: dict[RequestType, tuple[type, type]] = {
     RequestType.RELEASE: (Release, Ack),
     RequestType.PING: (Ping, PingReply),
     RequestType.STATS: (Stats, StatsReply),
+    RequestType.CORRUPT: (Corrupt, Ack),
 }
 REQUEST_TYPE: dict[type, RequestType] = {req: t for t, (req, _) in SPEC.items()}
 
@@ -301,12 +339,27 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()
 
 
+def commit_keys_per_message(check_words: int) -> int:
+    """Most keys one COMMIT with ``check_words`` words per key may carry and still fit one frame
+    (MAX_KEYS without words; 63 at MAX_CHECK_WORDS)."""
+    per_key = _PER_KEY_BYTES + 4 * check_words
+    return max(1, min(MAX_KEYS, (MAX_MESSAGE_BYTES - _FIXED_BYTES) // per_key))
+
+
 def _check_limits() -> None:
-    # The largest request the schema accepts must fit in one frame (see MAX_KEYS).
+    # The largest request the schema accepts must fit in one frame (see MAX_KEYS); COMMIT's
+    # checksums are bounded by the frame itself (the client splits a COMMIT to fit).
     key = b"k" * MAX_KEY_BYTES
     big = Commit(2**64 - 1, 2**64 - 1, MAX_SHARDS - 1, [key] * MAX_KEYS, [2**64 - 1] * MAX_KEYS,
                  [2**64 - 1] * MAX_KEYS)
     assert len(encoder.encode(big)) <= MAX_MESSAGE_BYTES, "MAX_KEYS does not fit the frame limit"
+    for words in (1, 64, MAX_CHECK_WORDS):
+        n = commit_keys_per_message(words)
+        big = Commit(2**64 - 1, 2**64 - 1, MAX_SHARDS - 1, [key] * n, [2**64 - 1] * n,
+                     [2**64 - 1] * n, b"c" * (n * words * 4))
+        assert len(encoder.encode(big)) <= MAX_MESSAGE_BYTES, "commit_keys_per_message too high"
+    # A layout without checksum words is never shortened by the reply cap.
+    assert MAX_REPLY_BYTES >= MAX_KEYS * MAX_SHARDS * 16, "MAX_REPLY_BYTES below the v2 worst case"
 
 
 _check_limits()

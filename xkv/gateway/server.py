@@ -32,6 +32,7 @@ import zmq
 from xkv.gateway import protocol as P
 from xkv.gateway.card import Card
 from xkv.gateway.config import GatewayConfig, parse_args
+from xkv.gateway.corrupt import CorruptWarnings
 from xkv.gateway.disk_chain import start_tiers
 from xkv.gateway.endpoints import bind_events, bind_tcp, instance_dir, router
 from xkv.gateway.index import Index, RequestError
@@ -55,6 +56,7 @@ class Gateway:
         self.errors: dict[str, int] = {}
         self.hist = Histogram()
         self._jobs: collections.deque[SlicedReserve] = collections.deque()
+        self.corrupt_warnings = CorruptWarnings()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -79,6 +81,7 @@ class Gateway:
             P.Hello: self._hello, P.Card: self._card, P.Lookup: self._lookup,
             P.Reserve: self._reserve, P.Commit: self._commit, P.Abort: self._abort,
             P.Release: self._release, P.Ping: self._ping, P.Stats: self._stats,
+            P.Corrupt: self._corrupt,
         }
 
     # ------------------------------------------------------------------ setup
@@ -275,11 +278,11 @@ class Gateway:
                                f"client speaks protocol {req.version}, gateway speaks "
                                f"{P.PROTOCOL_VERSION}: upgrade xkv on both sides together")
         lay = self.index.register_layout(req.namespace, req.fingerprint, req.num_shards,
-                                         req.shard_bytes, self._peer)
+                                         req.shard_bytes, self._peer, req.check_words)
         return P.LayoutInfo(self.epoch, lay.layout_id, lay.slot_bytes, lay.num_shards,
                             lay.shard_bytes, self.index.capacity_bytes,
                             self.config.lease_ttl_s, self.config.write_ttl_s,
-                            self.events is not None)
+                            self.events is not None, lay.check_words)
 
     def _card(self, req: P.Card, owner: bytes) -> P.CardInfo:
         c = self.card
@@ -317,7 +320,9 @@ class Gateway:
     def _lookup_reply(self, num: int, lease_id: int, hits: list) -> P.LookupReply:
         offsets = [b"".join([obj.packed[0] for obj in row]) for row in hits]
         gens = [b"".join([obj.packed[1] for obj in row]) for row in hits]
-        return P.LookupReply(self.epoch, num, lease_id, offsets, gens)
+        # opaque words as the COMMITs stored them, chunk-major then shard (b"" without words)
+        checks = [b"".join([obj.checks for obj in row]) for row in hits]
+        return P.LookupReply(self.epoch, num, lease_id, offsets, gens, checks)
 
     def _reserve(self, req: P.Reserve, owner: bytes) -> P.ReserveReply:
         self._check_epoch(req.epoch)
@@ -327,7 +332,7 @@ class Gateway:
                                                             time.monotonic()))
 
     @staticmethod
-    def _tokens(req: P.Commit | P.Abort) -> list[tuple[int, int]]:
+    def _tokens(req: P.Commit | P.Abort | P.Corrupt) -> list[tuple[int, int]]:
         if not len(req.keys) == len(req.offsets) == len(req.generations):
             raise RequestError(P.ErrorCode.BAD_REQUEST,
                                f"{len(req.keys)} keys, {len(req.offsets)} offsets and "
@@ -337,7 +342,7 @@ class Gateway:
     def _commit(self, req: P.Commit, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
         done = self.index.commit(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
-                                 now=time.monotonic())
+                                 now=time.monotonic(), checksums=req.checksums)
         return P.Ack(self.epoch, done, len(req.keys) - done)
 
     def _abort(self, req: P.Abort, owner: bytes) -> P.Ack:
@@ -345,6 +350,12 @@ class Gateway:
         done = self.index.abort(req.layout_id, req.shard, req.keys, tokens=self._tokens(req),
                                 now=time.monotonic())
         return P.Ack(self.epoch, done, len(req.keys) - done)
+
+    def _corrupt(self, req: P.Corrupt, owner: bytes) -> P.Ack:
+        self._check_epoch(req.epoch)
+        removed = self.index.corrupt(req.layout_id, req.shard, req.keys, self._tokens(req))
+        self.corrupt_warnings.removed(removed)
+        return P.Ack(self.epoch, len(removed), len(req.keys) - len(removed))
 
     def _release(self, req: P.Release, owner: bytes) -> P.Ack:
         self._check_epoch(req.epoch)
