@@ -169,8 +169,14 @@ def state_check_class():
         def begin_loads(self):
             self.inner.begin_loads()
 
-        def load_group(self, names, card, offsets, pools, block_ids):
-            self.inner.load_group(names, card, offsets, pools, block_ids)
+        def load_group(self, names, card, offsets, pools, block_ids, checks=None):
+            flags = self.inner.load_group(names, card, offsets, pools, block_ids, checks=checks)
+            if checks is not None and checks.hash_only is not None:  # read, never written
+                import numpy as np
+                import torch
+
+                w = torch.from_numpy(~np.asarray(checks.hash_only))
+                block_ids, offsets = block_ids[w], offsets[:, w]
             for name, offs, pool in zip(names, offsets, pools, strict=True):
                 if pool.kind == STATE_KIND:
                     self.loads[name] = (card, offs.clone(), pool, block_ids.clone())
@@ -178,6 +184,7 @@ def state_check_class():
             if v is not None:  # checked here, before the forward, not after it
                 v.pending["restore"] = [x for x in v.pending["restore"]
                                         if x[2].kind != STATE_KIND]
+            return flags
 
         def load_before_forward(self, names, card, offsets, pools, block_ids):
             # blocks the step also writes (one attention/MLA group: no state pages among them)
@@ -204,8 +211,11 @@ def state_check_class():
         def verify_layers(self, names):
             self.inner.verify_layers(names)
 
-        def prepare_saves(self, pools, block_ids, card, offsets):
-            return self.inner.prepare_saves(pools, block_ids, card, offsets)
+        def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
+            return self.inner.prepare_saves(pools, block_ids, card, offsets, checks=checks)
+
+        def save_words(self, prep, num_layers):
+            return self.inner.save_words(prep, num_layers)
 
         def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
             self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)

@@ -23,7 +23,7 @@ POISON = 0xA5
 @st.composite
 def cases(draw, max_layers=3):
     """L layer pools (4-byte aligned runs, sometimes two runs, sometimes 8-byte words), C objects
-    of k pages each, stored layer-major in slots of a card: offset(l, c, j) = slot_c + (l*k+j)*bb.
+    of k pages each, stored layer-major in slots of a card: offset(li, c, j) = slot_c + (li*k+j)*bb.
     Fragments in a random order. Returns a dict."""
     L = draw(st.integers(1, max_layers))
     unit = draw(st.sampled_from([4, 8]))
@@ -42,8 +42,8 @@ def cases(draw, max_layers=3):
     slot = -(-(L * k * bb) // 16) * 16 + 16 * draw(st.integers(0, 2))
     frag_obj = np.array([o // k for o in order], dtype=np.int64)
     frag_page = np.array([o % k for o in order], dtype=np.int64)
-    offs = np.array([[c * slot + (l * k + j) * bb for c, j in zip(frag_obj, frag_page, strict=True)]
-                     for l in range(L)], dtype=np.int64).reshape(L, n)
+    offs = np.array([[c * slot + (li * k + j) * bb for c, j in zip(frag_obj, frag_page, strict=True)]
+                     for li in range(L)], dtype=np.int64).reshape(L, n)
     return dict(L=L, runs=runs, stride=stride, bb=bb, C=Cn, k=k, n=n, nblocks=nblocks, ids=ids,
                 obj=frag_obj, page=frag_page, offs=offs, card_bytes=Cn * slot + 16, slot=slot,
                 seed=draw(st.integers(0, 2**31)))
@@ -61,15 +61,15 @@ def make_pools(c, seed):
 
 
 def oracle_words(card: torch.Tensor, c) -> np.ndarray:
-    """uint32 [L, C] from the card bytes by the numpy definition (layer l of object c is
+    """uint32 [L, C] from the card bytes by the numpy definition (layer li of object c is
     k * bb contiguous bytes)."""
     kb = c["k"] * c["bb"]
     out = np.zeros((c["L"], c["C"]), np.uint32)
     b = card.numpy().tobytes()
-    for l in range(c["L"]):
+    for li in range(c["L"]):
         for o in range(c["C"]):
-            at = o * c["slot"] + l * kb
-            out[l, o] = C.words_numpy(b[at:at + kb])
+            at = o * c["slot"] + li * kb
+            out[li, o] = C.words_numpy(b[at:at + kb])
     return out
 
 
@@ -118,19 +118,19 @@ def test_restore_clean_never_flags_and_corruption_flags_exactly(engine, c, data)
     res = K.restore_layers(card, c["offs"], dst, c["ids"], engine=engine, max_programs=2,
                            checks=checks_for(c, words, hash_only))
     assert not res.mismatched().any()
-    for l in range(c["L"]):
+    for li in range(c["L"]):
         for i in range(c["n"]):
-            got = dst[l].block(int(c["ids"][i]))
+            got = dst[li].block(int(c["ids"][i]))
             if hash_only[i]:  # read and hashed, never written
                 assert torch.equal(got, torch.full_like(got, POISON))
             else:
-                assert torch.equal(got, pools[l].block(int(c["ids"][i])))
+                assert torch.equal(got, pools[li].block(int(c["ids"][i])))
     # one bit of one fragment of one layer: exactly that object is flagged
-    l = data.draw(st.integers(0, c["L"] - 1))
+    li = data.draw(st.integers(0, c["L"] - 1))
     i = data.draw(st.integers(0, c["n"] - 1))
     b = data.draw(st.integers(0, 8 * c["bb"] - 1))
     bad = card.clone()
-    bad[int(c["offs"][l, i]) + b // 8] ^= 1 << (b % 8)
+    bad[int(c["offs"][li, i]) + b // 8] ^= 1 << (b % 8)
     for r, r0 in zip(draws, before, strict=True):
         r.copy_(r0)
     res = K.restore_layers(bad, c["offs"], dst, c["ids"], engine=engine, max_programs=2,
@@ -145,10 +145,10 @@ def test_restore_clean_never_flags_and_corruption_flags_exactly(engine, c, data)
 @given(c=cases(), data=st.data())
 def test_prepared_restores_verify_per_layer_and_grouped(engine, c, data):
     _, _, card, words = saved(c, engine="reference")
-    l = data.draw(st.integers(0, c["L"] - 1))
+    li = data.draw(st.integers(0, c["L"] - 1))
     i = data.draw(st.integers(0, c["n"] - 1))
     bad = card.clone()
-    bad[int(c["offs"][l, i]) + data.draw(st.integers(0, c["bb"] - 1))] ^= 0x10
+    bad[int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))] ^= 0x10
     grouped = data.draw(st.booleans())
     groups = [list(range(c["L"]))] if grouped else None
     for src, flagged in ((card, None), (bad, c["obj"][i])):
@@ -171,8 +171,8 @@ def test_prepared_saves_give_the_same_words(engine, c):
     pools, _, card, words = saved(c, engine="reference")
     card2 = torch.full_like(card, POISON)
     prep = K.prepare_save(pools, c["ids"], card2, c["offs"], engine=engine, checks=checks_for(c))
-    for l in range(c["L"]):
-        prep.launch(l)
+    for li in range(c["L"]):
+        prep.launch(li)
     assert torch.equal(card2, card)
     np.testing.assert_array_equal(prep.checks.host_words(), words)
     np.testing.assert_array_equal(prep.checks.readback().numpy().view(np.uint32), words)
