@@ -204,3 +204,85 @@ def test_check_words_per_group():
     assert check_words(plan([64, 64, 32])) == 3
     assert check_words(plan([64, 66])) == 0  # a page that is not 4-byte words: unverified
     assert check_words(plan([64]), enabled=False) == 0
+
+
+def test_the_scheduler_passes_each_chunks_words_to_the_load(monkeypatch):
+    """A hybrid model (two Mamba state groups + attention): the words COMMIT stored come back
+    on the load's GroupTransfer.checks, per chunk, for the attention chunks and for the state
+    read into its boundary and its running block (one object, two blocks)."""
+    import test_states as S
+    from connector_fakes import FakeGateway
+
+    gw = FakeGateway()
+    s = S._sched(gw, monkeypatch)
+    assert s.session.check_words == (1, 1, 1)  # one layer per group
+    r0 = S._req("a", S.H3)
+    s.update_state_after_alloc(r0, S.STORE_IDS, 0)
+    new = S.NS(req_id="a", block_ids=S.STORE_IDS, num_computed_tokens=0)
+    meta = s.build_connector_meta(S._so([new], {"a": 288}))
+    c = gw.client()
+
+    def words(g, key):
+        return bytes([g]) + key[:3]  # one 4-byte word per layer, distinct per group and key
+
+    for job in meta.saves:
+        for gt in job.groups:
+            c.commit(meta.layout_ids[gt.group], 0, list(gt.chunks),
+                     checksums=[words(gt.group, r.key) for r in gt.chunks])
+    s.request_finished(r0)
+    r = S._req("b", S.H3)
+    assert s.get_num_new_matched_tokens(r, 0) == 288
+    load_ids = ([0, 0, 41, 42], [0, 0, 51, 52], [61, 62, 63, 64])
+    s.update_state_after_alloc(r, load_ids, 288)
+    meta = s.build_connector_meta(S._so([S.NS(req_id="b", block_ids=load_ids,
+                                              num_computed_tokens=288)], {"b": 12}))
+    (load,) = meta.loads
+    by = {gt.group: gt for gt in load.groups}
+    assert by[2].checks == tuple(words(2, k) for k in S.H3)
+    assert by[0].block_ids == (41, 42) and by[0].checks == (words(0, S.H3[2]),)
+    assert by[1].checks == (words(1, S.H3[2]),)
+    s.request_finished(r)
+
+
+def test_mixed_page_sizes_are_verified_per_size():
+    """An MLA latent and its indexer in one group (two page sizes): the handler prepares each
+    size apart and the flags of both come back as one; a flip in either layer flags the
+    object."""
+    from xkv.connector.transfer import SyncTransferHandler
+    from xkv.layout import PagePool
+
+    sizes = (64, 16, 64)  # layer page bytes
+    k, C, nb = 2, 3, 8
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randint(0, 256, (nb * b,), dtype=torch.uint8, generator=g) for b in sizes]
+    pools = [PagePool(r, nb, b, b, ((0, b),)) for r, b in zip(src, sizes, strict=True)]
+    obj_bytes = k * sum(sizes)
+    card = torch.zeros(C * obj_bytes, dtype=torch.uint8)
+    ids = torch.arange(C * k, dtype=torch.int64)
+    starts = [k * sum(sizes[:li]) for li in range(3)]
+    offs = torch.tensor([[(i // k) * obj_bytes + starts[li] + (i % k) * sizes[li]
+                          for i in range(C * k)] for li in range(3)], dtype=torch.int64)
+    h = SyncTransferHandler()
+    from xkv.kernels import Checks
+    objs, pages = (ids // k).numpy(), (ids % k).numpy()
+    prep = h.prepare_saves(pools, ids, card, offs, checks=Checks(objs, pages, C))
+    for li in range(3):
+        h.save_prepared(prep, li, f"l{li}", pools[li], ids, card, offs[li])
+    words = h.save_words(prep, 3).get()
+    for o in range(C):
+        for li in range(3):
+            a = o * obj_bytes + starts[li]
+            assert words[li, o] == checksum.words_numpy(
+                card[a:a + k * sizes[li]].numpy().tobytes())
+    for li, flip in ((None, None), (1, 5), (2, 0)):
+        bad = card.clone()
+        want = np.zeros(C, bool)
+        if li is not None:
+            at = int(offs[li, 2 * flip % (C * k)])
+            bad[at] ^= 1
+            want[(2 * flip % (C * k)) // k] = True
+        dst = [PagePool(torch.zeros(nb * b, dtype=torch.uint8), nb, b, b, ((0, b),))
+               for b in sizes]
+        flags = h.load_group(["l0", "l1", "l2"], bad, offs, dst, ids,
+                             checks=Checks(objs, pages, C, expected=words))
+        np.testing.assert_array_equal(flags.get(), want)
