@@ -518,7 +518,8 @@ def checksum_table(args) -> None:
     """``--checksums``: GB/s of the Triton restore and save with and without the checksum
     variant, at the connector's SM budget (``--connector-budget``, the default
     ``XKV_MAX_PROGRAMS``) and at 8 and 16 programs, for pages of 4..256 KiB (one prepared
-    launch per layer, as serving issues them). Plain and checked runs alternate (3 rounds, best
+    launch per layer, as serving issues them); the staged engine (which hashes its GPU staging
+    slot) for pages of 64 KiB and more. Plain and checked runs alternate (3 rounds, best
     median each) so drift hits both. Writes page_mover_checksums.json; the issue's target is a
     ratio >= 0.98 at the serving budget."""
     total = min(args.total_mib, 256) << 20
@@ -546,6 +547,14 @@ def checksum_table(args) -> None:
             cell["restore_ratio"] = best["restore_checked"] / best["restore"]
             cell["save_ratio"] = best["save_checked"] / best["save"]
             cell["false_alarms"] = false_alarms
+            if frag >= 64 * KIB and budget == args.connector_budget:  # staged: hashes its slot
+                st = {f"staged_{k}": guarded(lambda k=k, mk=make, nb=nbytes, b=budget: gbps(
+                    nb, timed(_prepared(mk(k), b, "staged", None), reps=3)))
+                    for k in ("restore", "restore_checked", "save", "save_checked")}
+                cell.update(st)
+                print(f"      staged restore {st['staged_restore']:.1f} -> "
+                      f"{st['staged_restore_checked']:.1f}  save {st['staged_save']:.1f} -> "
+                      f"{st['staged_save_checked']:.1f} GB/s", flush=True)
             row[str(budget)] = cell
             print(f"{frag // KIB:>4} KiB  {budget:>3} programs  restore {best['restore']:.1f} -> "
                   f"{best['restore_checked']:.1f} GB/s ({cell['restore_ratio']:.3f})  save "

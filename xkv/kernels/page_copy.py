@@ -27,8 +27,9 @@ Every launcher takes ``checks=`` (:class:`~xkv.kernels.verify.Checks`): the copy
 the checksum words of what it moves (:mod:`xkv.kernels.checksum`) and returns their
 :class:`~xkv.kernels.verify.CheckWords` (saves: the words; restores: residuals against
 ``checks.expected``, 0 where they match); without it it returns None and runs the unchanged,
-hash-free kernel variant. Verified copies run the Triton kernel (CUDA, or interpreted) or the torch
-engine; the copy-engine and staged engines do not hash and are replaced by Triton.
+hash-free kernel variant. Verified copies run the Triton kernel (CUDA, or interpreted), the staged
+engine (its kernel half hashes the staging slot) or the torch engine; the copy engine does not
+hash and is replaced by Triton.
 
 ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (the tests use it); ``"copy_engine"`` and
 ``"staged"`` need CUDA; ``"staged"`` falls back to ``"triton"`` for slices. GPU work is ordered on
@@ -147,8 +148,8 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         raise ValueError(f"engine={engine!r} needs CUDA tensors")
     if engine == "staged" and job.sliced:
         engine = "triton"
-    if job.checks is not None and engine in ("copy_engine", "staged"):
-        engine = "triton"  # the DMA engines cannot hash: the kernel copies and hashes at once
+    if job.checks is not None and engine == "copy_engine":
+        engine = "triton"  # the copy engine cannot hash: the kernel copies and hashes at once
     return engine, budget
 
 

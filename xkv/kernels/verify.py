@@ -19,8 +19,10 @@ at position ``j * block_bytes / 4``), ``expected`` uint32 ``[L, C]`` (restores),
 bool ``[n]`` (restores). Verified copies need 4-byte words everywhere: ``block_bytes``, every run
 offset and length, the block stride, both buffers' addresses and every flat offset a multiple of
 4 (``ValueError`` otherwise, before anything moves). Slices (``restore_slice``) are not verified
-(``ValueError``). The copy-engine and staged engines do not hash: a verified copy runs the Triton
-kernel instead on CUDA (``page_copy.check_engine``), the torch engine on CPU.
+(``ValueError``). The copy engine does not hash: a verified copy runs the Triton kernel instead on
+CUDA (``page_copy.check_engine``), the torch engine on CPU. The staged engine hashes in its
+kernel half, from the staging slot in GPU memory (restores: the bytes the copy engine brought
+from the flat buffer; saves: the pages it packs).
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ class JobChecks:
         """The checks of job layer ``k`` alone (same buffer, its row)."""
         return JobChecks(self.objects, self.pages, self.store, self.hashed, self.num_objects,
                          self.init, [self.rows[k]], self.buf)
+
+    def select(self, layers: list[int], i0: int, i1: int) -> JobChecks:
+        """The checks of fragments ``[i0, i1)`` of job layers ``layers`` (same buffer): a
+        staged copy's chunk."""
+        s = slice(i0, i1)
+        return JobChecks(self.objects[s], self.pages[s], self.store[s], self.hashed[s],
+                         self.num_objects, self.init, [self.rows[k] for k in layers], self.buf)
 
     def table(self) -> np.ndarray:
         """int64 ``[3, n]``: object column, page index, flags (1: written, 2: hashed; the
