@@ -295,3 +295,34 @@ def test_staged_engine_hashes_its_slot(c, chunk, data):
             np.testing.assert_array_equal(job.checks.buf.mismatched(), want)
     finally:
         mp.undo()
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(c=cases(), data=st.data())
+def test_compiled_kernel_on_the_gpu(c, data):
+    """The compiled CHECK variant (pools in HBM, the card in pinned host memory): the words of
+    the reference engine on CPU copies, and exact flags."""
+    pools, _, card_ref, words = saved(c, "reference")
+    gpools = [PagePool(p.base.cuda(), p.num_blocks, p.block_bytes, p.block_stride, p.runs)
+              for p in pools]
+    card = torch.full((c["card_bytes"],), POISON, dtype=torch.uint8).pin_memory()
+    w = K.save_layers(gpools, c["ids"], card, c["offs"], engine="triton", checks=checks_for(c))
+    torch.cuda.synchronize()
+    assert torch.equal(card, card_ref)
+    np.testing.assert_array_equal(w.host_words(), words)
+    li = data.draw(st.integers(0, c["L"] - 1))
+    i = data.draw(st.integers(0, c["n"] - 1))
+    for flip in (False, True):
+        if flip:
+            card[int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))] ^= 0x02
+        dst = [PagePool(torch.full_like(p.base, POISON), p.num_blocks, p.block_bytes,
+                        p.block_stride, p.runs) for p in gpools]
+        prep = K.prepare_restore(card, c["offs"], dst, c["ids"], engine="triton",
+                                 checks=checks_for(c, words))
+        for g in range(len(prep)):
+            prep.launch(g)
+        want = np.zeros(c["C"], bool)
+        if flip:
+            want[c["obj"][i]] = True
+        np.testing.assert_array_equal(prep.checks.mismatched(), want)
