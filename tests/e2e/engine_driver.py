@@ -14,7 +14,8 @@ each test gets a clean environment). Steps:
 * ``{"op": "reset"}`` — ``reset_prefix_cache()``; ``{"op": "kill_gateway"}``;
   ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
   empty card, a new epoch; stopped when the driver ends); ``{"op": "sleep", "s": t}``;
-  ``{"op": "log_stats"}`` — print vLLM's periodic stats line now.
+  ``{"op": "log_stats"}`` — print vLLM's periodic stats line now; ``{"op": "corrupt_card",
+  "stride": k}`` — flip one bit in every k-th byte of the gateway's card (verified restores).
 * ``{"op": "wait_file", "path": P}`` — create ``P.waiting``, then wait until the test creates
   ``P`` (the test changes the world between steps: kills or restarts a process).
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
@@ -360,6 +361,15 @@ def main(scenario_path: str, result_path: str) -> None:
             proc, _ = spawn_gateway(step.get("capacity", "256M"), port=sc["port"])
             restarted.append(proc)
             sc["gateway_pid"] = proc.pid
+        elif op == "corrupt_card":  # flip bit 0 of every `stride`-th byte of the card
+            from xkv.gateway.client import GatewayClient
+
+            with GatewayClient("127.0.0.1", sc["port"], timeout_s=2.0) as c:
+                mv = c.map_card()
+                card = np.frombuffer(mv, dtype=np.uint8)
+                card[:: step.get("stride", 509)] ^= 1
+                del card
+                mv.release()
         elif op == "sleep":  # let wall-clock time pass (the connector's re-probe back-off)
             time.sleep(step["s"])
         elif op == "log_stats":

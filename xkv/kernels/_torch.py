@@ -51,7 +51,8 @@ def _copy_slice(job: Job, layer: int, view: torch.Tensor, offs: np.ndarray, cum:
 
 def _checked(job: Job, layer: int, pool, offs: np.ndarray, ids: torch.Tensor) -> None:
     """One layer of a verified copy: per run, the rows read (pages for saves, flat rows for
-    restores), their checksum terms added to the word buffer, then written."""
+    restores) are written; the whole pages they form are hashed (runs of any length) and the
+    terms added to the word buffer."""
     jc = job.checks
     words = jc.bind(pool.device, job.save).words
     dev = pool.device
@@ -59,7 +60,7 @@ def _checked(job: Job, layer: int, pool, offs: np.ndarray, ids: torch.Tensor) ->
     pos = torch.from_numpy(jc.pages).to(dev) * (job.block_bytes // 4)
     keep = torch.from_numpy(jc.store).to(dev)
     counted = torch.from_numpy(jc.hashed).to(dev)
-    acc = torch.zeros(job.n, dtype=torch.int64, device=dev)
+    read = []
     cum = 0
     for r, (_, ln) in enumerate(pool.runs):
         view = pool.run_view(r)
@@ -77,8 +78,9 @@ def _checked(job: Job, layer: int, pool, offs: np.ndarray, ids: torch.Tensor) ->
                 [job.flat[int(o) + cum : int(o) + cum + ln] for o in offs])
             rows = rows.to(dev)
             view.index_copy_(0, ids[keep], rows[keep])
-        acc += words_torch(rows, pos + cum // 4)
+        read.append(rows)
         cum += ln
+    acc = words_torch(torch.cat(read, 1) if len(read) > 1 else read[0], pos)
     flat_words = words.view(-1)
     upd = torch.zeros(flat_words.numel(), dtype=torch.int64, device=dev)
     upd.index_add_(0, cols[counted], acc[counted])

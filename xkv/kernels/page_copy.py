@@ -150,6 +150,8 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         engine = "triton"
     if job.checks is not None and engine == "copy_engine":
         engine = "triton"  # the copy engine cannot hash: the kernel copies and hashes at once
+    if job.checks is not None and not job.checks.aligned and engine != "reference":
+        engine = "reference"  # the kernel hashes 4-byte words: only the torch engine can here
     return engine, budget
 
 

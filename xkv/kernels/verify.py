@@ -16,9 +16,10 @@ touches, into one small int32 buffer on the pools' device (:class:`CheckWords`):
 Shapes and units: ``objects`` int64 ``[n]`` (object column of fragment ``i``, ``0 <= c < C``),
 ``pages`` int64 ``[n]`` (page index ``j`` of fragment ``i`` inside its object: its first word is
 at position ``j * block_bytes / 4``), ``expected`` uint32 ``[L, C]`` (restores), ``hash_only``
-bool ``[n]`` (restores). Verified copies need 4-byte words everywhere: ``block_bytes``, every run
-offset and length, the block stride, both buffers' addresses and every flat offset a multiple of
-4 (``ValueError`` otherwise, before anything moves). Slices (``restore_slice``) are not verified
+bool ``[n]`` (restores). Verified copies need pages of a multiple of 4 bytes (``ValueError``
+otherwise, before anything moves); the Triton kernel also needs every run offset and length, the
+block stride, both buffers' addresses and every flat offset a multiple of 4: a verified copy
+that is not runs the torch engine instead (``page_copy.check_engine``; rare, slow, correct). Slices (``restore_slice``) are not verified
 (``ValueError``). The copy engine does not hash: a verified copy runs the Triton kernel instead on
 CUDA (``page_copy.check_engine``), the torch engine on CPU. The staged engine hashes in its
 kernel half, from the staging slot in GPU memory (restores: the bytes the copy engine brought
@@ -106,6 +107,7 @@ class JobChecks:
     init: np.ndarray  # uint32 [L, C]: -expected (restores) or 0 (saves)
     rows: list[int]
     buf: CheckWords | None = None
+    aligned: bool = True  # every address, stride, run and offset a multiple of 4 (Triton can hash)
 
     def bind(self, device: torch.device, save: bool) -> CheckWords:
         if self.buf is None:
@@ -115,14 +117,15 @@ class JobChecks:
     def layer(self, k: int) -> JobChecks:
         """The checks of job layer ``k`` alone (same buffer, its row)."""
         return JobChecks(self.objects, self.pages, self.store, self.hashed, self.num_objects,
-                         self.init, [self.rows[k]], self.buf)
+                         self.init, [self.rows[k]], self.buf, self.aligned)
 
     def select(self, layers: list[int], i0: int, i1: int) -> JobChecks:
         """The checks of fragments ``[i0, i1)`` of job layers ``layers`` (same buffer): a
         staged copy's chunk."""
         s = slice(i0, i1)
         return JobChecks(self.objects[s], self.pages[s], self.store[s], self.hashed[s],
-                         self.num_objects, self.init, [self.rows[k] for k in layers], self.buf)
+                         self.num_objects, self.init, [self.rows[k] for k in layers], self.buf,
+                         self.aligned)
 
     def table(self) -> np.ndarray:
         """int64 ``[3, n]``: object column, page index, flags (1: written, 2: hashed; the
@@ -157,21 +160,14 @@ def validate_checks(checks: Checks, *, L: int, n: int, save: bool, pools, flat,
         raise ValueError(f"checks.objects out of range [0, {C}): {objects[:8].tolist()}")
     if n and pages.min() < 0:
         raise ValueError(f"checks.pages must be >= 0, got {pages[:8].tolist()}")
+    aligned = flat.data_ptr() % 4 == 0 and not (
+        flat_off is not None and flat_off.size and (flat_off % 4).any())
     if pools:
         p0 = pools[0]
         check_page_bytes(p0.block_bytes, f"page of {p0.describe()}")
-        for p in pools:
-            bad = [v for v in (p.block_stride, p.data_ptr, *(x for r in p.runs for x in r))
-                   if v % 4]
-            if bad:
-                raise ValueError(f"checksums need 4-byte aligned pages: {p.describe()} has "
-                                 f"stride/address/run values {bad[:4]} not multiples of 4")
-    if flat.data_ptr() % 4:
-        raise ValueError(f"checksums need a 4-byte aligned flat buffer, got address "
-                         f"{flat.data_ptr():#x}")
-    if flat_off is not None and flat_off.size and (flat_off % 4).any():
-        bad = flat_off[flat_off % 4 != 0][:4].tolist()
-        raise ValueError(f"checksums need flat offsets that are multiples of 4, got {bad}")
+        aligned = aligned and not any(
+            v % 4 for p in pools for v in (p.block_stride, p.data_ptr,
+                                           *(x for r in p.runs for x in r)))
     if save:
         if checks.expected is not None or checks.hash_only is not None:
             raise ValueError("a save computes its words: checks.expected and hash_only are "
@@ -200,4 +196,5 @@ def validate_checks(checks: Checks, *, L: int, n: int, save: bool, pools, flat,
         _, first = np.unique(objects * (int(pages.max()) + 1) + pages, return_index=True)
         hashed[:] = False
         hashed[first] = True
-    return JobChecks(objects, pages, store, hashed, int(C), init, list(range(L)))
+    return JobChecks(objects, pages, store, hashed, int(C), init, list(range(L)), None,
+                     bool(aligned))
