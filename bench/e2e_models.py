@@ -40,6 +40,9 @@ def add_args(ap) -> None:
     ap.add_argument("--lookup-timeout-ms", type=int, default=None,
                     help="connector LOOKUP deadline (default: the connector's; a loaded CPU box "
                          "needs more)")
+    ap.add_argument("--verify-checksums", choices=("on", "off"), default=None,
+                    help="connector verify_checksums (issue 25; default: the connector's, on): "
+                         "run once with each to measure its cost")
     ap.add_argument("--verify-fresh-engine", action="store_true",
                     help="verify: restore the ref prompt in a second engine of the same child "
                          "(objects written by the first: an engine restart)")
@@ -70,7 +73,10 @@ def _layer_types(c: dict) -> list[str] | None:
 
 def connector_extra(a) -> dict[str, Any]:
     """Extra ``kv_connector_extra_config`` keys of these options."""
-    return {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
+    out = {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
+    if getattr(a, "verify_checksums", None) is not None:
+        out["verify_checksums"] = a.verify_checksums == "on"
+    return out
 
 
 def is_hybrid(model_dir: str) -> bool:
