@@ -286,3 +286,28 @@ def test_mixed_page_sizes_are_verified_per_size():
         flags = h.load_group(["l0", "l1", "l2"], bad, offs, dst, ids,
                              checks=Checks(objs, pages, C, expected=words))
         np.testing.assert_array_equal(flags.get(), want)
+
+
+def test_a_window_objects_missing_positions_are_not_hashed():
+    """An early chunk's window object has no pages below ``first_page`` (nothing was saved
+    there): the restore hashes only the positions that exist."""
+    exp = np.arange(2, dtype="<u4")
+    gt = GroupTransfer(1, (7, 8), (0, 0), (2, 3), (_ref(b"w", 0),), checks=(exp.tobytes(),),
+                       first_page=1)
+    rc = restore_checks(_Plan(4), 0, [gt], cw=2)
+    assert sorted(rc.checks.pages.tolist()) == [1, 2, 3]
+    assert rc.hash_only.tolist() == [False, False, True]
+
+
+def test_window_load_sets_first_page():
+    from types import SimpleNamespace as NS
+
+    from xkv.connector.windows import window_load
+
+    g = NS(block_size=16, sliding_window=64, extra_retained=0)
+    plan = NS(group=g, chunk_size=32, blocks_per_chunk=2, blocks_per_object=4)
+    # chunk 0 ends at block 2: its object holds positions 2, 3 only
+    gt = window_load(1, plan, [5, 6, 7, 8], 0, 32, _ref(b"w", 0), "r")
+    assert gt.block_in_chunk == (2, 3) and gt.first_page == 2
+    gt = window_load(1, plan, [0, 6, 7, 8], 0, 64, _ref(b"w", 0), "r")  # chunk 1: all 4 exist
+    assert gt.block_in_chunk == (1, 2, 3) and gt.first_page == 0

@@ -11,8 +11,9 @@ step's transfers. No tensors of the pages here; the copies compute the words (``
   ``GroupTransfer.checks``; :func:`restore_checks` adds, for every page of a chunk the step does
   not write (a restore that starts or ends inside an object, a window's tail, the blocks a tail
   fence copies before the forward), a *hash-only* fragment (read and hashed, never written), so
-  every object is checked whole; a chunk without words makes the whole group's restore
-  unverified (counted in ``restores_unverified``).
+  every object is checked whole (a window's early object: only the positions that exist,
+  ``GroupTransfer.first_page`` on); a chunk without words makes the whole group's restore
+  unverified (counted in ``blocks_unverified``).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def restore_checks(plan, tp_rank: int, transfers: Sequence[GroupTransfer],
         have: dict[int, set[int]] = {}
         for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True):
             have.setdefault(c, set()).add(j)
-        miss = [(c, j) for c in range(len(gt.chunks)) for j in range(k)
+        miss = [(c, j) for c in range(len(gt.chunks)) for j in range(gt.first_page, k)
                 if j not in have.get(c, ())]
         extra.append(GroupTransfer(gt.group, (-1,) * len(miss), tuple(c for c, _ in miss),
                                    tuple(j for _, j in miss), gt.chunks))

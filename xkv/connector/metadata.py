@@ -46,6 +46,9 @@ class GroupTransfer:
     #: returned them (``num_shards * check_words`` little-endian uint32, shard-major); () or an
     #: empty entry: not verified (``xkv.connector.checksums``)
     checks: tuple[bytes, ...] = ()
+    #: object positions below this do not exist in the chunks' objects (a sliding window's
+    #: early chunk: ``windows.tail``); a verified restore hashes positions [first_page, k) only
+    first_page: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.block_ids)
