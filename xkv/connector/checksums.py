@@ -128,33 +128,38 @@ def restore_checks(plan, tp_rank: int, transfers: Sequence[GroupTransfer],
     if cw == 0 or not transfers:
         return None
     shard, k = plan.shard_of(tp_rank), plan.blocks_per_object
+    per = plan.num_shards * cw * 4
     cols: list[tuple[int, int]] = []
-    exp_cols: list[np.ndarray] = []
+    exp_parts: list[np.ndarray] = []
     extra: list[GroupTransfer] = []
-    for t, gt in enumerate(transfers):
-        for c in range(len(gt.chunks)):
-            e = expected_words(gt, c, shard, plan.num_shards, cw)
-            if e is None:
-                return None
-            cols.append((t, c))
-            exp_cols.append(e)
-        have: dict[int, set[int]] = {}
-        for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True):
-            have.setdefault(c, set()).add(j)
-        miss = [(c, j) for c in range(len(gt.chunks)) for j in range(gt.first_page, k)
-                if j not in have.get(c, ())]
-        extra.append(GroupTransfer(gt.group, (-1,) * len(miss), tuple(c for c, _ in miss),
-                                   tuple(j for _, j in miss), gt.chunks))
-    col_of = {tc: i for i, tc in enumerate(cols)}
-    objects: list[int] = []
-    pages: list[int] = []
-    for t, gt in [*enumerate(transfers), *enumerate(extra)]:
-        objects += [col_of[(t, c)] for c in gt.chunk_of]
-        pages += list(gt.block_in_chunk)
+    obj_parts: list[np.ndarray] = []
+    page_parts: list[np.ndarray] = []
+    extra_obj: list[np.ndarray] = []
+    extra_page: list[np.ndarray] = []
+    for t, gt in enumerate(transfers):  # vectorised per transfer: the restore's host path
+        nc, base = len(gt.chunks), len(cols)
+        if len(gt.checks) != nc or any(len(b) != per for b in gt.checks):
+            return None
+        words = np.frombuffer(b"".join(gt.checks), dtype="<u4").reshape(nc, plan.num_shards, cw)
+        exp_parts.append(words[:, shard, :].astype(np.uint32))  # [nc, cw]
+        cols += [(t, c) for c in range(nc)]
+        chunk_of = np.asarray(gt.chunk_of, np.int64)
+        in_chunk = np.asarray(gt.block_in_chunk, np.int64)
+        obj_parts.append(base + chunk_of)
+        page_parts.append(in_chunk)
+        have = np.zeros((nc, k), dtype=bool)
+        have[:, :gt.first_page] = True  # positions that do not exist in these objects
+        have[chunk_of, in_chunk] = True
+        mc, mj = np.nonzero(~have)
+        extra.append(GroupTransfer(gt.group, (-1,) * mc.size, tuple(mc.tolist()),
+                                   tuple(mj.tolist()), gt.chunks))
+        extra_obj.append(base + mc)
+        extra_page.append(mj)
+    objects = np.concatenate(obj_parts + extra_obj).astype(np.int64)
+    pages = np.concatenate(page_parts + extra_page).astype(np.int64)
     n_orig = sum(len(gt.block_ids) for gt in transfers)
-    hash_only = np.zeros(len(objects), dtype=bool)
+    hash_only = np.zeros(objects.size, dtype=bool)
     hash_only[n_orig:] = True
-    expected = np.stack(exp_cols, axis=1)  # [cw, C]
-    checks = Checks(np.array(objects, np.int64), np.array(pages, np.int64), len(cols),
-                    expected=expected, hash_only=hash_only)
+    expected = np.concatenate(exp_parts, axis=0).T  # [cw, C]
+    checks = Checks(objects, pages, len(cols), expected=expected, hash_only=hash_only)
     return RestoreChecks([*transfers, *extra], checks, cols, hash_only)
