@@ -43,6 +43,9 @@ def add_args(ap) -> None:
     ap.add_argument("--xkv-extra", default="",
                     help='JSON object of extra kv_connector_extra_config keys for xkv, e.g. '
                          '\'{"full_hit_restore": true}\'')
+    ap.add_argument("--verify-checksums", choices=("on", "off"), default=None,
+                    help="connector verify_checksums (issue 25; default: the connector's, on): "
+                         "run once with each to measure its cost")
     ap.add_argument("--verify-fresh-engine", action="store_true",
                     help="verify: restore the ref prompt in a second engine of the same child "
                          "(objects written by the first: an engine restart)")
@@ -74,6 +77,8 @@ def _layer_types(c: dict) -> list[str] | None:
 def connector_extra(a) -> dict[str, Any]:
     """Extra ``kv_connector_extra_config`` keys of these options."""
     out: dict[str, Any] = {} if a.lookup_timeout_ms is None else {"lookup_timeout_ms": a.lookup_timeout_ms}
+    if getattr(a, "verify_checksums", None) is not None:
+        out["verify_checksums"] = a.verify_checksums == "on"
     if getattr(a, "xkv_extra", ""):
         extra = json.loads(a.xkv_extra)
         if not isinstance(extra, dict):
@@ -178,8 +183,14 @@ def state_check_class():
         def begin_loads(self):
             self.inner.begin_loads()
 
-        def load_group(self, names, card, offsets, pools, block_ids):
-            self.inner.load_group(names, card, offsets, pools, block_ids)
+        def load_group(self, names, card, offsets, pools, block_ids, checks=None):
+            flags = self.inner.load_group(names, card, offsets, pools, block_ids, checks=checks)
+            if checks is not None and checks.hash_only is not None:  # read, never written
+                import numpy as np
+                import torch
+
+                w = torch.from_numpy(~np.asarray(checks.hash_only))
+                block_ids, offsets = block_ids[w], offsets[:, w]
             for name, offs, pool in zip(names, offsets, pools, strict=True):
                 if pool.kind == STATE_KIND:
                     self.loads[name] = (card, offs.clone(), pool, block_ids.clone())
@@ -187,6 +198,7 @@ def state_check_class():
             if v is not None:  # checked here, before the forward, not after it
                 v.pending["restore"] = [x for x in v.pending["restore"]
                                         if x[2].kind != STATE_KIND]
+            return flags
 
         def load_before_forward(self, names, card, offsets, pools, block_ids):
             # blocks the step also writes (one attention/MLA group: no state pages among them)
@@ -213,8 +225,11 @@ def state_check_class():
         def verify_layers(self, names):
             self.inner.verify_layers(names)
 
-        def prepare_saves(self, pools, block_ids, card, offsets):
-            return self.inner.prepare_saves(pools, block_ids, card, offsets)
+        def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
+            return self.inner.prepare_saves(pools, block_ids, card, offsets, checks=checks)
+
+        def save_words(self, prep, num_layers):
+            return self.inner.save_words(prep, num_layers)
 
         def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
             self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)

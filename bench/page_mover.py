@@ -2,6 +2,7 @@
 
     python bench/page_mover.py --out out/          # full table + page_mover.json + page_mover.png
     python bench/page_mover.py --sweep --out out/  # also: tile-size sweep at 4 and 16 KiB
+    python bench/page_mover.py --checksums --out out/  # only: with vs without checksums
 
 The Triton and batched copy-engine copies are timed with their descriptors prepared beforehand (the
 GPU work, and for the copy engine the driver call); "staged" and "public call" rows time the whole
@@ -370,9 +371,14 @@ def main() -> None:
     ap.add_argument("--connector-budget", type=int, default=K.default_programs())
     ap.add_argument("--sweep", action="store_true", help="also sweep tile sizes at 4 and 16 KiB")
     ap.add_argument("--skip-interference", action="store_true")
+    ap.add_argument("--checksums", action="store_true",
+                    help="only compare restore/save GB/s with and without checksums (issue 25)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.cuda.init()
+    if args.checksums:
+        checksum_table(args)
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     budgets = [sms if b == "all" else int(b) for b in args.budgets.split(",")]
     total = args.total_mib << 20
@@ -474,6 +480,88 @@ def main() -> None:
         json.dump(results, f, indent=1)
     section("plot", lambda: plot(results, os.path.join(args.out, "page_mover.png")))
     print_table(results, cb)
+
+
+CHECK_SIZES = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB]
+PAGES_PER_OBJECT = 16  # k: a 256-token chunk of 16-token blocks
+
+
+def _checked_jobs(frag: int, host: torch.Tensor, host_out: torch.Tensor, total: int):
+    """Restore and save jobs of ``total`` bytes of ``frag``-byte fragments (one layer, as a
+    prepared serving step launches per layer), with and without checks: objects of
+    ``PAGES_PER_OBJECT`` pages, expected words from a checked save of the same bytes."""
+    n = total // frag
+    cache = torch.empty((n * 2, frag), dtype=torch.uint8, device="cuda")
+    cache.random_(0, 256)
+    pool = describe_cache(cache)
+    ids = torch.randperm(n * 2, generator=torch.Generator().manual_seed(frag))[:n].numpy()
+    offs = np.arange(n, dtype=np.int64) * frag
+    objs, pages = np.arange(n) // PAGES_PER_OBJECT, np.arange(n) % PAGES_PER_OBJECT
+    C = int(objs.max()) + 1
+    src, dst = host[: n * frag], host_out[: n * frag]
+    words = K.save(pool, ids, src, offs, engine="triton", checks=K.Checks(objs, pages, C))
+    torch.cuda.synchronize()
+    exp = words.host_words()
+    specs = {"restore": (False, src, None),
+             "restore_checked": (False, src, K.Checks(objs, pages, C, expected=exp)),
+             "save": (True, dst, None),
+             "save_checked": (True, dst, K.Checks(objs, pages, C))}
+
+    def make(name: str):  # a fresh job: a checked job's word buffer adds up over launches
+        save, flat, checks = specs[name]
+        return build_job([pool], ids, flat, offsets_arg(offs, 1, "o"), save=save, checks=checks)
+
+    return n * frag, make
+
+
+def checksum_table(args) -> None:
+    """``--checksums``: GB/s of the Triton restore and save with and without the checksum
+    variant, at the connector's SM budget (``--connector-budget``, the default
+    ``XKV_MAX_PROGRAMS``) and at 8 and 16 programs, for pages of 4..256 KiB (one prepared
+    launch per layer, as serving issues them); the staged engine (which hashes its GPU staging
+    slot) for pages of 64 KiB and more. Plain and checked runs alternate (3 rounds, best
+    median each) so drift hits both. Writes page_mover_checksums.json; the issue's target is a
+    ratio >= 0.98 at the serving budget."""
+    total = min(args.total_mib, 256) << 20
+    host = torch.empty(total, dtype=torch.uint8).pin_memory()
+    host.random_(0, 256)
+    host_out = torch.empty(total, dtype=torch.uint8).pin_memory()
+    budgets = sorted({args.connector_budget, 8, 16})
+    out = {"machine": machine_line(), "budgets": budgets, "rows": {}}
+    print(json.dumps(out["machine"]))
+    for frag in CHECK_SIZES:
+        nbytes, make = _checked_jobs(frag, host, host_out, total)
+        row = out["rows"][str(frag)] = {}
+        for budget in budgets:
+            once = make("restore_checked")  # one clean verified restore: no object may flag
+            _prepared(once, budget, "triton", None)()
+            torch.cuda.synchronize()
+            false_alarms = int(once.checks.buf.mismatched().sum())
+            runs = {k: _prepared(make(k), budget, "triton", None)
+                    for k in ("restore", "restore_checked", "save", "save_checked")}
+            best = {k: 0.0 for k in runs}
+            for _ in range(3):
+                for k, fn in runs.items():
+                    best[k] = max(best[k], gbps(nbytes, timed(fn)))
+            cell = dict(best)
+            cell["restore_ratio"] = best["restore_checked"] / best["restore"]
+            cell["save_ratio"] = best["save_checked"] / best["save"]
+            cell["false_alarms"] = false_alarms
+            if frag >= 64 * KIB and budget == args.connector_budget:  # staged: hashes its slot
+                st = {f"staged_{k}": guarded(lambda k=k, mk=make, nb=nbytes, b=budget: gbps(
+                    nb, timed(_prepared(mk(k), b, "staged", None), reps=3)))
+                    for k in ("restore", "restore_checked", "save", "save_checked")}
+                cell.update(st)
+                print(f"      staged restore {st['staged_restore']:.1f} -> "
+                      f"{st['staged_restore_checked']:.1f}  save {st['staged_save']:.1f} -> "
+                      f"{st['staged_save_checked']:.1f} GB/s", flush=True)
+            row[str(budget)] = cell
+            print(f"{frag // KIB:>4} KiB  {budget:>3} programs  restore {best['restore']:.1f} -> "
+                  f"{best['restore_checked']:.1f} GB/s ({cell['restore_ratio']:.3f})  save "
+                  f"{best['save']:.1f} -> {best['save_checked']:.1f} GB/s "
+                  f"({cell['save_ratio']:.3f})  false alarms {false_alarms}", flush=True)
+    with open(os.path.join(args.out, "page_mover_checksums.json"), "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def calibrated(results: dict, cases: dict, budget: int) -> None:

@@ -2,7 +2,9 @@
 
 Same methods and semantics as the contract in docs/internal-api.md: layouts per (namespace,
 fingerprint), objects visible once every shard committed, first writer wins, leases, slot
-generations, a card (bytearray). ``messages`` logs every call; ``dead = True`` makes every call
+generations, a card (bytearray), checksum words per (object, shard) as briefs/checksum-api.md
+(HELLO ``check_words``, COMMIT ``checksums``, LOOKUP ``raw_checksums``, CORRUPT
+``report_corrupt``: ``corrupt_reports``, ``corrupt_removed``). ``messages`` logs every call; ``dead = True`` makes every call
 raise GatewayUnavailable, as a killed gateway would.
 """
 
@@ -33,6 +35,7 @@ class LookupResult:
     num_chunks: int
     lease_id: int
     slots: list
+    raw_checksums: list = ()  # per group: num_chunks * num_shards * check_words LE uint32
 
 
 class FakeGateway:
@@ -50,6 +53,9 @@ class FakeGateway:
         self.dead = False
         self._next_slot = 0
         self._next_id = 1
+        self.check_words: dict[int, int] = {}  # layout id -> words per shard
+        self.corrupt_reports = 0
+        self.corrupt_removed = 0
 
     def client(self) -> FakeClient:
         return FakeClient(self)
@@ -89,16 +95,18 @@ class FakeClient:
         self.epoch = gw.epoch
         self.deadline_cap_s: float | None = None  # as GatewayClient's (the session sets it)
 
-    def register_layout(self, namespace, fingerprint, num_shards, shard_bytes):
+    def register_layout(self, namespace, fingerprint, num_shards, shard_bytes, *,
+                        check_words=0, timeout_s=None):
         g = self.gw
         g._check("hello", namespace, fingerprint)
         slot = -(-shard_bytes // g.alignment) * g.alignment
         key = (namespace, fingerprint)
         if key not in g.layouts:
             g.layouts[key] = (g._next_id, num_shards, slot)
+            g.check_words[g._next_id] = check_words
             g._next_id += 1
         lid, shards, s = g.layouts[key]
-        if (shards, s) != (num_shards, slot):
+        if (shards, s) != (num_shards, slot) or g.check_words[lid] != check_words:
             raise GatewayError("LAYOUT_MISMATCH")
         return LayoutInfo(lid, slot, g.epoch)
 
@@ -121,12 +129,19 @@ class FakeClient:
         slots = [[ChunkSlots(tuple(g.objects[(lid, k[c])]["offsets"]),
                              tuple(g.gens[o] for o in g.objects[(lid, k[c])]["offsets"]))
                   for c in range(hits)] for lid, k in groups]
+        # a test that committed objects itself without words (see commit) gets none back
+        sums = [b"".join(g.objects[(lid, k[c])]["sums"].get(s, b"")
+                         for c in range(hits) for s in range(g.objects[(lid, k[c])]["shards"]))
+                if g.check_words.get(lid) else b"" for lid, k in groups]
+        sums = [b if len(b) == sum(g.objects[(lid, k[c])]["shards"] for c in range(hits))
+                * g.check_words.get(lid, 0) * 4 else b""
+                for b, (lid, k) in zip(sums, groups, strict=True)]
         lease_id = 0
         if lease and hits:
             lease_id = g._next_id
             g._next_id += 1
             g.leases[lease_id] = slots
-        return LookupResult(hits, lease_id, slots)
+        return LookupResult(hits, lease_id, slots, sums)
 
     def reserve(self, layout_id, keys):
         g = self.gw
@@ -144,17 +159,42 @@ class FakeClient:
                 offs.append(g._next_slot)
                 g.gens[g._next_slot] = g.gens.get(g._next_slot, 0) + 1
                 g._next_slot += slot
-            g.objects[(layout_id, k)] = {"offsets": offs, "shards": shards, "committed": set()}
+            g.objects[(layout_id, k)] = {"offsets": offs, "shards": shards, "committed": set(),
+                                         "sums": {}}
             out.append(ChunkRef(k, tuple(offs), tuple(g.gens[o] for o in offs)))
         return out
 
-    def commit(self, layout_id, shard, refs):
+    def commit(self, layout_id, shard, refs, *, checksums=None, timeout_s=None):
         g = self.gw
         keys = _tokens(refs)
         g._check("commit", layout_id, shard, keys)
-        for k in keys:
+        cw = g.check_words.get(layout_id, 0)
+        # tests that store objects themselves may omit the words (the real client refuses
+        # that for a layout with check_words): such objects come back without any
+        sums = list(checksums) if checksums is not None else [b""] * len(keys)
+        if checksums is not None and ((cw and (len(sums) != len(keys) or any(
+                len(b) != cw * 4 for b in sums))) or (not cw and any(sums))):
+            raise GatewayError(f"BAD_REQUEST checksums for {len(keys)} keys x {cw} words")
+        for i, k in enumerate(keys):
             g.objects[(layout_id, k)]["committed"].add(shard)
+            if cw and sums[i]:
+                g.objects[(layout_id, k)]["sums"][shard] = bytes(sums[i])
         return len(keys)
+
+    def report_corrupt(self, layout_id, shard, refs, *, timeout_s=None):
+        """Remove each object whose (offset, generation) of ``shard`` is the live one."""
+        g = self.gw
+        g._check("corrupt", layout_id, shard, _tokens(refs))
+        removed = 0
+        for r in refs:
+            g.corrupt_reports += 1
+            o = g.objects.get((layout_id, r.key))
+            if o is not None and o["offsets"][shard] == r.offsets[shard] and \
+                    g.gens[o["offsets"][shard]] == r.generations[shard]:
+                del g.objects[(layout_id, r.key)]
+                removed += 1
+        g.corrupt_removed += removed
+        return removed
 
     def abort(self, layout_id, shard, refs):
         g = self.gw
@@ -181,6 +221,19 @@ class FakeClient:
 
     def close(self):
         return None
+
+
+def written_part(block_ids, offsets, checks):
+    """``(block_ids, offsets)`` of the fragments a (verified) ``load_group`` call writes: its
+    ``checks.hash_only`` fragments are only read and hashed (block id -1 or a block the step's
+    tail copy writes). For handler doubles that copy by themselves."""
+    import numpy as np
+    import torch
+
+    if checks is None or checks.hash_only is None:
+        return block_ids, offsets
+    w = torch.from_numpy(~np.asarray(checks.hash_only))
+    return block_ids[w], offsets[:, w]
 
 
 class Warnings(logging.Handler):

@@ -9,6 +9,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from connector_fakes import written_part
 
 from xkv.connector import async_loads
 from xkv.connector.async_loads import AsyncLoadWorker
@@ -32,8 +33,9 @@ class _Handler(SyncTransferHandler):
     def begin_loads(self):
         self.fence = self.fences.new()
 
-    def load_group(self, names, card, offsets, pools, block_ids):
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
         assert offsets.shape == (len(names), len(block_ids)) and offsets.dtype == torch.int64
+        block_ids, offsets = written_part(block_ids, offsets, checks)  # copies nothing: no check
         self.loads.append((tuple(names), offsets.clone(), block_ids.tolist()))
 
     def sync_loads(self):

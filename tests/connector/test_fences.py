@@ -11,7 +11,7 @@ the step's blocks are reported as load errors.
 
 import pytest
 import torch
-from connector_fakes import SO, FakeGateway, New, Req, Warnings
+from connector_fakes import SO, FakeGateway, New, Req, Warnings, written_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +40,9 @@ class StreamLikeHandler(SyncTransferHandler):
         self.fenced_all = 0  # fence_loads calls
         self.waits: list[str] = []  # wait_layer calls, in order
 
-    def load_group(self, names, card, offsets, pools, block_ids):
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
+        # copies applied at wait_layer by plain restores: unverified (returns no flags)
+        block_ids, offsets = written_part(block_ids, offsets, checks)
         for name, offs, pool in zip(names, offsets, pools, strict=True):
             self.queued.setdefault(name, []).append((card, offs.clone(), pool, block_ids.clone()))
 

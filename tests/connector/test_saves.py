@@ -15,7 +15,7 @@ import torch
 from xkv import kernels
 from xkv.connector import setup
 from xkv.connector.saves import Committer, SaveBatch
-from xkv.connector.transfer import SyncTransferHandler
+from xkv.connector.transfer import SyncTransferHandler, WordsReadback
 
 pytestmark = pytest.mark.vllm
 
@@ -33,8 +33,8 @@ class FakeFence:
         self._done = threading.Event()
 
     def complete(self):
-        for pool, ids, card, offs in self.copies:
-            kernels.save(pool, ids, card, offs)
+        for prep, layer in self.copies:
+            prep.launch(layer)  # the copy, and its checksum words, happen only now
         self._done.set()
 
     def query(self):
@@ -52,11 +52,19 @@ class DeferredHandler(SyncTransferHandler):
         self.queued = []
         self.fences = []
 
-    def prepare_saves(self, pools, block_ids, card, offsets):
-        return None  # the copies are queued per layer below and applied by the fence
+    def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
+        # validated now; the copies are queued per layer below and launched by the fence
+        return kernels.prepare_save(pools, block_ids, card, offsets, checks=checks)
 
     def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
-        self.queued.append((pool, block_ids.clone(), card, offsets.clone()))
+        self.queued.append((prep, layer))
+
+    def save_words(self, prep, num_layers):
+        class Later:  # read once the fence applied the copies (a CUDA readback is stream-ordered)
+            def get(self):
+                return WordsReadback(prep, num_layers).get()
+
+        return Later()
 
     def flush_saves(self):
         raise AssertionError("wait_for_save must not block on the save copies")
@@ -98,7 +106,7 @@ def _watch(w, caches, commits):
                     blocks_of.setdefault(gt.chunks[c].key, []).append((b, j, gt.chunks[c]))
         bind(meta)
 
-    def commit_check(layout_id, shard, refs):
+    def commit_check(layout_id, shard, refs, **kw):
         names = list(caches)
         keys = [r.key for r in refs]
         for key in keys:
@@ -110,7 +118,7 @@ def _watch(w, caches, commits):
                     card = torch.frombuffer(client.gw.card, dtype=torch.uint8)[off:off + bb]
                     assert torch.equal(card, page), f"torn chunk {key.hex()[:12]} committed"
         commits.append(keys)
-        return commit(layout_id, shard, refs)
+        return commit(layout_id, shard, refs, **kw)
 
     w.bind = bind_rec
     client.commit = commit_check

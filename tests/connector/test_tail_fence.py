@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from connector_fakes import written_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,9 +70,9 @@ class _Recorder:
         self.calls.append(("before", block_ids.tolist()))
         self.inner.load_before_forward(names, card, offsets, pools, block_ids)
 
-    def load_group(self, names, card, offsets, pools, block_ids):
-        self.calls.append(("layers", block_ids.tolist()))
-        self.inner.load_group(names, card, offsets, pools, block_ids)
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
+        self.calls.append(("layers", written_part(block_ids, offsets, checks)[0].tolist()))
+        return self.inner.load_group(names, card, offsets, pools, block_ids, checks=checks)
 
 
 @settings(max_examples=40, deadline=None)

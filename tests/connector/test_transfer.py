@@ -316,3 +316,60 @@ def test_save_group_bit_exact_and_ordered(device, data):
             assert pools[i].block(b).numel() == bb
             written[o:o + bb] = True
     assert not bool(out[~written].any())  # nothing outside the step's fragments
+
+
+@pytest.mark.parametrize("light", [False, True])
+def test_verified_loads_and_saves_through_the_handler(device, light):
+    """``verify_checksums`` through the handler seam: save words read back after the fence
+    (save stream on CUDA), then verified loads (per layer, or grouped as a light step): clean
+    -> no flag; one flipped bit -> exactly its object, flags read once after ``sync_loads``."""
+    import numpy as np
+
+    from xkv.kernels import Checks, checksum
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L, k = 3, 2
+    caches = [_cache(device) for _ in range(L)]
+    g = torch.Generator().manual_seed(11)
+    for c in caches:
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape,
+                                                dtype=torch.uint8, generator=g))
+    pools = [describe_cache(c, num_blocks=B, layout="NHD") for c in caches]
+    bb = pools[0].block_bytes
+    n = (B // k) * k
+    C = n // k
+    ids = torch.randperm(B, generator=g)[:n]
+    objs, pages = np.arange(n) // k, np.arange(n) % k
+    base = torch.from_numpy(objs * L * k * bb + pages * bb)
+    offs = base.reshape(1, -1) + torch.arange(L).reshape(-1, 1) * k * bb
+    card = _card(C * L * k * bb, device)
+    h = _handler(device)
+    names = tuple(f"l{i}" for i in range(L))
+    prep = h.prepare_saves(pools, ids, card, offs, checks=Checks(objs, pages, C))
+    for i in range(L):
+        h.save_prepared(prep, i, names[i], pools[i], ids, card, offs[i])
+    rb = h.save_words(prep, L)
+    fence = h.fence_saves()
+    if fence is not None:
+        fence.synchronize()
+    words = rb.get()
+    host = card.cpu().numpy().tobytes()
+    for o in range(C):
+        for li in range(L):
+            a = (o * L + li) * k * bb
+            assert words[li, o] == checksum.words_numpy(host[a:a + k * bb])
+    for flip in (None, 5):
+        if flip is not None:
+            card[int(offs[1, flip]) + 7] ^= 0x20
+        h.set_light_step(light)
+        h.begin_loads()
+        flags = h.load_group(names, card, offs, pools, ids,
+                             checks=Checks(objs, pages, C, expected=words))
+        for name in names:
+            h.wait_layer(name)
+        h.sync_loads()
+        want = np.zeros(C, bool)
+        if flip is not None:
+            want[objs[flip]] = True
+        np.testing.assert_array_equal(flags.get(), want)

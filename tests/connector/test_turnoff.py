@@ -154,7 +154,8 @@ def test_a_multi_group_model_waits_for_the_attach_its_promised_loads_need():
     gw.restart()
     c = gw.client()
     spec = w.session._layouts[0]  # the state group's HELLO, as the rank will send it
-    lid = c.register_layout("t", spec.fingerprint, spec.num_shards, spec.shard_bytes).layout_id
+    lid = c.register_layout("t", spec.fingerprint, spec.num_shards, spec.shard_bytes,
+                            check_words=spec.check_words).layout_id
     want = torch.randint(-128, 127, (S.STATE,), dtype=torch.int8, generator=torch.Generator()
                          .manual_seed(5))
     (r,) = c.reserve(lid, [b"m" * 32])

@@ -14,7 +14,8 @@ each test gets a clean environment). Steps:
 * ``{"op": "reset"}`` — ``reset_prefix_cache()``; ``{"op": "kill_gateway"}``;
   ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
   empty card, a new epoch; stopped when the driver ends); ``{"op": "sleep", "s": t}``;
-  ``{"op": "log_stats"}`` — print vLLM's periodic stats line now.
+  ``{"op": "log_stats"}`` — print vLLM's periodic stats line now; ``{"op": "corrupt_card",
+  "stride": k}`` — flip one bit in every k-th byte of the gateway's card (verified restores).
 * ``{"op": "wait_file", "path": P}`` — create ``P.waiting``, then wait until the test creates
   ``P`` (the test changes the world between steps: kills or restarts a process).
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
@@ -58,6 +59,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 
@@ -138,13 +140,16 @@ def _install_checks(res: dict) -> None:
             checks.drop_reqs.add(request.request_id)
         admit(self, request, block_ids, num_external_tokens)
 
-    def dropping_commit(self, layout_id, shard, keys, **kw):
+    def dropping_commit(self, layout_id, shard, keys, *, checksums=None, **kw):
         # keys: the reservations' ChunkRefs (one type from lookup to commit); dropped by key
+        # (with their checksum words, which go with their keys)
         drop = [k for k in keys if (layout_id, k.key) in checks.drop_keys]
         if drop:  # as if the state object were dropped on the gateway: never visible
             self.abort(layout_id, shard, drop, **kw)
-        keep = [k for k in keys if (layout_id, k.key) not in checks.drop_keys]
-        return commit(self, layout_id, shard, keep, **kw) if keep else 0
+        keep = [i for i, k in enumerate(keys) if (layout_id, k.key) not in checks.drop_keys]
+        if checksums is not None:
+            kw["checksums"] = [checksums[i] for i in keep]
+        return commit(self, layout_id, shard, [keys[i] for i in keep], **kw) if keep else 0
 
     def checked_handler(device, verify=False):
         return _CheckedHandler(make_handler(device, verify=verify), checks)
@@ -167,10 +172,14 @@ class _CheckedHandler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def load_group(self, names, card, offsets, pools, block_ids):
-        self.inner.load_group(names, card, offsets, pools, block_ids)
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
+        flags = self.inner.load_group(names, card, offsets, pools, block_ids, checks=checks)
+        if checks is not None and checks.hash_only is not None:  # only read, never written
+            w = torch.from_numpy(~np.asarray(checks.hash_only))
+            block_ids, offsets = block_ids[w], offsets[:, w]
         for name, offs, pool in zip(names, offsets, pools, strict=True):
             self.loads.setdefault(name, []).append((card, offs.clone(), pool, block_ids.clone()))
+        return flags
 
     def load_before_forward(self, names, card, offsets, pools, block_ids):
         # blocks the step also writes (a partly restored last block): checked now, before the
@@ -360,6 +369,15 @@ def main(scenario_path: str, result_path: str) -> None:
             proc, _ = spawn_gateway(step.get("capacity", "256M"), port=sc["port"])
             restarted.append(proc)
             sc["gateway_pid"] = proc.pid
+        elif op == "corrupt_card":  # flip bit 0 of every `stride`-th byte of the card
+            from xkv.gateway.client import GatewayClient
+
+            with GatewayClient("127.0.0.1", sc["port"], timeout_s=2.0) as c:
+                mv = c.map_card()
+                card = np.frombuffer(mv, dtype=np.uint8)
+                card[:: step.get("stride", 509)] ^= 1
+                del card
+                mv.release()
         elif op == "sleep":  # let wall-clock time pass (the connector's re-probe back-off)
             time.sleep(step["s"])
         elif op == "log_stats":

@@ -210,3 +210,27 @@ def test_all_layer_saves_after_warmup_compile_nothing_new(L, monkeypatch):
         K.save_layers(pools, ids, card, offs, engine="triton")
     assert seen and set(seen) <= keys
     assert not set(seen) <= without
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_checked_launches_use_warmed_variants(save):
+    """``checks=True`` warms the checksum variants too; an unaligned cache has none (its
+    verified copies are refused) and warms without error."""
+    g = Geometry(40, 4096 + 64, ((0, 4096),))
+    raw = random_bytes(g.extent + 5, 4)
+    pool = pool_over(raw, 0, g)
+    card = torch.zeros(4096 * 64, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 60]
+    plain = K.warmup([pool], card, engine="triton")
+    keys = K.warmup([pool], card, engine="triton", checks=True)
+    assert plain < keys and {dict(k)["CHECK"] for k in keys} == {"True", "False"}
+    for n in (1, 2, 5, 17, 40):
+        offs = np.arange(n, dtype=np.int64)[::-1] * 4096
+        exp = None if save else np.zeros((1, 1), np.uint32)
+        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1, expected=exp)
+        job = build_job([pool], np.arange(n)[::-1], card, offsets_arg(offs, 1, "o"), save=save,
+                        checks=checks)
+        (launch,) = _launch.launches(job, K.default_programs())
+        assert launch.key in keys, n
+    _, pools = _caches(5)
+    K.warmup(pools, card, engine="triton", checks=True)  # the odd (byte-word) cache: skipped

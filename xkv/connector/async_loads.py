@@ -47,9 +47,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from xkv.connector.checksums import session_words
 from xkv.connector.config import LOAD_MODES
 from xkv.connector.loads import LoadOutcomes, by_group, issue
 from xkv.connector.metadata import TransferJob
@@ -105,6 +106,7 @@ class _Batch:
     handler: TransferHandler
     fence: Any
     jobs: tuple[TransferJob, ...]
+    checks: list = field(default_factory=list)  # loads.PendingCheck of its verified groups
 
 
 class AsyncLoadWorker:
@@ -144,8 +146,11 @@ class AsyncLoadWorker:
         t0 = time.perf_counter()
         h = self._idle.pop() if self._idle else self.new_handler()
         h.begin_loads()
-        issue(h, self.registry, self.tp_rank, card, by_group(jobs), self.pools, self.stats)
-        self._batches.append(_Batch(h, load_fence(h), jobs))
+        checks: list = []
+        issue(h, self.registry, self.tp_rank, card, by_group(jobs), self.pools, self.stats,
+              check_words=session_words(self.outcomes.session),
+              on_checks=checks.append)
+        self._batches.append(_Batch(h, load_fence(h), jobs, checks))
         self.stats.add("seconds_restored", time.perf_counter() - t0)  # host time to issue
 
     def poll(self, wait: bool = False) -> None:
@@ -161,6 +166,7 @@ class AsyncLoadWorker:
             b.handler.sync_loads()  # returns at once: its stream is idle (runs the verifier)
             self._idle.append(b.handler)
             self.outcomes.check_stale(b.jobs)
+            self.outcomes.check_sums(b.checks)  # its copies landed: read its flags
             for job in b.jobs:
                 self.outcomes.finished(job)
                 self._finished.add(job.req_id)

@@ -53,6 +53,8 @@ class Lookup:
     state_lease_id: int | None = None  # boundary groups: the lease of the hit boundary's object
     state_slots: dict[int, Any] = field(default_factory=dict)  # {boundary group: ref}
     load_async: bool = False  # restored asynchronously (async_loads.py)
+    #: verify_checksums: {group: {chunk key: its words, all shards}} as the LOOKUPs returned them
+    checks: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
 
     def leases(self) -> list[int]:
         return [x for x in (self.lease_id, self.state_lease_id) if x is not None]

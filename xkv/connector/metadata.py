@@ -42,6 +42,13 @@ class GroupTransfer:
     block_in_chunk: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
     tail: int = 0
+    #: loads with ``verify_checksums``: per chunk, its object's checksum words as the LOOKUP
+    #: returned them (``num_shards * check_words`` little-endian uint32, shard-major); () or an
+    #: empty entry: not verified (``xkv.connector.checksums``)
+    checks: tuple[bytes, ...] = ()
+    #: object positions below this do not exist in the chunks' objects (a sliding window's
+    #: early chunk: ``windows.tail``); a verified restore hashes positions [first_page, k) only
+    first_page: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.block_ids)
@@ -54,6 +61,9 @@ class GroupTransfer:
             raise ValueError(f"GroupTransfer(group={self.group}): chunk index out of range")
         if not 0 <= self.tail <= n:
             raise ValueError(f"GroupTransfer(group={self.group}): tail {self.tail} not in [0, {n}]")
+        if self.checks and len(self.checks) != len(self.chunks):
+            raise ValueError(f"GroupTransfer(group={self.group}): {len(self.checks)} checksum "
+                             f"entries for {len(self.chunks)} chunks")
 
     def stale_blocks(self, shard: int, generation_of: Callable[[int], int]) -> list[int]:
         """Blocks read from a chunk whose slot (of ``shard``) no longer holds the generation

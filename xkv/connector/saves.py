@@ -21,7 +21,9 @@ the step's decisions (which keys of which group/shard to commit or abort) to a :
   group and shard for every job of the step, not one per request. Batches are sent in step order.
 
 A fence that cannot be waited on (a CUDA error) turns its commits into aborts: bytes that may be
-torn are never published. The gateway's write TTL stays the backstop for a process that dies with
+torn are never published. With ``verify_checksums`` the save copies also compute each object's
+checksum words (``checksums.save_checks``; read back on the save stream before the fence) and
+every COMMIT carries them. The gateway's write TTL stays the backstop for a process that dies with
 reserved slots.
 
 ``save_mode`` (``Saver(mode=...)``):
@@ -56,6 +58,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from xkv.connector.checksums import commit_words, save_checks, session_words
 from xkv.connector.metadata import StepMetadata
 from xkv.connector.registry import Registry
 from xkv.connector.session import GatewaySession, SessionOff
@@ -70,26 +73,29 @@ log = logging.getLogger("xkv.connector")
 @dataclass
 class SaveBatch:
     """One step's save decisions on one rank: ``items[(group, shard, commit?)]`` = the objects
-    (``ChunkRef``: key and COMMIT/ABORT token) and the request id of each job (for log lines)."""
+    (``ChunkRef``: key and COMMIT/ABORT token), the request id of each job (for log lines) and,
+    with checksums, a function giving each key's COMMIT words (called once the fence passed)."""
 
-    items: dict[tuple[int, int, bool], list[tuple[list[ChunkRef], str]]] = field(
+    items: dict[tuple[int, int, bool], list[tuple[list[ChunkRef], str, Any]]] = field(
         default_factory=dict)
 
-    def add(self, group: int, shard: int, ok: bool, keys: list[ChunkRef], req_id: str) -> None:
+    def add(self, group: int, shard: int, ok: bool, keys: list[ChunkRef], req_id: str,
+            words: Callable[[], list[bytes]] | None = None) -> None:
         if keys:
-            self.items.setdefault((group, shard, ok), []).append((list(keys), req_id))
+            self.items.setdefault((group, shard, ok), []).append(
+                (list(keys), req_id, words if ok else None))
 
     def __bool__(self) -> bool:
         return bool(self.items)
 
     def num_keys(self) -> int:
-        return sum(len(k) for v in self.items.values() for k, _ in v)
+        return sum(len(k) for v in self.items.values() for k, _, _ in v)
 
     def as_aborts(self) -> SaveBatch:
         """The same keys, every one to be aborted (its bytes are not known to be complete)."""
         out = SaveBatch()
         for (g, shard, _), jobs in self.items.items():
-            for keys, req in jobs:
+            for keys, req, _ in jobs:
                 out.add(g, shard, False, keys, req)
         return out
 
@@ -230,6 +236,8 @@ class Saver:
         # been ordered after yet
         self._inflight: list[tuple[Any, frozenset[int]]] = []
         self._plan: dict[int, tuple] = {}  # group -> (jobs, block ids, [L, n] offsets, prepared)
+        # checksummed groups of the step: group -> (columns, {id(transfer): its index})
+        self._cols: dict[int, tuple] = {}
         self._committer = Committer(self._send, name=f"xkv-commit-{tp_rank}")
         self._counts: Counter = Counter()
         self._counts_lock = threading.Lock()
@@ -256,6 +264,7 @@ class Saver:
         self._flushed = False
         self._meta = meta
         self._plan = {}
+        self._cols = {}
         self._tainted = set()
         if self.mode == "step" and meta.saves:
             self._unflushed = meta
@@ -287,7 +296,11 @@ class Saver:
             prep = None
             if transfers:
                 pools = [self.pools[n] for n in plan.group.layer_names]
-                prep = self.handler.prepare_saves(pools, blocks, card, offs)
+                checks = None
+                if session_words(self.session).get(g):
+                    checks, cols = save_checks([gt for _, gt in transfers])
+                    self._cols[g] = (cols, {id(gt): t for t, (_, gt) in enumerate(transfers)})
+                prep = self.handler.prepare_saves(pools, blocks, card, offs, checks=checks)
             self._plan[g] = ([job for job, _ in transfers], blocks, offs, prep)
         jobs, blocks, offs, prep = self._plan[g]
         if not jobs:
@@ -371,7 +384,18 @@ class Saver:
                 continue
             blocks, offs = copy_table(plan, self.tp_rank, transfers)
             names = plan.group.layer_names
-            self.handler.save_group(names, [self.pools[n] for n in names], blocks, card, offs)
+            pools = [self.pools[n] for n in names]
+            if session_words(self.session).get(g):
+                # verified saves: the checksum words come from the prepared copies (one launch
+                # per layer, all after the forward; the words are read back in _flush)
+                checks, cols = save_checks(transfers)
+                self._cols[g] = (cols, {id(gt): t for t, gt in enumerate(transfers)})
+                prep = self.handler.prepare_saves(pools, blocks, card, offs, checks=checks)
+                self._plan[g] = ([job for job in meta.saves], blocks, offs, prep)
+                for i, name in enumerate(names):
+                    self.handler.save_prepared(prep, i, name, pools[i], blocks, card, offs[i])
+            else:
+                self.handler.save_group(names, pools, blocks, card, offs)
             self._saved[g] = set(range(len(names)))
             self.stats.add("bytes_saved",
                            len(blocks) * sum(plan.group.bytes_of(i) for i in range(len(names))))
@@ -381,6 +405,8 @@ class Saver:
         the copies and submit the batch. A chunk with a layer not written is aborted."""
         self._unflushed = None
         saved, self._saved = self._saved, {}
+        words = {g: self._words_of(g, cols) for g, cols in self._cols.items()
+                 if self._plan.get(g, (None,) * 4)[3] is not None}
         # None: the bytes are on the card already; step mode: the compute stream waits for the
         # copies only at a later bind that may overwrite one of their blocks (_order_if_needed)
         fence = (self.handler.fence_saves_deferred() if self.mode == "step"
@@ -403,24 +429,47 @@ class Saver:
                               "aborting %d chunk(s)", job.req_id, gt.group, len(keys))
                 if job.req_id in self._tainted:
                     complete = False
-                batch.add(gt.group, plan.shard_of(self.tp_rank), complete, keys, job.req_id)
+                w = words.get(gt.group)
+                batch.add(gt.group, plan.shard_of(self.tp_rank), complete, keys, job.req_id,
+                          None if w is None else (lambda w=w, gt=gt: w(gt)))
         self._committer.submit(fence, batch)
+
+    def _words_of(self, g: int, cols_of: tuple) -> Callable[[Any], list[bytes]]:
+        """Group ``g``'s save words, read back after the step's launches: ``f(transfer)`` gives
+        that transfer's chunks' COMMIT bytes (valid once the save fence passed)."""
+        cols, index = cols_of
+        rb = self.handler.save_words(self._plan[g][3], len(self.registry.groups[g].group
+                                                            .layer_names))
+        host: list = []
+
+        def of(gt) -> list[bytes]:
+            if not host:
+                host.append(rb.get())
+            return commit_words(host[0], cols, index[id(gt)], len(gt.chunks))
+
+        return of
 
     def _send(self, batch: SaveBatch) -> None:
         """COMMIT (or ABORT) every key of ``batch``: one message per group, shard and kind (split
         at the protocol's key limit). Runs on the committer thread on CUDA."""
         for (g, shard, ok), jobs in batch.items.items():
-            keys = [k for ks, _ in jobs for k in ks]
-            reqs = ",".join(sorted({r for _, r in jobs}))
+            keys = [k for ks, _, _ in jobs for k in ks]
+            reqs = ",".join(sorted({r for _, r, _ in jobs}))
+            sums = None
+            if ok and jobs and all(w is not None for _, _, w in jobs):
+                sums = [b for _, _, w in jobs for b in w()]
             for i in range(0, len(keys), MAX_KEYS):
-                self._send_one(g, shard, ok, keys[i:i + MAX_KEYS], reqs)
+                self._send_one(g, shard, ok, keys[i:i + MAX_KEYS], reqs,
+                               None if sums is None else sums[i:i + MAX_KEYS])
 
-    def _send_one(self, g: int, shard: int, ok: bool, keys: list[ChunkRef], reqs: str) -> None:
+    def _send_one(self, g: int, shard: int, ok: bool, keys: list[ChunkRef], reqs: str,
+                  sums: list[bytes] | None = None) -> None:
         what = f"{'COMMIT' if ok else 'ABORT'} for request(s) {reqs}"
         lids = self.session.layout_ids  # () if the session never opened: call() raises first
         try:
             if ok:
-                self.session.call(what, lambda c: c.commit(lids[g], shard, keys))
+                kw = {} if sums is None else {"checksums": sums}
+                self.session.call(what, lambda c: c.commit(lids[g], shard, keys, **kw))
                 self._count("chunks_saved", len(keys))
             else:
                 self.session.call(what, lambda c: c.abort(lids[g], shard, keys))

@@ -34,6 +34,7 @@ from typing import Any
 
 from xkv.connector import compat
 from xkv.connector.async_loads import AsyncLoadPlanner
+from xkv.connector.checksums import check_words, with_checks
 from xkv.connector.config import ConnectorConfig
 from xkv.connector.group_rules import rule_of
 from xkv.connector.keys import chunk_keys
@@ -102,7 +103,8 @@ class SchedulerSide:
             else "sliding-window groups" if self._boundary else None))
         self.session = GatewaySession(
             gateway_factory,
-            [LayoutSpec(fp, p.num_shards, p.registered_bytes)
+            [LayoutSpec(fp, p.num_shards, p.registered_bytes,
+                        check_words(p, cfg.verify_checksums))
              for p, fp in zip(registry.groups, fingerprints, strict=True)],
             namespace=cfg.key_namespace, on_off=self._log_off, reattach=cfg.reattach,
             on_reattach=self._log_reattach, probe_timeout_s=cfg.lookup_timeout_ms / 1000)
@@ -151,7 +153,8 @@ class SchedulerSide:
         if stop <= start:
             return 0
         keys = chunk_keys(request.block_hashes, self.hashes_per_chunk, start, stop)
-        got: dict[str, Any] = {"lease": None, "state_lease": None, "state_slots": {}}
+        got: dict[str, Any] = {"lease": None, "state_lease": None, "state_slots": {},
+                               "state_checks": {}}
         timeout_s = self.cfg.lookup_timeout_ms / 1000
 
         def ask(gw: Any) -> tuple[Any, int]:
@@ -162,7 +165,7 @@ class SchedulerSide:
             if self._boundary and hits:
                 hits, got["state_lease"], got["state_slots"] = probe_states(
                     gw, [self.layout_ids[g] for g in self._boundary], self._boundary, keys, hits,
-                    timeout_s)
+                    timeout_s, got["state_checks"])
             return res, hits
 
         try:
@@ -208,9 +211,29 @@ class SchedulerSide:
             keys=keys,
             state_lease_id=state_lease,
             state_slots=state_slots,
+            checks=self._lookup_checks(res, keys, hits, got["state_checks"]),
             load_async=self._async.choose(ext, busy=self.ledger.others_admitted(req_id)),
         )))
         return ext
+
+    def _lookup_checks(self, res: Any, keys: list[bytes], hits: int,
+                       state_checks: dict[int, bytes]) -> dict[int, dict[bytes, bytes]]:
+        """{group: {key: words of all shards}} of the hit's chunks (``verify_checksums``):
+        from the LOOKUP's ``raw_checksums`` (chunk-major, ``num_shards * check_words`` words per
+        chunk) and, for boundary groups, the state probe's. Groups without words: absent."""
+        cws = self.session.check_words
+        out: dict[int, dict[bytes, bytes]] = {}
+        raw = list(getattr(res, "raw_checksums", None) or [])
+        for i, g in enumerate(self._attn):
+            per = self.registry.groups[g].num_shards * cws[g] * 4 if cws else 0
+            if not per or i >= len(raw) or len(raw[i]) < hits * per:
+                continue
+            b = bytes(raw[i])
+            out[g] = {keys[c]: b[c * per:(c + 1) * per] for c in range(hits)}
+        for g, b in state_checks.items():
+            if hits and b and cws and len(b) == self.registry.groups[g].num_shards * cws[g] * 4:
+                out[g] = {keys[hits - 1]: b}
+        return out
 
     def load_async(self, req_id: str) -> bool:
         """Whether the tokens just offered to ``req_id`` are restored asynchronously (vLLM's
@@ -240,6 +263,8 @@ class SchedulerSide:
         groups = [gt for g, plan in enumerate(self.registry.groups)
                   if (gt := rule_of(plan).load(g, plan, st.block_ids[plan.group.index], lk,
                                                num_external_tokens, req_id)) is not None]
+        if lk.checks:
+            groups = [with_checks(gt, lk.checks.get(gt.group, {})) for gt in groups]
         job = TransferJob(self._job_id(), req_id, tuple(groups), num_external_tokens)
         self.ledger.add_load(job.job_id, job, is_async=lk.load_async)
         self.stats.add("tokens_promised", num_external_tokens)

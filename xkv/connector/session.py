@@ -72,6 +72,8 @@ class LayoutSpec:
     fingerprint: str
     num_shards: int
     shard_bytes: int
+    #: uint32 checksum words per shard of one object (``checksums.check_words``; 0: unverified)
+    check_words: int = 0
 
 
 class GatewaySession:
@@ -125,6 +127,11 @@ class GatewaySession:
     # ------------------------------------------------------------------ state
 
     @property
+    def check_words(self) -> tuple[int, ...]:
+        """Checksum words per shard of each group's objects (HELLO's ``check_words``)."""
+        return tuple(s.check_words for s in self._layouts)
+
+    @property
     def turned_off(self) -> bool:
         with self._lock:
             return self._off
@@ -160,7 +167,10 @@ class GatewaySession:
         client = self._factory()
         try:
             infos = [client.register_layout(self._namespace, s.fingerprint, s.num_shards,
-                                            s.shard_bytes) for s in self._layouts]
+                                            s.shard_bytes,
+                                            **({"check_words": s.check_words}
+                                               if s.check_words else {}))
+                     for s in self._layouts]
             card = None
             if self._map_card:
                 import torch

@@ -98,7 +98,7 @@ def with_running_block(gt: GroupTransfer, ids: list[int], computed: int, schedul
         return gt
     return GroupTransfer(group=gt.group, block_ids=gt.block_ids + (ids[r],),
                          chunk_of=gt.chunk_of + (0,), block_in_chunk=gt.block_in_chunk + (0,),
-                         chunks=gt.chunks)
+                         chunks=gt.chunks, checks=gt.checks)
 
 
 def saved_boundary(computed: int, scheduled: int, num_prompt_tokens: int, chunk_size: int,
@@ -156,16 +156,23 @@ def add_running_blocks(job: TransferJob, registry: Any, block_ids: list[list[int
 
 
 def probe_states(gw: Any, layout_ids: list[int], groups: list[int], keys: list[bytes],
-                 hits: int, timeout_s: float) -> tuple[int, int | None, dict[int, Any]]:
+                 hits: int, timeout_s: float,
+                 checks_out: dict[int, bytes] | None = None) -> tuple[int, int | None,
+                                                                     dict[int, Any]]:
     """Longest ``n <= hits`` whose boundary state (``keys[n - 1]``) is stored in every state
     group (``groups``, their ``layout_ids``): ``(n, lease id, {group: ChunkSlots})``, or
     ``(0, None, {})`` when none of the last ``MAX_STATE_PROBES`` boundaries has one. States
     exist only where vLLM ended a step, so an attention prefix alone is not a hit. Misses hold
-    no lease; a gateway error propagates (no lease is left behind)."""
+    no lease; a gateway error propagates (no lease is left behind). ``checks_out``: filled
+    with each group's checksum words of the hit object (``verify_checksums``; b"" if none)."""
     for n in range(hits, max(0, hits - MAX_STATE_PROBES), -1):
         res = gw.lookup([(lid, [keys[n - 1]]) for lid in layout_ids], lease=True,
                         timeout_s=timeout_s)
         if res.num_chunks >= 1:
+            if checks_out is not None:
+                raw = list(getattr(res, "raw_checksums", None) or [])
+                checks_out.update({g: bytes(raw[i]) if i < len(raw) else b""
+                                   for i, g in enumerate(groups)})
             return n, res.lease_id or None, {g: res.slots[i][0] for i, g in enumerate(groups)}
         if res.lease_id:  # the gateway takes no lease without a hit; never keep one anyway
             gw.release(res.lease_id)

@@ -22,6 +22,8 @@ FIELDS = (
     "load_errors",  # blocks reported through get_block_ids_with_load_errors
     "save_errors",  # chunk shards not committed (aborted or failed)
     "gateway_errors",  # calls that failed (deadline, refusal, dead gateway)
+    "checksum_mismatches",  # objects (shards) whose restored bytes did not match their words
+    "blocks_unverified",  # blocks restored without a checksum check (see docs/verification.md)
 )
 
 
@@ -98,6 +100,11 @@ PROM_COUNTERS = {
     "save_errors": ("vllm:xkv_save_errors", "Chunk shards not committed (aborted or failed)."),
     "gateway_errors": ("vllm:xkv_gateway_errors",
                        "Gateway calls that failed (deadline, refusal, dead gateway)."),
+    "checksum_mismatches": ("vllm:xkv_checksum_mismatches",
+                            "Stored objects whose restored bytes did not match their checksums "
+                            "(their blocks became load errors; reported to the gateway)."),
+    "blocks_unverified": ("vllm:xkv_unverified_blocks",
+                          "KV blocks restored without a checksum check (summed over ranks)."),
 }
 assert set(PROM_COUNTERS) == set(FIELDS)
 

@@ -22,6 +22,13 @@ Shapes and units: ``card`` is a uint8 1-D tensor (the whole card); ``offsets`` i
 offsets into it (host; row ``l`` for layer ``l``, see :func:`layer_offsets`); ``pools`` the
 layers' ``xkv.layout.PagePool``; ``block_ids`` int64 [n] (host), the same for every layer.
 
+Checksums (``verify_checksums``, ``xkv.connector.checksums``): ``load_group(..., checks=)`` takes a
+group's kernels ``Checks`` (expected words, hash-only fragments with block id -1) and returns a
+:class:`WordsReadback` whose ``get()`` gives the objects that did not match once the loads landed
+(after ``sync_loads``, or once ``load_fence`` completed); ``prepare_saves(..., checks=)`` computes
+the words while saving and :meth:`TransferHandler.save_words` queues their copy to the host before
+the step's save fence. Both queue the small readback on the copies' own stream: no host wait.
+
 Debug (``verify_restores``): a :class:`~xkv.connector.page_verify.PageVerifier` poisons the destination pages of every load
 before the copy, then, once the copies finished, compares each restored (and each saved) block of
 every layer with the card bytes it came from (went to), byte for byte, and logs the counts as
@@ -41,35 +48,24 @@ import torch
 from xkv import kernels
 from xkv.connector import light_steps
 from xkv.connector.copy_tables import copy_table, layer_offsets  # noqa: F401 (re-exported)
+from xkv.connector.group_copies import WordsReadback, prepare_by_size, written
 from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
 
 
-class _BySize:
-    """A group's prepared copies when its layers differ in page size (an MLA latent and its
-    indexer cache): the kernels prepare layers of one block size together, so one prepared step
-    per size; ``launch(l)`` takes the group's layer index as a single step's would."""
-
-    def __init__(self, parts: list[tuple[list[int], object]]) -> None:
-        self._where = {i: (prep, j) for idx, prep in parts for j, i in enumerate(idx)}
-
-    def launch(self, layer: int) -> None:
-        prep, j = self._where[layer]
-        prep.launch(j)
-
-
-def _prepare(make, pools, offsets: torch.Tensor):
-    """``make(pools, offsets)`` for the whole group, or per page size (:class:`_BySize`); the
-    common case (one size) is the kernels' own prepared step, unchanged."""
-    sizes = _by_size(pools)
-    if len(sizes) <= 1:
-        return make(pools, offsets)
-    return _BySize([(idx, make([pools[i] for i in idx], offsets[idx])) for idx in sizes])
-
-
 def _verifier(verify: bool) -> PageVerifier | None:
     return PageVerifier() if verify else None
+
+
+def _record_loads(verifier, names, card, offsets, pools, block_ids, checks) -> None:
+    """``verify_restores``: poison and record the fragments a load writes (a verified load's
+    hash-only fragments are not written)."""
+    w = written(block_ids, checks)
+    vb, vo = (block_ids, offsets) if w is None else (block_ids[w], offsets[:, w])
+    for i, pool in enumerate(pools):
+        verifier.poison(pool, vb)
+        verifier.record("restore", card, vo[i], pool, vb, names[i])
 
 
 class TransferHandler(abc.ABC):
@@ -94,9 +90,11 @@ class TransferHandler(abc.ABC):
         """A batch of loads follows: order it after the compute stream's work so far."""
 
     @abc.abstractmethod
-    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+    def load_group(self, names, card, offsets, pools, block_ids,
+                   checks=None) -> WordsReadback | None:
         """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]``
-        is layer ``names[l]``, ``block_ids`` int64 ``[n]`` (host)."""
+        is layer ``names[l]``, ``block_ids`` int64 ``[n]`` (host). ``checks`` (kernels
+        ``Checks``): verify while copying; returns the mismatch flags' readback (else None)."""
 
     @abc.abstractmethod
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
@@ -133,8 +131,14 @@ class TransferHandler(abc.ABC):
             self.verifier.check("restore", set(names))
 
     @abc.abstractmethod
-    def prepare_saves(self, pools, block_ids, card, offsets) -> Any:
-        """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host)."""
+    def prepare_saves(self, pools, block_ids, card, offsets, checks=None) -> Any:
+        """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host);
+        ``checks`` (kernels ``Checks``): compute the checksum words while saving."""
+
+    def save_words(self, prep, num_layers: int) -> WordsReadback:
+        """Queue the host copy of a checksummed save's words after its launches (call once
+        every layer of ``prep`` was issued, before :meth:`fence_saves`)."""
+        return WordsReadback(prep, num_layers)
 
     @abc.abstractmethod
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
@@ -184,18 +188,18 @@ class SyncTransferHandler(TransferHandler):
     def begin_loads(self) -> None:
         return None
 
-    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
         """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]`` is
         layer ``names[l]``; validated once (:func:`xkv.kernels.prepare_restore`)."""
         if self.verifier is not None:
-            for i, pool in enumerate(pools):
-                self.verifier.poison(pool, block_ids)
-                self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
-        prep = _prepare(lambda ps, offs: kernels.prepare_restore(card, offs, ps, block_ids),
-                        pools, offsets)
+            _record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
+        prep = prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(card, offs, ps, block_ids,
+                                                                     checks=ck),
+                        pools, offsets, checks)
         for i in range(len(pools)):
             prep.launch(i)
         self._pending.update(names)
+        return WordsReadback(prep, len(pools)) if checks is not None else None
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
         """Inline, like every copy here; verified at once."""
@@ -222,10 +226,11 @@ class SyncTransferHandler(TransferHandler):
         if self.verifier is not None:
             self.verifier.check("restore")
 
-    def prepare_saves(self, pools, block_ids, card, offsets):
+    def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
         """A group's saves for one step, validated once: ``offsets`` int64 ``[L, n]`` (host)."""
-        return _prepare(lambda ps, offs: kernels.prepare_save(ps, block_ids, card, offs),
-                        pools, offsets)
+        return prepare_by_size(lambda ps, offs, ck: kernels.prepare_save(ps, block_ids, card, offs,
+                                                                  checks=ck),
+                        pools, offsets, checks)
 
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
         """Layer ``layer`` of ``prep`` (its pool ``pool``, card offsets ``offsets`` [n])."""
@@ -299,26 +304,27 @@ class CudaTransferHandler(TransferHandler):
             ev.record(self.load_stream)
             self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0]
 
-    def load_group(self, names, card, offsets, pools, block_ids) -> None:
+    def load_group(self, names, card, offsets, pools, block_ids, checks=None):
         """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
         validated and planned once, every table in one upload, then per layer only a launch and
         its event, which :meth:`wait_layer` fences (no host work per layer: the fixed cost of a
-        restore step). A light step of one page size: one launch and event per layer group."""
+        restore step). A light step of one page size: one launch and event per layer group.
+        ``checks``: the flags' readback is queued on the load stream after the last launch."""
         t0, groups = time.perf_counter(), None
         if self.light_step and self.grouped and len({p.block_bytes for p in pools}) == 1:
             groups = light_steps.load_layer_groups(len(pools))
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
-                for i, pool in enumerate(pools):
-                    self.verifier.poison(pool, block_ids)
-                    self.verifier.record("restore", card, offsets[i], pool, block_ids, names[i])
+                _record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
             if groups is None:
-                prep = _prepare(lambda ps, offs: kernels.prepare_restore(
-                    card, offs, ps, block_ids, engine=self.load_engine), pools, offsets)
+                prep = prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
+                    card, offs, ps, block_ids, engine=self.load_engine, checks=ck), pools,
+                    offsets, checks)
                 groups = [[i] for i in range(len(pools))]
             else:  # every layer of a group waits on the group's event
                 prep = kernels.prepare_restore(card, offsets, pools, block_ids,
-                                               engine=self.load_engine, layer_groups=groups)
+                                               engine=self.load_engine, layer_groups=groups,
+                                               checks=checks)
             if self._t:
                 self._t[4] += time.perf_counter() - t0
             for g, idx in enumerate(groups):
@@ -327,11 +333,13 @@ class CudaTransferHandler(TransferHandler):
                 ev.record(self.load_stream)
                 for i in idx:
                     self._events[names[i]] = ev
+            flags = WordsReadback(prep, len(pools)) if checks is not None else None
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         if self._t:
             self._t[2] = time.perf_counter()
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
             self._t[5] += len(groups)
+        return flags
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
         """One launch for every layer (per page size) on the load stream, then the compute
@@ -390,12 +398,18 @@ class CudaTransferHandler(TransferHandler):
             self.verifier.check("restore")
             torch.cuda.current_stream(self.device).synchronize()
 
-    def prepare_saves(self, pools, block_ids, card, offsets):
+    def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
         """A group's saves for one step (``offsets`` int64 ``[L, n]``, host): validated once,
         tables uploaded once on the save stream, where every :meth:`save_prepared` launches."""
         with torch.cuda.stream(self.save_stream):
-            return _prepare(lambda ps, offs: kernels.prepare_save(
-                ps, block_ids, card, offs, engine=self.save_engine), pools, offsets)
+            return prepare_by_size(lambda ps, offs, ck: kernels.prepare_save(
+                ps, block_ids, card, offs, engine=self.save_engine, checks=ck), pools, offsets,
+                checks)
+
+    def save_words(self, prep, num_layers: int) -> WordsReadback:
+        """Queued on the save stream, after every save issued so far."""
+        with torch.cuda.stream(self.save_stream):
+            return WordsReadback(prep, num_layers)
 
     def save_prepared(self, prep, layer: int, name: str, pool, block_ids, card, offsets) -> None:
         """Save layer ``layer`` of ``prep``: the save stream waits for the compute stream (the

@@ -92,4 +92,5 @@ def window_load(g: int, plan: GroupPlan, ids: Sequence[int], local: int, tokens:
         blocks.append(ids[i])
         pos.append(held[i])
     return GroupTransfer(group=g, block_ids=tuple(blocks), chunk_of=(0,) * len(blocks),
-                         block_in_chunk=tuple(pos), chunks=(ref,))
+                         block_in_chunk=tuple(pos), chunks=(ref,),
+                         first_page=min(held.values(), default=0))

@@ -37,6 +37,7 @@ import torch
 from xkv import kernels
 from xkv.connector import light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
+from xkv.connector.checksums import check_words, session_words, unverified_reason
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.loads import LoadOutcomes, by_group, issue
@@ -109,10 +110,13 @@ class WorkerSide:
         full_hit_restore: bool = True,
         save_mode: str = "layer",
         save_line: str = "",
+        verify_checksums: bool = True,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one).
-        ``save_mode``: the saver's (``setup.save_mode``), ``save_line`` its start-up line."""
+        ``save_mode``: the saver's (``setup.save_mode``), ``save_line`` its start-up line.
+        ``verify_checksums``: saves compute checksum words, restores check them
+        (``checksums.py``)."""
         self.registry = registry
         self._save_mode, self._save_line = save_mode, save_line
         self.tp_rank = tp_rank
@@ -124,9 +128,11 @@ class WorkerSide:
         self._fanout_factory = fanout_factory
         self.parts: WorkerParts | None = None  # built by register_kv_caches
         self.stats = ConnectorStats()
+        self.verify_checksums = verify_checksums
         self.session = GatewaySession(
             gateway_factory,
-            [LayoutSpec(fp, p.num_shards, p.registered_bytes)
+            [LayoutSpec(fp, p.num_shards, p.registered_bytes,
+                        check_words(p, verify_checksums))
              for p, fp in zip(registry.groups, fingerprints, strict=True)],
             namespace=namespace, on_off=self._log_off, map_card=True, reattach=reattach,
             on_reattach=self._log_reattach)
@@ -245,12 +251,30 @@ class WorkerSide:
                      "groups)", len(self.pools), len(groups), len(saves))
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
                                       offset_alignment=max(1, align), restore_groups=groups,
-                                      save_groups=saves)
+                                      save_groups=saves, checks=any(self.session.check_words))
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         lines += [self._save_line] if self._save_line else []
-        return lines + self.registry.log_lines() + self.hooks.start_lines()
+        return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()
+
+    def _check_lines(self) -> list[str]:
+        """What restores verify (``verify_checksums``), per group, for the start-up log."""
+        if not self.verify_checksums:
+            return ["XKV: restores are NOT verified by checksums (verify_checksums off)"]
+        out = []
+        for g, (plan, cw) in enumerate(zip(self.registry.groups, self.session.check_words,
+                                           strict=True)):
+            if not cw:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores NOT verified "
+                           f"({unverified_reason(plan)})")
+            elif self.fanout is not None and plan.group.kind == "mla" and not plan.is_state:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores through NVLink "
+                           "fan-out are NOT verified; others are (one checksum word per layer)")
+            else:
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
+                           f"checksums ({cw} words per object shard)")
+        return out
 
     # ------------------------------------------------------------------ loads
 
@@ -341,7 +365,9 @@ class WorkerSide:
         fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned, fence_tail=True)
+              skip=fanned, fence_tail=True,
+              check_words=session_words(self.session),
+              on_checks=self.outcomes.add_check)
         for g in groups:
             if g in fanned:
                 continue
@@ -419,6 +445,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         self.handler.sync_loads()
         self.outcomes.check_stale(self._load_checks)
+        self.outcomes.check_sums()  # the step's mismatch flags, read once
         self._load_checks = []
         self.stats.add("seconds_restored", self._t_load + time.perf_counter() - t0)
         self._t_load = 0.0

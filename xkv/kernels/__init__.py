@@ -6,6 +6,8 @@ Public API (see each module's docstring for shapes and units):
   ``restore_slice`` and the engines (``ENGINES``); :mod:`~xkv.kernels.staging`: ``pack``, ``unpack``;
 * :mod:`~xkv.kernels.prepared`: ``prepare_restore`` / ``prepare_save`` -> ``PreparedCopy`` (a step's
   copies validated and uploaded once, then launched per layer with no host work);
+* :mod:`~xkv.kernels.checksum` (the definition) and :mod:`~xkv.kernels.verify` (``Checks``,
+  ``CheckWords``): checksums computed inside the copies (``checks=`` on every launcher);
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
@@ -29,9 +31,12 @@ from xkv.kernels.page_copy import (
 )
 from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
 from xkv.kernels.staging import pack, unpack
+from xkv.kernels.verify import Checks, CheckWords
 from xkv.kernels.warmup import warmup
 
 __all__ = [
+    "CheckWords",
+    "Checks",
     "Calibration",
     "ENGINES",
     "LaunchConfig",

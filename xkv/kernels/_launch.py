@@ -160,9 +160,11 @@ def plan(
     hi: int,
     max_programs: int,
     tile_bytes: int | None = None,
+    check: bool = False,
 ) -> LaunchPlan:
     """The word size from the alignment of everything touched (``flat_off_gcd``: gcd of the byte
-    offsets table), the tile from :func:`launch_config`, the layer/run table in words."""
+    offsets table), the tile from :func:`launch_config`, the layer/run table in words.
+    ``check``: the variant that computes checksums (``CHECK``; needs 4-byte words)."""
     from xkv.kernels import _triton as K
 
     low = min(pools, key=lambda p: p.data_ptr)
@@ -180,6 +182,8 @@ def plan(
         vals += [lo, hi]
     align = math.gcd(*vals)
     word = word_bytes(align)
+    if check and word < 4:
+        raise ValueError(f"checksums need 4-byte aligned copies; this one is aligned to {word}")
     vec = 2 if word == 8 and align % 16 == 0 else 1
     R, Lg = len(runs), len(pools)
     n_rows = Lg * n * R
@@ -193,7 +197,7 @@ def plan(
     scalars = (n, R, n_rows, -(-n_rows // cfg.rows), pools[0].block_stride // word, bb // word,
                flat_base // word, lo // word, hi // word, max_run_w)
     meta = dict(WORD_T=K.WORD_TYPES[word], WORD=word, SAVE=save, HAS_FLAT_OFF=has_flat_off,
-                HAS_LAYERS=Lg > 1, SLICED=sliced, EVEN=even, VEC=vec, ROWS=cfg.rows,
+                HAS_LAYERS=Lg > 1, SLICED=sliced, EVEN=even, VEC=vec, CHECK=check, ROWS=cfg.rows,
                 COLS=cfg.cols, num_warps=cfg.num_warps)
     return LaunchPlan(tuple(pools), low.base, table, scalars, meta, cfg.programs)
 
@@ -232,15 +236,19 @@ class Launch:
 
     __slots__ = ("args", "dev", "grid", "kernel", "meta")
 
-    def __init__(self, p: LaunchPlan, flat: torch.Tensor, ids_t, flat_off_t, tab_t) -> None:
+    def __init__(self, p: LaunchPlan, flat: torch.Tensor, ids_t, flat_off_t, tab_t,
+                 check: tuple | None = None) -> None:
+        """``check``: ``(words int32 [L, C], row offsets int64 [Lg], p_chk int64 [3, n])``
+        device tensors of a ``CHECK`` plan (``xkv.kernels.verify``)."""
         from xkv.kernels import _triton as K
 
         Lg = len(p.pools)
         lpad = Lg + (Lg & 1)
         self.kernel, self.grid, self.meta = K.page_copy_kernel, (p.programs,), p.meta
         self.dev = p.base.device
+        res, res_off, chk = check if check is not None else (ids_t, ids_t, ids_t)  # unread
         self.args = (p.base, flat, ids_t, ids_t if flat_off_t is None else flat_off_t,
-                     tab_t[:Lg], tab_t[lpad:], *p.scalars)
+                     tab_t[:Lg], tab_t[lpad:], res, res_off, chk, *p.scalars)
 
     @property
     def key(self) -> tuple:
@@ -278,6 +286,15 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
         lo, hi, n = lo - f0 * bb, hi - f0 * bb, f1 - f0
     tables = Tables()
     at_ids = tables.add(ids)
+    jc = job.checks
+    if jc is not None:
+        if job.sliced:
+            raise ValueError("checksums are not computed for slices")
+        buf = jc.bind(job.pools[0].device, job.save)
+        at_chk = tables.add(jc.table())
+        C = jc.num_objects
+        at_res = [tables.add(np.array([jc.rows[k] * C for k in layers], np.int64))
+                  for layers in groups]
     plans, at, at_table = [], [], {}  # run tables shared by layers of one geometry: sent once
     same: dict[tuple, LaunchPlan] = {}  # one-layer plans differ only in the base address
     for layers in groups:
@@ -299,7 +316,7 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
             p = plan(pools, job.flat, n=n, has_flat_off=flat_off is not None, flat_off_gcd=gcd,
                      flat_base=job.flat_base + layers[0] * job.n * bb if flat_off is None else 0,
                      save=job.save, sliced=job.sliced, lo=lo, hi=hi, max_programs=max_programs,
-                     tile_bytes=tile_bytes)
+                     tile_bytes=tile_bytes, check=jc is not None)
             if key is not None:
                 same[key] = p
         at_off = None if flat_off is None else tables.add(flat_off)
@@ -312,9 +329,13 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
     t = tables.upload(dev)
     ids_t = t[at_ids : at_ids + n]
     out = []
-    for p, (at_off, at_tab), layers in zip(plans, at, groups, strict=True):
+    for g, (p, (at_off, at_tab), layers) in enumerate(zip(plans, at, groups, strict=True)):
         off_t = None if at_off is None else t[at_off : at_off + len(layers) * n]
-        out.append(Launch(p, job.flat, ids_t, off_t, t[at_tab : at_tab + p.table.size]))
+        check = None
+        if jc is not None:
+            check = (buf.words, t[at_res[g] : at_res[g] + len(layers)],
+                     t[at_chk : at_chk + 3 * n])
+        out.append(Launch(p, job.flat, ids_t, off_t, t[at_tab : at_tab + p.table.size], check))
     return out
 
 

@@ -24,6 +24,35 @@ out so that theirs always are), which :mod:`xkv.kernels.warmup` enumerates with 
 import triton
 import triton.language as tl
 
+# xkv.kernels.checksum: mix(x, p) = fmix32(x ^ ((p + 1) * GOLDEN)), summed mod 2**32
+GOLDEN = 0x9E3779B9
+M1 = 0x85EBCA6B
+M2 = 0xC2B2AE35
+
+
+@triton.jit
+def _mix(x, p):
+    """``mix`` on uint32 tensors (uint32 arithmetic wraps mod 2**32)."""
+    h = x ^ ((p + 1) * GOLDEN)
+    h ^= h >> 16
+    h *= M1
+    h ^= h >> 13
+    h *= M2
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _terms(b_x, q, WORD: tl.constexpr):
+    """Checksum terms of a tile of ``WORD``-byte words (4 or 8) whose first 4-byte word is at
+    position ``q`` (int64, same shape): an 8-byte word is its two little-endian halves."""
+    if WORD == 8:
+        lo = _mix(b_x.to(tl.uint32), (2 * q).to(tl.uint32))
+        hi = _mix((b_x >> 32).to(tl.uint32), (2 * q + 1).to(tl.uint32))
+        return lo + hi
+    else:
+        return _mix(b_x.to(tl.uint32, bitcast=True), q.to(tl.uint32))
+
 INT_ARGS = ("n_frag", "n_rows", "n_groups", "flat_base", "lo", "hi")  # per step; geometry stays
 
 
@@ -35,6 +64,9 @@ def page_copy_kernel(
     p_flat_off,  # int64 [L, n]: flat offsets in BYTES (only if HAS_FLAT_OFF)
     p_layer_off,  # int64 [L]: layer pool bases in words from p_pool (only if HAS_LAYERS)
     p_runs,  # int64 [3, R]: run offset in block, run length, run offset in fragment (words)
+    p_res,  # int32*: checksum words [L, C] (only if CHECK; xkv.kernels.verify)
+    p_res_off,  # int64 [Lg]: element offset in p_res of this launch's layer rows (CHECK)
+    p_chk,  # int64 [3, n]: object column, page index in object, flags (1 written, 2 hashed)
     n_frag,
     n_runs,
     n_rows,  # L * n * R
@@ -53,6 +85,7 @@ def page_copy_kernel(
     SLICED: tl.constexpr,
     EVEN: tl.constexpr,  # every run is max_run_words long, a multiple of COLS, and not SLICED
     VEC: tl.constexpr,  # every row start is a multiple of VEC words (16-byte accesses)
+    CHECK: tl.constexpr,  # add the checksum terms of the bytes read into p_res (WORD 4 or 8)
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
@@ -96,6 +129,16 @@ def page_copy_kernel(
         else:
             p_src = p_flat_w + o_flat
             p_dst = p_pool_w + o_pool
+        if CHECK:
+            b_col = tl.load(p_chk + i_f, mask=m_k, other=0)
+            b_page = tl.load(p_chk + n_frag + i_f, mask=m_k, other=0)
+            b_flag = tl.load(p_chk + 2 * n_frag + i_f, mask=m_k, other=0)
+            b_keep = (b_flag & 1) != 0
+            b_hash = m_k & ((b_flag & 2) != 0)
+            b_res = tl.load(p_res_off + i_l, mask=m_k, other=0) + b_col
+            # position (in WORD units) of the row's first word in its object's layer range
+            o_q = b_page * block_words + b_rcum
+            acc = tl.zeros([ROWS], dtype=tl.uint32)
         for c in range(0, max_run_words, COLS):
             o_c = c + o_cols
             if EVEN:
@@ -105,7 +148,17 @@ def page_copy_kernel(
                     m_k[:, None] & (o_c[None, :] >= c_lo[:, None]) & (o_c[None, :] < c_hi[:, None])
                 )
             b_x = tl.load(p_src[:, None] + o_c[None, :], mask=m_t)  # [ROWS, COLS]
-            tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
+            if CHECK:
+                t = _terms(b_x, o_q[:, None] + o_c[None, :], WORD)
+                acc += tl.sum(tl.where(m_t & b_hash[:, None], t, 0), axis=1)
+                if SAVE:
+                    tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
+                else:  # hash-only fragments (b_keep False) are read, never written
+                    tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t & b_keep[:, None])
+            else:
+                tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
+        if CHECK:
+            tl.atomic_add(p_res + b_res, acc.to(tl.int32, bitcast=True), mask=m_k)
 
 
 WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from xkv.kernels.host import is_host_accessible
+from xkv.kernels.verify import Checks, JobChecks, validate_checks
 from xkv.layout import PagePool
 
 __all__ = ["IndexLike", "Job", "as_index", "build_job", "offsets_arg", "pools_arg"]
@@ -39,6 +40,7 @@ class Job:
     lo: int
     hi: int
     sliced: bool
+    checks: JobChecks | None = None  # checksums computed while copying (xkv.kernels.verify)
 
     @property
     def n(self) -> int:
@@ -59,7 +61,8 @@ class Job:
         """Layer ``k`` alone, as a one-layer job (same ids, its row of the offsets)."""
         off = self.flat_offsets()[k : k + 1]
         return Job([self.pools[k]], self.ids, self.flat, off, 0, self.save, 0,
-                   self.n * self.block_bytes, False)
+                   self.n * self.block_bytes, False,
+                   None if self.checks is None else self.checks.layer(k))
 
 
 def pools_arg(pools: Sequence[PagePool], name: str) -> list[PagePool]:
@@ -116,12 +119,17 @@ def build_job(
     hi: int | None = None,
     flat_name: str | None = None,
     per_layer: bool = False,
+    checks: Checks | None = None,
 ) -> Job:
     """Validate everything and return the job; ``ValueError`` with nothing written otherwise.
 
     ``per_layer=True`` checks what ``L`` one-layer jobs would check (no cross-layer aliasing or
     overlap checks): for copies issued layer after layer on one stream, as by
     :mod:`xkv.kernels.prepared`.
+
+    ``checks`` (:class:`~xkv.kernels.verify.Checks`): compute checksums while copying; a
+    restore's ``hash_only`` fragments are read and hashed, never written (their block ids are
+    ignored: any value).
     """
     flat_name = flat_name or ("dst" if save else "src")
     flat = _flat_tensor(flat, flat_name)
@@ -129,8 +137,15 @@ def build_job(
     if ids.ndim != 1:
         raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
     n, L = int(ids.size), len(pools)
+    written = None  # bool [n]: the fragments a verified restore writes (others: hash only)
+    if checks is not None and not save and getattr(checks, "hash_only", None) is not None:
+        ho = np.asarray(checks.hash_only)
+        if ho.shape == ids.shape and ho.dtype == np.bool_ and ho.any():
+            written = ~ho
     if L:
-        _check_pools(pools, ids, flat, flat_name, save)
+        _check_pools(pools, ids if written is None else ids[written], flat, flat_name, save)
+        if written is not None:  # never dereferenced for writing: any valid block id
+            ids = np.where(written, ids, ids[written].min() if written.any() else 0)
     bb = pools[0].block_bytes if L else 0
     flat_off = None
     if offsets is not None:
@@ -157,7 +172,11 @@ def build_job(
         _check_no_alias(pools)
     if L and n and bb:
         _check_flat_vs_pools(flat, flat_off, total, pools, flat_name)
-    return Job(pools, ids, flat, flat_off, 0, save, lo, hi, sliced)
+    jc = None
+    if checks is not None:
+        jc = validate_checks(checks, L=L, n=n, save=save, pools=pools, flat=flat,
+                             flat_off=flat_off, sliced=sliced)
+    return Job(pools, ids, flat, flat_off, 0, save, lo, hi, sliced, jc)
 
 
 def _check_pools(pools, ids, flat, flat_name, save) -> None:

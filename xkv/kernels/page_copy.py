@@ -23,6 +23,14 @@ written. Then, by ``engine``:
   pages (:mod:`xkv.kernels.staged`);
 * ``"reference"``: the torch engine (any device; ``_torch.py``).
 
+Every launcher takes ``checks=`` (:class:`~xkv.kernels.verify.Checks`): the copy then computes
+the checksum words of what it moves (:mod:`xkv.kernels.checksum`) and returns their
+:class:`~xkv.kernels.verify.CheckWords` (saves: the words; restores: residuals against
+``checks.expected``, 0 where they match); without it it returns None and runs the unchanged,
+hash-free kernel variant. Verified copies run the Triton kernel (CUDA, or interpreted), the staged
+engine (its kernel half hashes the staging slot) or the torch engine; the copy engine does not
+hash and is replaced by Triton.
+
 ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (the tests use it); ``"copy_engine"`` and
 ``"staged"`` need CUDA; ``"staged"`` falls back to ``"triton"`` for slices. GPU work is ordered on
 the current torch stream (the copy-engine paths hop to side streams and back with events); nothing
@@ -40,6 +48,7 @@ import torch
 from xkv.kernels import _launch, _torch, copy_engine, staged
 from xkv.kernels.calibrate import auto_engine
 from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
+from xkv.kernels.verify import Checks, CheckWords
 from xkv.layout import PagePool
 
 __all__ = [
@@ -57,15 +66,17 @@ ENGINES = ("auto", "triton", "copy_engine", "staged", "reference")
 
 
 def restore(src: torch.Tensor, src_offsets: IndexLike, dst: PagePool, block_ids: IndexLike, *,
-            max_programs: int | None = None, engine: str = "auto") -> None:
+            max_programs: int | None = None, engine: str = "auto",
+            checks: Checks | None = None) -> CheckWords | None:
     """For every i: block ``block_ids[i]`` of ``dst`` <- ``src[src_offsets[i] : src_offsets[i] + dst.block_bytes]``."""
-    job = build_job([dst], block_ids, src, offsets_arg(src_offsets, 1, "src_offsets"), save=False)
-    run(job, engine, max_programs)
+    job = build_job([dst], block_ids, src, offsets_arg(src_offsets, 1, "src_offsets"), save=False,
+                    checks=checks)
+    return run(job, engine, max_programs)
 
 
 def restore_layers(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[PagePool],
                    block_ids: IndexLike, *, max_programs: int | None = None,
-                   engine: str = "auto") -> None:
+                   engine: str = "auto", checks: Checks | None = None) -> CheckWords | None:
     """:func:`restore` for L layers at once; ``src_offsets`` is ``[L, n]`` (layer l, fragment i).
 
     Layers that share a geometry (block stride and runs) go in one launch, addressed through a
@@ -73,32 +84,38 @@ def restore_layers(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[Pag
     """
     dsts = pools_arg(dsts, "dsts")
     offs = offsets_arg(src_offsets, len(dsts), "src_offsets")
-    run(build_job(dsts, block_ids, src, offs, save=False), engine, max_programs)
+    return run(build_job(dsts, block_ids, src, offs, save=False, checks=checks), engine,
+               max_programs)
 
 
 def save(src: PagePool, block_ids: IndexLike, dst: torch.Tensor, dst_offsets: IndexLike, *,
-         max_programs: int | None = None, engine: str = "auto") -> None:
+         max_programs: int | None = None, engine: str = "auto",
+         checks: Checks | None = None) -> CheckWords | None:
     """For every i: ``dst[dst_offsets[i] : dst_offsets[i] + src.block_bytes]`` <- block ``block_ids[i]`` of ``src``."""
-    job = build_job([src], block_ids, dst, offsets_arg(dst_offsets, 1, "dst_offsets"), save=True)
-    run(job, engine, max_programs)
+    job = build_job([src], block_ids, dst, offsets_arg(dst_offsets, 1, "dst_offsets"), save=True,
+                    checks=checks)
+    return run(job, engine, max_programs)
 
 
 def save_layers(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
                 dst_offsets: IndexLike, *, max_programs: int | None = None,
-                engine: str = "auto") -> None:
+                engine: str = "auto", checks: Checks | None = None) -> CheckWords | None:
     """:func:`save` for L layers at once; ``dst_offsets`` is ``[L, n]``."""
     srcs = pools_arg(srcs, "srcs")
     offs = offsets_arg(dst_offsets, len(srcs), "dst_offsets")
-    run(build_job(srcs, block_ids, dst, offs, save=True), engine, max_programs)
+    return run(build_job(srcs, block_ids, dst, offs, save=True, checks=checks), engine,
+               max_programs)
 
 
 def restore_slice(src: torch.Tensor, src_offsets: IndexLike, dst: PagePool, block_ids: IndexLike,
                   lo: int, hi: int, *, max_programs: int | None = None,
-                  engine: str = "auto") -> None:
+                  engine: str = "auto", checks: Checks | None = None) -> None:
     """:func:`restore`, but only bytes ``[lo, hi)`` of the concatenation of the n fragments (in
-    order, ``n * dst.block_bytes`` bytes) are written; the range may start and end inside pages."""
+    order, ``n * dst.block_bytes`` bytes) are written; the range may start and end inside pages.
+    Slices are not verified: ``checks`` is refused (``ValueError``)."""
     offs = offsets_arg(src_offsets, 1, "src_offsets")
-    run(build_job([dst], block_ids, src, offs, save=False, lo=lo, hi=hi), engine, max_programs)
+    run(build_job([dst], block_ids, src, offs, save=False, lo=lo, hi=hi, checks=checks), engine,
+        max_programs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,14 +148,22 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         raise ValueError(f"engine={engine!r} needs CUDA tensors")
     if engine == "staged" and job.sliced:
         engine = "triton"
+    if job.checks is not None and engine == "copy_engine":
+        engine = "triton"  # the copy engine cannot hash: the kernel copies and hashes at once
+    if job.checks is not None and not job.checks.aligned and engine != "reference":
+        engine = "reference"  # the kernel hashes 4-byte words: only the torch engine can here
     return engine, budget
 
 
-def run(job: Job, engine: str, max_programs: int | None) -> None:
-    """Execute a validated ``job`` with ``engine`` (see the module docstring)."""
+def run(job: Job, engine: str, max_programs: int | None) -> CheckWords | None:
+    """Execute a validated ``job`` with ``engine`` (see the module docstring); returns the
+    job's checksum words (None for an unverified job)."""
     engine, budget = check_engine(job, engine, max_programs)
+    words = None
+    if job.checks is not None:
+        words = job.checks.bind(job.pools[0].device if job.pools else job.flat.device, job.save)
     if not job.pools or job.n == 0 or job.block_bytes == 0 or job.lo == job.hi:
-        return
+        return words
     if engine == "reference":
         _torch.run(job)
     elif engine == "triton":
@@ -147,3 +172,4 @@ def run(job: Job, engine: str, max_programs: int | None) -> None:
         staged.run(job, budget)
     else:
         copy_engine.run(job)
+    return words

@@ -24,6 +24,11 @@ still allocates its ring per launch, and ``"reference"`` on CUDA its index tenso
 one-layer calls check them (layers need the same ``block_bytes`` and device; no cross-layer
 aliasing check, since the launches are ordered on one stream). A layer may be launched again.
 
+``checks=`` (:class:`~xkv.kernels.verify.Checks`, shapes there): every launch also computes the
+checksum terms of its layer into one ``[L, C]`` word buffer, :attr:`PreparedCopy.checks`
+(uploaded with the tables, on the same stream); read it once after the last launch
+(restores: ``checks.readback()`` / ``mismatched()``; saves: ``host_words()``).
+
 Lifetime: the object holds the device tables and references to ``src``/``dst`` and the pools;
 they must stay allocated and the step's block ids and card slots unchanged until the last launch
 has run on the GPU. Dropping the object once the last ``launch`` is issued is safe without a
@@ -39,6 +44,7 @@ import torch
 from xkv.kernels import _launch, _torch, copy_engine, staged
 from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
 from xkv.kernels.page_copy import check_engine
+from xkv.kernels.verify import Checks
 from xkv.layout import PagePool
 
 __all__ = ["PreparedCopy", "prepare_restore", "prepare_save"]
@@ -56,6 +62,8 @@ class PreparedCopy:
         self.stream = stream  # CUDA: where the tables were uploaded and every launch runs
         self._calls = calls
         self._job = job  # keeps the buffers and pools referenced while the copies may run
+        #: the checksum words (xkv.kernels.verify.CheckWords) of a verified copy, else None
+        self.checks = job.checks.buf if job.checks is not None else None
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -79,7 +87,8 @@ class PreparedCopy:
 def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[PagePool],
                     block_ids: IndexLike, *, max_programs: int | None = None,
                     engine: str = "auto",
-                    layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
+                    layer_groups: Sequence[Sequence[int]] | None = None,
+                    checks: Checks | None = None) -> PreparedCopy:
     """Prepare ``L`` restores: ``launch(l)`` writes block ``block_ids[i]`` of ``dsts[l]`` from
     ``src[src_offsets[l, i] : + block_bytes]`` for every i. ``src_offsets``: int64 ``[L, n]`` bytes.
 
@@ -89,18 +98,18 @@ def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[Pa
     number of groups: fewer launches, coarser completion points."""
     dsts = pools_arg(dsts, "dsts")
     offs = offsets_arg(src_offsets, len(dsts), "src_offsets")
-    job = build_job(dsts, block_ids, src, offs, save=False, per_layer=True)
+    job = build_job(dsts, block_ids, src, offs, save=False, per_layer=True, checks=checks)
     return _prepare(job, engine, max_programs, layer_groups)
 
 
 def prepare_save(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
                  dst_offsets: IndexLike, *, max_programs: int | None = None,
-                 engine: str = "auto") -> PreparedCopy:
+                 engine: str = "auto", checks: Checks | None = None) -> PreparedCopy:
     """Prepare ``L`` saves: ``launch(l)`` writes ``dst[dst_offsets[l, i] : + block_bytes]`` from
     block ``block_ids[i]`` of ``srcs[l]`` for every i. ``dst_offsets``: int64 ``[L, n]`` bytes."""
     srcs = pools_arg(srcs, "srcs")
     offs = offsets_arg(dst_offsets, len(srcs), "dst_offsets")
-    job = build_job(srcs, block_ids, dst, offs, save=True, per_layer=True)
+    job = build_job(srcs, block_ids, dst, offs, save=True, per_layer=True, checks=checks)
     return _prepare(job, engine, max_programs)
 
 
@@ -121,10 +130,12 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
              layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     L = len(job.pools)
     groups = None if layer_groups is None else _check_groups(layer_groups, L)
-    layers = [job.layer(k) for k in range(L)]
-    chosen = [check_engine(lj, engine, max_programs) for lj in layers]  # may raise: nothing ran
+    chosen = [check_engine(job.layer(k), engine, max_programs) for k in range(L)]  # may raise
     if not L:
         check_engine(job, engine, max_programs)
+    if job.checks is not None:  # one word buffer for every layer, on the prepare stream
+        job.checks.bind(job.pools[0].device if L else job.flat.device, job.save)
+    layers = [job.layer(k) for k in range(L)]
     stream = None
     if L and job.pools[0].device.type == "cuda":
         stream = torch.cuda.current_stream(job.pools[0].device)

@@ -4,6 +4,9 @@ Large contiguous copy-engine transfers move bytes between the flat buffer (host 
 of two staging slots in HBM, pipelined in chunks, while the Triton kernel packs/unpacks the other
 slot from/into the pages, so PCIe runs at copy-engine speed and the kernel never waits on PCIe.
 Chunks follow the concatenation's layer-major order; a chunk is at most ``STAGED_MAX_CHUNK`` bytes.
+A verified job (``job.checks``) runs each chunk's kernel with its checks (the general launch path,
+its tables uploaded per chunk): the terms come from the staging slot, i.e. restores hash what the
+copy engine brought from the flat buffer, saves the pages they pack.
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ class _Pipeline:
     def kernel(self, ls: list[int], i0: int, i1: int, slot: torch.Tensor) -> None:
         job = self.job
         pools = [job.pools[i] for i in ls]
-        if len({(p.block_stride, p.runs) for p in pools}) > 1:  # mixed geometries: general path
-            sub = Job(pools, job.ids[i0:i1], slot, None, 0, job.save, 0, slot.numel(), False)
+        if job.checks is not None or len({(p.block_stride, p.runs) for p in pools}) > 1:
+            # mixed geometries or checksums: the general path (chunk's checks in its upload)
+            sub = Job(pools, job.ids[i0:i1], slot, None, 0, job.save, 0, slot.numel(), False,
+                      None if job.checks is None else job.checks.select(ls, i0, i1))
             _launch.run(sub, self.max_programs)
             return
         p = _launch.plan(pools, slot, n=i1 - i0, has_flat_off=False, flat_off_gcd=0, flat_base=0,
@@ -104,6 +109,8 @@ def run(job: Job, max_programs: int, *, dma=None) -> None:
     to_slot)`` replaces the copy engine in CPU tests (then nothing is asynchronous)."""
     pipe = _Pipeline(job, max_programs, dma)
     dev, bb = pipe.dev, job.block_bytes
+    if job.checks is not None:
+        job.checks.bind(dev, job.save)  # one word buffer for every chunk
     todo = chunks(job)
     slot_bytes = max(len(ls) * (i1 - i0) for ls, i0, i1 in todo) * bb
     staging = torch.empty(2 * slot_bytes, dtype=torch.uint8, device=dev)

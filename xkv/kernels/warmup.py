@@ -12,8 +12,8 @@ launch compiles exactly the variant a real one uses.
 
 Multi-layer restore and save launches (grouped prepared restores, ``restore_layers``,
 ``save_layers``) are warmed for the layer groups the caller names (``restore_groups``,
-``save_groups``). Not covered: slices, pack/unpack, the staged engine's ring (fan-out and
-calibrated large copies).
+``save_groups``); ``checks=True`` adds the checksum variants of all of them. Not covered:
+slices, pack/unpack, the staged engine's ring (fan-out and calibrated large copies).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["warmup"]
 
 
 def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
-             budget: int) -> list:
+             budget: int, check: bool = False) -> list:
     """Plans of copies of ``pools`` (one launch: one layer, or a layer group of one geometry)
     for block counts that reach every ``ROWS`` value.
 
@@ -45,19 +45,24 @@ def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
     while r <= _launch.MAX_ROWS:
         counts.add(r * budget // (2 * R) + 1)
         r *= 2
-    return [
-        _launch.plan(list(pools), flat, n=n, has_flat_off=True, flat_off_gcd=gcd, flat_base=0,
-                     save=save, sliced=False, lo=0, hi=n * pools[0].block_bytes,
-                     max_programs=budget)
-        for n in sorted(counts)
-    ]
+    try:
+        return [
+            _launch.plan(list(pools), flat, n=n, has_flat_off=True, flat_off_gcd=gcd,
+                         flat_base=0, save=save, sliced=False, lo=0,
+                         hi=n * pools[0].block_bytes, max_programs=budget, check=check)
+            for n in sorted(counts)
+        ]
+    except ValueError:  # a checked variant of a copy that is not 4-byte aligned: never used
+        if not check:
+            raise
+        return []
 
 
 def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            offset_alignment: int = 4096, max_programs: int | None = None,
            engine: str = "auto",
            restore_groups: Sequence[Sequence[int]] = (),
-           save_groups: Sequence[Sequence[int]] = ()) -> set[tuple]:
+           save_groups: Sequence[Sequence[int]] = (), checks: bool = False) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -74,6 +79,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             prepared restores, ``restore_layers``); a list whose pools differ in geometry is
             skipped (those copies run per layer).
         save_groups: the same for multi-layer saves (``save_layers``).
+        checks: also the variants that compute checksums (``CHECK``, verified copies;
+            only where every address can be 4-byte aligned).
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -100,6 +107,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
     warmed: dict[tuple, _launch.LaunchPlan] = {}
     seen_geoms = set()
+    variants = (False, True) if checks else (False,)
     for pool in pools:
         geom = (pool.block_stride, pool.runs, pool.data_ptr % 16, pool.device)
         if geom in seen_geoms:
@@ -107,8 +115,9 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         seen_geoms.add(geom)
         for save in (False, True):
             for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
-                for p in _samples([pool], flat, save, g, budget):
-                    warmed.setdefault(p.key, p)
+                for check in variants:
+                    for p in _samples([pool], flat, save, g, budget, check):
+                        warmed.setdefault(p.key, p)
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
         grp = [pools[i] for i in idx]
@@ -121,12 +130,15 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             continue
         seen_groups.add(key)
         for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
-            for p in _samples(grp, flat, save, g, budget):
-                warmed.setdefault(p.key, p)
+            for check in variants:
+                for p in _samples(grp, flat, save, g, budget, check):
+                    warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
+    z32 = torch.zeros(4, dtype=torch.int32, device=dev)  # the word buffer's pointer type
     for p in warmed.values():
         empty = _launch.LaunchPlan(p.pools, p.base, p.table, (0, 1, 0, 0, *p.scalars[4:]), p.meta,
                                    p.programs)
-        _launch.Launch(empty, flat, z, z, z)()  # zero rows: every program returns at once
+        check = (z32, z, z) if p.meta["CHECK"] else None
+        _launch.Launch(empty, flat, z, z, z, check)()  # zero rows: every program returns at once
     return set(warmed)

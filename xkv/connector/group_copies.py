@@ -1,0 +1,90 @@
+"""A cache group's prepared copies of one step (``transfer.py``'s handlers) and the host copy of
+their checksum words.
+
+The kernels prepare layers of one block size together; a group whose layers differ in page size
+(an MLA latent and its indexer cache) is prepared per size (:func:`prepare_by_size`), its
+``Checks`` restricted to each size's layers. :class:`WordsReadback` queues the copy of a verified
+copy's words to the host on the current stream (the copies' own) and reads it once that stream
+reached it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+__all__ = ["WordsReadback", "prepare_by_size", "written"]
+
+
+class _BySize:
+    """A group's prepared copies when its layers differ in page size (an MLA latent and its
+    indexer cache): the kernels prepare layers of one block size together, so one prepared step
+    per size; ``launch(l)`` takes the group's layer index as a single step's would."""
+
+    def __init__(self, parts: list[tuple[list[int], object]]) -> None:
+        self.parts = parts
+        self._where = {i: (prep, j) for idx, prep in parts for j, i in enumerate(idx)}
+
+    def launch(self, layer: int) -> None:
+        prep, j = self._where[layer]
+        prep.launch(j)
+
+
+def _sub_checks(checks, idx: list[int] | None):
+    """``checks`` (kernels ``Checks``) for the layers ``idx`` of the group (None: all)."""
+    if checks is None or idx is None or checks.expected is None:
+        return checks
+    return replace(checks, expected=np.asarray(checks.expected)[idx])
+
+
+def prepare_by_size(make, pools, offsets: torch.Tensor, checks=None):
+    """``make(pools, offsets, checks)`` for the whole group, or per page size
+    (:class:`_BySize`; ``checks`` restricted to each size's layers); the common case (one size)
+    is the kernels' own prepared step, unchanged."""
+    sizes = sorted({p.block_bytes for p in pools})
+    if len(sizes) <= 1:
+        return make(pools, offsets, checks)
+    parts = []
+    for size in sizes:
+        idx = [i for i, p in enumerate(pools) if p.block_bytes == size]
+        parts.append((idx, make([pools[i] for i in idx], offsets[idx], _sub_checks(checks, idx))))
+    return _BySize(parts)
+
+
+class WordsReadback:
+    """The host copy of a verified copy's checksum words, queued on the current stream when
+    built (the copies' stream): :meth:`get` once that stream reached it (after ``sync_loads`` /
+    the save fence; at once on CPU). Restores: bool ``[C]`` (object mismatched in some layer);
+    saves: uint32 ``[L, C]``."""
+
+    def __init__(self, prep, num_layers: int) -> None:
+        parts = prep.parts if isinstance(prep, _BySize) else [(None, prep)]
+        self.save = None
+        self._L = num_layers
+        self._host = []
+        for idx, p in parts:
+            cw = p.checks
+            if cw is None:
+                continue
+            self.save = cw.save
+            self._host.append((idx, cw.readback()))
+
+    def get(self) -> np.ndarray:
+        if not self.save:
+            flags = [h.numpy() for _, h in self._host]
+            return np.logical_or.reduce(flags) if flags else np.zeros(0, bool)
+        C = self._host[0][1].shape[1] if self._host else 0
+        out = np.zeros((self._L, C), np.uint32)
+        for idx, h in self._host:
+            out[slice(None) if idx is None else idx] = h.numpy().view(np.uint32)
+        return out
+
+
+def written(block_ids: torch.Tensor, checks) -> torch.Tensor | None:
+    """bool [n] of the fragments a verified restore writes (None: every one): the debug
+    verifier only looks at those."""
+    if checks is None or checks.hash_only is None:
+        return None
+    return torch.from_numpy(~np.asarray(checks.hash_only))
