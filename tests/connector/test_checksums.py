@@ -64,9 +64,11 @@ def _card_words(gw, lid, key, plan_bytes, layers):
     return [checksum.words_numpy(b[i * kb:(i + 1) * kb]) for i in range(layers)]
 
 
+@pytest.mark.parametrize("save_mode", ["layer", "step"])
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
-def test_commits_carry_the_words_of_the_card_bytes(fake_gateway, llama_dir, mla):
-    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+def test_commits_carry_the_words_of_the_card_bytes(fake_gateway, llama_dir, mla, save_mode):
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla, extra={"save_mode": save_mode})
+    assert w1._worker.saver.mode == save_mode
     _run(s1, w1, c1, bs, H.make_request("a", _prompt(200), block_size=bs))
     lid = 1
     cw = fake_gateway.check_words[lid]
@@ -96,10 +98,11 @@ def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
-@pytest.mark.parametrize("victim", [0, 1, 3])
+@pytest.mark.parametrize(("victim", "save_mode"), [(0, "layer"), (1, "layer"), (3, "layer"),
+                                                   (1, "step")])
 def test_a_flipped_bit_fails_exactly_its_object_and_reports_it(fake_gateway, llama_dir, mla,
-                                                               victim):
-    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+                                                               victim, save_mode):
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla, extra={"save_mode": save_mode})
     p = _prompt(300)
     _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
     lid = 1

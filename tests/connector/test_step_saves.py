@@ -68,7 +68,7 @@ class StreamHandler(SyncTransferHandler):
         self.queued, self.fences, self.calls = [], [], []
         self._unordered = []
 
-    def prepare_saves(self, pools, block_ids, card, offsets):
+    def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
         self.calls.append("prepare_saves")
         return None
 
@@ -116,7 +116,10 @@ def _prompt(n, base=10):
 def _engine(llama_dir, mode, *, num_blocks=256, handler=StreamHandler, mla=False):
     bs = 16 if mla else BS
     vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=bs,
-                            extra={"chunk_size": CHUNK, "save_mode": mode})
+                            extra={"chunk_size": CHUNK, "save_mode": mode,
+                                   # the one-launch path (save_group); step saves with checksum
+                                   # words: tests/connector/test_checksums.py
+                                   "verify_checksums": False})
     layout = "LBNHC" if mla else "LBHNC"
     kcfg = H.attention_cache_config(block_size=bs, num_blocks=num_blocks, mla=mla)
     kcfg.kv_cache_layout = layout
