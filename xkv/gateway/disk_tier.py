@@ -76,7 +76,7 @@ class DiskTier(DiskRoom):
         DiskRoom.__init__(self, quotas, default_quota_bytes)
         self._writing: dict[tuple[bytes, str], int] = {}
         self._deleting: set[tuple[bytes, str]] = set()
-        self._forget: set[tuple[bytes, str]] = set()  # reported corrupt while being written
+        self._corrupt_writing: set[tuple[bytes, str]] = set()  # reported corrupt while being written
         self._backlog = 0
         self._offer: list[DiskItem] = []
         self._digests: dict[int, bytes] = {}
@@ -149,8 +149,8 @@ class DiskTier(DiskRoom):
             k = (it.digest, it.name)
             size = self._writing.pop(k)
             self._backlog -= size
-            forget = k in self._forget
-            self._forget.discard(k)
+            forget = k in self._corrupt_writing
+            self._corrupt_writing.discard(k)
             if st == "ok":
                 self._add(k, size)
                 self.counters["disk_written"] += 1
@@ -182,7 +182,7 @@ class DiskTier(DiskRoom):
         its write lands, so the disk does not restore the same bad bytes again."""
         k = (self._digest(obj.layout), file_name(obj.key))
         if k in self._writing:
-            self._forget.add(k)
+            self._corrupt_writing.add(k)
         else:
             self._forget_file(k)
 
@@ -190,8 +190,7 @@ class DiskTier(DiskRoom):
         e = self.entries.get(k)
         if e is None or e[1]:  # not on disk, or being restored (into another object)
             return
-        del self.entries[k]
-        self.used_bytes -= e[0]
+        self._forget(k)  # the room's accounting (usage, namespace share, LRU)
         self._deleting.add(k)
         self.store.delete([k])
 
