@@ -157,7 +157,8 @@ class EventPublisher:
         self._seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
         self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_event_batches": 0,
-                         "kv_events_replays_refused": 0, "kv_events_subscribers": 0,
+                         "kv_events_replays_refused": 0, "kv_events_replays_dropped": 0,
+                         "kv_events_subscribers": 0,
                          "kv_events_subscribers_refused": 0}
 
     # ------------------------------------------------------------- object life (hooks)
@@ -231,6 +232,7 @@ class EventPublisher:
         if self._replay is not None:
             self._replay.serve()
             self.counters["kv_events_replays_refused"] = self._replay.refused
+            self.counters["kv_events_replays_dropped"] = self._replay.dropped
 
     @property
     def replaying(self) -> bool:

@@ -85,6 +85,8 @@ _GAUGES = (
      "KV-event messages (batches) sent.", ""),
     ("xkv_gateway_kv_event_replays_refused_total", "kv_events_replays_refused", "counter",
      "KV-events replay requests answered empty (too many replays in progress).", ""),
+    ("xkv_gateway_kv_event_replays_dropped_total", "kv_events_replays_dropped", "counter",
+     "KV-events replays dropped: the reader went away or read nothing for 10 s.", ""),
     ("xkv_gateway_kv_event_subscribers", "kv_events_subscribers", "gauge",
      "Connections to the KV-events PUB socket now.", ""),
     ("xkv_gateway_kv_event_subscribers_refused_total", "kv_events_subscribers_refused",
