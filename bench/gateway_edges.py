@@ -5,7 +5,8 @@ fragmented two-size card.
 ``--batches`` kept event batches (one RESERVE+COMMIT of one key per loop pass); then a victim
 client runs lease-free 1-key lookups for ``--seconds`` while ``--hammer`` DEALER sockets of
 another process each send 4 replay requests from sequence 0 every 10 ms without reading. Prints
-the victim's lookups completed and latency p50/p99/max, with and without the hammer.
+the victim's lookups completed and latency p50/p99/max, with and without the hammer, and the
+gateway's CPU share while hammered (CPU seconds per second: 1.0 is a whole core).
 
 ``reserve``: the gateway's index (the work the loop does for a RESERVE; no sockets) on cards of
 ``--cards`` GiB at 4 KiB pages: filled with 1-page objects, every other one used again (so the
@@ -42,6 +43,13 @@ PAGE = 4096
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _hammer(port: int, sockets: int, stop) -> None:
@@ -91,7 +99,10 @@ def bench_replay(args) -> dict:
             h = mp.Process(target=_hammer, args=(st["kv_events_replay_port"], args.hammer, stop))
             h.start()
             time.sleep(0.5)
+            cpu0 = _cpu_s(proc.pid)
             out["hammered"] = _victim(c, lay, key, args.seconds)
+            # the gateway's CPU seconds per wall second while hammered (1.0 = a whole core)
+            out["hammered"]["gateway_cpu_share"] = (_cpu_s(proc.pid) - cpu0) / args.seconds
             stop.set()
             h.join()
             try:  # the old gateway may still be busy with the queued replays
