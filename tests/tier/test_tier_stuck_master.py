@@ -153,3 +153,35 @@ def test_lookups_waiting_for_the_tier_are_answered_when_it_goes_down():
     finally:
         store.release.set()
         tier.close()
+
+
+def test_a_frozen_master_flips_a_real_gateway_down_within_its_limit(master, tmp_path):
+    """A real mooncake_master frozen (SIGSTOP: its port accepts, nothing answers) while B's
+    lookup waits for it with a 3 s wait: the lookup is answered from the card about 1 s later
+    (the call limit), B's tier is down by then and the next lookup is answered at once; thawed,
+    the tier comes back up."""
+    import os
+    import signal
+
+    from tier_hosts import hosts, store
+
+    with hosts(master, tmp_path, extra=["--mooncake-wait-ms", "3000"]) as (a, b):
+        la = a.client.register_layout("prod", "fp-1", 1, 8192).layout_id
+        lb = b.client.register_layout("prod", "fp-1", 1, 8192).layout_id
+        ks = [os.urandom(32) for _ in range(4)]
+        store(a, la, ks, 1, 8192)
+        a.wait(lambda t: t["tier_written"] == 4, what="written")
+        master.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = b.client.lookup([(lb, ks)])
+            took = time.monotonic() - t0
+            assert r.num_chunks == 0 and took < 2.0, took  # not the 3 s wait
+            assert b.tier()["tier_up"] == 0
+            t0 = time.monotonic()
+            assert b.client.lookup([(lb, ks)]).num_chunks == 0
+            assert time.monotonic() - t0 < 0.5  # down: not asked
+        finally:
+            master.proc.send_signal(signal.SIGCONT)
+        b.wait(lambda t: t["tier_up"] == 1, timeout_s=60, what="tier back up")
+        assert "has not returned for" in b.log()
