@@ -5,13 +5,15 @@ fragmented two-size card.
 ``--batches`` kept event batches (one RESERVE+COMMIT of one key per loop pass); then a victim
 client runs lease-free 1-key lookups for ``--seconds`` while ``--hammer`` DEALER sockets of
 another process each send 4 replay requests from sequence 0 every 10 ms without reading. Prints
-the victim's lookups completed and latency p50/p99/max, with and without the hammer.
+the victim's lookups completed and latency p50/p99/max, with and without the hammer, and the
+gateway's CPU share while hammered (CPU seconds per second: 1.0 is a whole core).
 
 ``reserve``: the gateway's index (the work the loop does for a RESERVE; no sockets) on cards of
 ``--cards`` GiB at 4 KiB pages: filled with 1-page objects, every other one used again (so the
 least recently used ones sit between objects that stay), then RESERVEs of one key of a 16-page
-layout (64 KiB objects). Prints per-RESERVE time p50/p99/max and objects evicted per RESERVE,
-with and without one leased object in every 64th page.
+layout (64 KiB objects). Prints per-RESERVE time p50/p99/max (wall, and the thread's CPU
+time: the work without preemption by other processes) and objects evicted per RESERVE, with and without one leased
+object in every 64th page.
 
     python bench/gateway_edges.py replay [--batches 18800] [--seconds 8] [--json out.json]
     python bench/gateway_edges.py reserve [--cards 1,4] [--json out.json]
@@ -41,6 +43,13 @@ PAGE = 4096
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _hammer(port: int, sockets: int, stop) -> None:
@@ -90,7 +99,10 @@ def bench_replay(args) -> dict:
             h = mp.Process(target=_hammer, args=(st["kv_events_replay_port"], args.hammer, stop))
             h.start()
             time.sleep(0.5)
+            cpu0 = _cpu_s(proc.pid)
             out["hammered"] = _victim(c, lay, key, args.seconds)
+            # the gateway's CPU seconds per wall second while hammered (1.0 = a whole core)
+            out["hammered"]["gateway_cpu_share"] = (_cpu_s(proc.pid) - cpu0) / args.seconds
             stop.set()
             h.join()
             try:  # the old gateway may still be busy with the queued replays
@@ -122,18 +134,22 @@ def bench_reserve(args) -> dict:
                 ix.lookup([(small, keys[63::64])], now=0, owner=b"x")
             gc.collect()
             gc.freeze()  # as the gateway does after start-up: the fill is not what is measured
-            times, evicted, ok = [], [], 0
+            times, cpu, evicted, ok = [], [], [], 0
             for r in range(args.reserves):
                 before = ix.counters["evicted"]
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 [(status, _)] = ix.reserve(big, [b"big%d" % r], now=0)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
                 evicted.append(ix.counters["evicted"] - before)
                 ok += status == 0
             out[f"{gib:g}GiB{'_leased' if leased else ''}"] = {
                 "objects": n, "reserves": args.reserves, "ok": ok,
                 "p50_ms": _pct(times, 0.5) * 1e3, "p99_ms": _pct(times, 0.99) * 1e3,
                 "max_ms": max(times) * 1e3, "evicted_max": max(evicted),
+                # CPU time of this thread: the work itself, without preemption by other jobs
+                "cpu_p50_ms": _pct(cpu, 0.5) * 1e3, "cpu_p99_ms": _pct(cpu, 0.99) * 1e3,
+                "cpu_max_ms": max(cpu) * 1e3,
                 "evicted_total": sum(evicted)}
             del ix, keys
     return out

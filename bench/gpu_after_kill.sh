@@ -8,7 +8,11 @@
 #   OUT=/dir BEFORE=DIR bash bench/gpu_after_kill.sh before # the library of DIR (e.g. the tree of
 #       b33136a: `git archive b33136a xkv xkv_vllm_connector | tar -x -C DIR`), this bench script
 # Each call runs both models (~4-5 min; MODELS="llama8b" or "mla" for one); the table lines land
-# in $OUT/<which>_<model>/run.txt.
+# in $OUT/<which>_<model>/run.txt. With LOCK_GIB=N (e.g. 16) it first runs
+# bench/cuda_register_lock.py on an N GiB card with 1 GiB segments (SEGMENT_MIB to change):
+# the engine's worst CUDA iteration beside the whole-card and the one-segment-per-step calls
+# ($OUT/lock.json, ~30 s). "after" first runs the GPU tests of the segmented card (GPUTESTS=0 to
+# skip): copies across segment boundaries bit-exact with every engine ($OUT/gputests.txt).
 set -u
 WHICH=${1:-after}
 OUT=${OUT:-out/after_kill}
@@ -29,6 +33,18 @@ run() {  # name seconds e2e-args...
   grep -E "after_kill|after gateway SIGKILL| cold " "$OUT/$name/run.txt" | tail -12
   rm -f "$OUT/$name"/*.png
 }
+if [ "$WHICH" = after ] && [ "${GPUTESTS:-1}" = 1 ]; then  # the segmented card on a real GPU
+  mkdir -p "$OUT"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_card_pin.py \
+    tests/kernels/test_host.py > "$OUT/gputests.txt" 2>&1
+  echo "=== gputests (rc $?)"; tail -3 "$OUT/gputests.txt"
+fi
+if [ -n "${LOCK_GIB:-}" ]; then
+  mkdir -p "$OUT"
+  timeout 240 python3 bench/cuda_register_lock.py --gib "$LOCK_GIB" \
+    --segment-mib "${SEGMENT_MIB:-1024}" > "$OUT/lock.json" 2>&1
+  echo "=== lock (rc $?)"; cat "$OUT/lock.json"
+fi
 for m in ${MODELS:-llama8b mla}; do
   case $m in
     llama8b) run "${WHICH}_llama8b" 270 --model bench/models/llama8b --card-gib 40 "${COMMON[@]}" ;;

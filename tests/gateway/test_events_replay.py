@@ -214,3 +214,77 @@ def test_subscribers_that_never_read_cost_a_bounded_amount():
         assert grown < 20 << 20, f"{grown / 2**20:.1f} MiB for 10 subscribers that never read"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_reader_that_does_not_read_waits_loses_nothing_and_lets_the_loop_sleep(monkeypatch):
+    """ROUTER_MANDATORY: a replay whose reader's queue is full waits where it is (one failed send
+    per pass) instead of sending into the void; the loop may sleep meanwhile (``replaying`` is
+    False); once the reader reads, it receives every batch once, in order, then END_SEQ. A reader
+    that reads nothing for STALL_S, or that went away, loses its cursor (counted)."""
+    import xkv.gateway.replay as replay_mod
+
+    ctx = zmq.Context()
+    pub = EventPublisher(ctx, "127.0.0.1", 0, replay_port=0)
+    hashes = [hashlib.sha256(b"h%d" % j).digest() for j in range(500)]
+    for i in range(3000):  # ~4.5 KB per batch: more than the queues and the kernel hold
+        o = _Obj(hashlib.sha256(b"%d" % i).digest())
+        pub.staged(o, hashes[:-1] + [o.key], None, 16, 0)
+        pub.stored(o)
+        pub.flush()
+    try:
+        a = ctx.socket(zmq.DEALER)
+        a.setsockopt(zmq.LINGER, 0)
+        a.setsockopt(zmq.RCVHWM, 10)
+        a.setsockopt(zmq.RCVBUF, 4096)
+        a.connect(f"tcp://127.0.0.1:{pub.replay_port}")
+        a.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.1)
+        passes, end = 0, time.monotonic() + 20
+        while pub.replaying or passes == 0:  # until its queues are full
+            pub.serve_replay()
+            passes += 1
+            assert time.monotonic() < end, "the replay never blocked on the full queue"
+            time.sleep(0.001)  # the loop's pace while replays move (server.py)
+            if not pub.replaying:
+                time.sleep(0.05)  # the I/O thread may still move some: try once more
+                pub.serve_replay()
+        assert not pub.replaying and pub._replay._cursors  # blocked, kept, not spinning
+        seqs = []
+        while True:  # the reader reads now: every batch once, in order, then the end
+            pub.serve_replay()
+            for f in _drain(a, 5):
+                if f[2] == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(f[2], "big"))
+            else:
+                continue
+            break
+        assert seqs == list(range(3000))
+        assert pub.counters["kv_events_replays_dropped"] == 0
+        # a stalled reader: dropped after STALL_S without reading
+        monkeypatch.setattr(replay_mod, "STALL_S", 0.3)
+        a.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.1)
+        pub.serve_replay()  # reads the request
+        assert pub._replay._cursors
+        end = time.monotonic() + 10
+        while pub._replay._cursors:
+            pub.serve_replay()
+            time.sleep(0.01)
+            assert time.monotonic() < end
+        assert pub.counters["kv_events_replays_dropped"] == 1
+        # a reader that went away: its cursor goes at the next send
+        b = _dealer(ctx, pub.replay_port)
+        b.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.1)
+        pub.serve_replay()  # reads the request, starts sending
+        b.close(linger=0)
+        time.sleep(0.2)
+        end = time.monotonic() + 10
+        while pub._replay._cursors:
+            pub.serve_replay()
+            time.sleep(0.01)
+            assert time.monotonic() < end
+        assert pub.counters["kv_events_replays_dropped"] == 2
+    finally:
+        ctx.destroy(linger=0)

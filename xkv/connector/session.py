@@ -30,7 +30,8 @@ The scheduler probes at its steps; a worker follows the scheduler's metadata, an
 half (probe, HELLO, map and register the card) on a background thread
 (``turnoff.OffPath``: :meth:`connect_fresh` there, :meth:`adopt` at a step boundary).
 :meth:`detach` takes the card from a turned-off worker whose scheduler is off too (nothing can
-read it any more); :meth:`let_go` then unregisters and unmaps it, on that background thread.
+read it any more); :meth:`unpin_step` then unregisters it one segment at a time and :meth:`let_go`
+unmaps it, on that background thread.
 
 Where later behaviours go (kept in one place on purpose): :meth:`_missed` is the only place that
 decides to turn off (a back-off and re-probe policy would replace its threshold), :meth:`turn_off`
@@ -148,7 +149,9 @@ class GatewaySession:
         """Connect, HELLO every group, map the card if asked. False (and turned off, its line
         logged) when the gateway is dead, refuses a layout or its card cannot be mapped here.
         ``register_card(t) -> t`` makes the mapped card (a uint8 tensor) usable by the device
-        (``xkv.kernels.register_host`` on CUDA); ``unregister_card(t)`` undoes it."""
+        (``card_pin.pin_beside_engine`` on CUDA: in segments); ``unregister_card(t, limit=None)
+        -> int`` undoes it, ``limit`` segments at most (None: all), and returns how many stay
+        registered (``card_pin.unpin``; :meth:`unpin_step`)."""
         self._register_card, self._unregister_card = register_card, unregister_card
         try:
             client, infos, card = self._connect()
@@ -278,6 +281,21 @@ class GatewaySession:
     def let_go(self, old: list) -> None:
         """Unregister ``old``'s card and close its client (what :meth:`detach` returned)."""
         self._let_go(old)
+
+    def unpin_step(self, old: list) -> int:
+        """Unregister one more segment of ``old``'s card (``[client, card]`` from :meth:`detach`;
+        the card stays mapped); returns how many segments stay registered (0: :meth:`let_go`
+        has no unregister left to do). The card is pinned in segments (``card_pin``) so that
+        each call holds the driver's lock for one segment only."""
+        card = old[1] if len(old) == 2 else None
+        if card is None or self._unregister_card is None:
+            return 0
+        try:
+            left = self._unregister_card(card, 1)
+        except Exception:
+            log.debug("xkv: unregistering a segment of the card failed", exc_info=True)
+            return 0  # let_go tries the rest once more
+        return left if isinstance(left, int) else 0
 
     def _let_go(self, old: list) -> None:
         """Unregister ``old = [client, card]``'s card, drop it, close the client (which unmaps

@@ -16,11 +16,18 @@ a thread alone is not enough: the unregister must also run when the engine does 
   (``GatewaySession.detach``: no load or save issued from now on sees it) and recorded one CUDA
   event on every connector stream that may still read or write it (:func:`record_fences`: the
   load and save streams, the fan-out copy stream, the compute stream). The card is *retired*:
-  still registered and mapped, touched by nobody. The thread lets go of it (waits for those
-  events, then for the commit thread to send what it holds, bounded; then unregisters it and
-  closes the client, which unmaps it) once the engine has been idle for ``idle_s`` (no step
-  bound meanwhile, :meth:`note_step`), or before an attach (which registers a card: a stall
-  anyway), or at :meth:`close`. A busy engine keeps the dead gateway's card (its RAM) until then.
+  still registered and mapped, touched by nobody. The thread lets go of it in steps, each
+  taken only once the engine has been idle for ``idle_s`` (no step bound meanwhile,
+  :meth:`note_step`): first it waits for those events and for the commit thread to send what it
+  holds (bounded); then it unregisters the card one segment per step (the card is pinned in
+  segments, ``card_pin``: one step holds the driver's lock for one segment, ~17 ms per GiB on
+  the H200), at least ``step_gap_s`` and at least the last step's duration apart, so that
+  engine CUDA calls queued on the lock get it and a step the engine binds meanwhile stops the
+  release until the next idle gap; the last step closes the client, which unmaps the card (the
+  unmap stalls nobody). A request that arrives during the release waits for one segment's
+  unregister at most. Before an attach (which registers a card) the rest is let go without
+  waiting for idleness (still one segment per step, with the gaps), and at :meth:`close` at
+  once. A busy engine keeps the dead gateway's card (its RAM) until it idles.
 * ``attach()``: let go of a retired card, then probe the gateway and connect afresh
   (``GatewaySession.connect_fresh``: HELLO, map, register). Its result is taken by the engine
   thread at a step boundary (:meth:`take_attached`, then ``GatewaySession.adopt``): the card and
@@ -52,6 +59,20 @@ IDLE_S = 1.0
 #: How long the release job waits for the commit thread before letting go anyway (seconds):
 #: its batches wait on fences this job already waited for, then fail fast (the session is off).
 DRAIN_S = 10.0
+#: Least seconds between two release steps (also at least the last step's duration: the thread
+#: holds the driver's lock half the time at most while the engine may want it).
+STEP_GAP_S = 0.02
+
+
+class _Retired:
+    """A card being let go: ``old`` = ``[client, card]``, the CUDA events to wait for first,
+    whether that wait (and the commit drain) is done, steps taken, seconds spent in them."""
+
+    __slots__ = ("old", "fences", "drained", "steps", "busy_s")
+
+    def __init__(self, old: list, fences: list):
+        self.old, self.fences = old, fences
+        self.drained, self.steps, self.busy_s = False, 0, 0.0
 
 
 def record_fences(owners: Iterable[Any], device: Any) -> list:
@@ -87,13 +108,18 @@ class OffPath:
         self._closed = False
         self._attaching = False
         self._attached: tuple | None = None  # connect_fresh's result, not yet taken
-        self._retired: list[tuple[list, list]] = []  # (old [client, card], fences) to let go
+        self._retired: list[_Retired] = []  # cards to let go, oldest first
         self._last_step = time.monotonic()
+        self._not_before = 0.0  # monotonic time before which no release step starts
         #: Seconds without a step after which the engine counts as idle (a retired card is let
         #: go then: its unregister stalls every CUDA call of the process).
         self.idle_s = IDLE_S
-        #: Seconds the release of the last card took on the thread (events, drain, unregister).
+        #: Least seconds between two release steps (see :data:`STEP_GAP_S`).
+        self.step_gap_s = STEP_GAP_S
+        #: Seconds the release of the last card took on the thread (events, drain, every
+        #: unregister step, unmap; not the waits between steps), and its number of steps.
         self.last_release_s = 0.0
+        self.last_release_steps = 0
 
     # ------------------------------------------------------------------ engine thread
 
@@ -113,13 +139,14 @@ class OffPath:
         close comes first); returns at once."""
         if old is None:
             return
+        r = _Retired(old, fences)
         with self._cv:
             if not self._closed:
-                self._retired.append((old, fences))
+                self._retired.append(r)
                 self._start()
                 self._cv.notify_all()
                 return
-        self._release(old, fences)  # shutting down: no thread would do it later
+        self._release_all([r], gaps=False)  # shutting down: no thread would do it later
 
     def attach(self) -> None:
         """Probe and connect afresh in the background (no-op while one is under way)."""
@@ -191,14 +218,17 @@ class OffPath:
         while True:
             if self._jobs:
                 return self._jobs.popleft()
-            idle_for = time.monotonic() - self._last_step
-            if self._retired and (self._closed or idle_for >= self.idle_s):
-                old, fences = self._retired[0]
+            now = time.monotonic()
+            idle_for = now - self._last_step
+            if self._retired and (self._closed or (idle_for >= self.idle_s
+                                                   and now >= self._not_before)):
+                r = self._retired[0]
                 self._busy += 1
-                return lambda: self._release(old, fences, retired=True)
+                return lambda: self._step(r, gap=not self._closed)
             if self._closed and not self._retired:
                 return None
-            self._cv.wait(max(0.01, self.idle_s - idle_for) if self._retired else None)
+            wait = max(self.idle_s - idle_for, self._not_before - now)
+            self._cv.wait(max(0.005, wait) if self._retired else None)
 
     def _run(self) -> None:
         if self.device is not None and getattr(self.device, "type", None) == "cuda":
@@ -219,28 +249,53 @@ class OffPath:
                     self._busy -= 1
                     self._cv.notify_all()
 
-    def _release(self, old: list, fences: list, retired: bool = False) -> None:
-        if retired:
-            with self._cv:
-                self._retired.pop(0)  # only this thread pops: still the first
+    def _step(self, r: _Retired, gap: bool) -> bool:
+        """One release step of ``r`` (the first of ``_retired``; only this thread pops it):
+        the fences and the drain, or one segment's unregister, and after the last one the
+        unmap. Sets the earliest start of the next step when ``gap``. True when ``r`` is gone."""
         t0 = time.perf_counter()
-        for ev in fences:
-            ev.synchronize()  # no copy or kernel issued before the detach still runs
-        if not self._drain(DRAIN_S):
-            log.warning("xkv: %s: save commits still pending after %.0f s; letting go of the "
-                        "card anyway (their copies are done; the gateway's write TTL frees "
-                        "their slots)", self.name, DRAIN_S)
-        self.session.let_go(old)
-        self.last_release_s = time.perf_counter() - t0
-        log.debug("xkv: %s: card released in %.2f s", self.name, self.last_release_s)
+        done = False
+        if not r.drained:
+            for ev in r.fences:
+                ev.synchronize()  # no copy or kernel issued before the detach still runs
+            if not self._drain(DRAIN_S):
+                log.warning("xkv: %s: save commits still pending after %.0f s; letting go of "
+                            "the card anyway (their copies are done; the gateway's write TTL "
+                            "frees their slots)", self.name, DRAIN_S)
+            r.drained = True
+        elif self.session.unpin_step(r.old) == 0:
+            self.session.let_go(r.old)  # nothing registered left: unmap, close the client
+            done = True
+        dt = time.perf_counter() - t0
+        r.steps, r.busy_s = r.steps + 1, r.busy_s + dt
+        with self._cv:
+            if gap:
+                self._not_before = time.monotonic() + max(self.step_gap_s, dt)
+            if done:
+                if self._retired and self._retired[0] is r:
+                    self._retired.pop(0)
+                self.last_release_s, self.last_release_steps = r.busy_s, r.steps
+        if done:
+            log.debug("xkv: %s: card released in %d steps, %.2f s on this thread", self.name,
+                      r.steps, r.busy_s)
+        return done
+
+    def _release_all(self, rs: list[_Retired], gaps: bool) -> None:
+        """Let go of ``rs`` now, step by step (``gaps``: with the pauses between steps)."""
+        for r in rs:
+            while True:
+                t0 = time.perf_counter()
+                if self._step(r, gap=False):
+                    break
+                if gaps:
+                    time.sleep(max(self.step_gap_s, time.perf_counter() - t0))
 
     def _attach(self) -> None:
         att = None
         try:
             with self._cv:  # a retired card goes first: never two registered at once
                 retired, self._retired = self._retired, []
-            for old, fences in retired:
-                self._release(old, fences)
+            self._release_all(retired, gaps=True)
             # commits of the old session go first (they fail fast while it is off); sent later,
             # to the new gateway, they would count as failures of the fresh session
             self._drain(DRAIN_S)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
-from xkv.connector import light_steps
+from xkv.connector import card_pin, light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.checksums import check_words, session_words, unverified_reason
 from xkv.connector.fanout_loads import FanoutLoads
@@ -66,15 +66,11 @@ def _pool_kind(kind: str, replicated: bool = False) -> str | None:
 
 
 def _register_card(card: torch.Tensor) -> torch.Tensor:
-    from xkv import kernels
-
-    return kernels.register_host(card)
+    return card_pin.pin_beside_engine(card)  # in segments: see card_pin
 
 
-def _unregister_card(card: torch.Tensor) -> None:
-    from xkv import kernels
-
-    kernels.unregister_host(card)
+def _unregister_card(card: torch.Tensor, limit: int | None = None) -> int:
+    return card_pin.unpin(card, limit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ import msgspec
 import zmq
 
 from xkv.gateway.replay import END_SEQ, ReplayBuffer
+from xkv.gateway.subscribers import MAX_SUBSCRIBERS, SubscriberCap
 from xkv.gateway.transport import TCP_DOMAIN
 
 __all__ = ["END_SEQ", "EventPublisher", "KVEventBatch"]
@@ -50,9 +51,14 @@ __all__ = ["END_SEQ", "EventPublisher", "KVEventBatch"]
 DEFAULT_EVENTS_PORT = 5657
 #: Most events in one batch; a longer burst is sent as several batches.
 MAX_BATCH_EVENTS = 1024
+#: Bytes of one batch's payload at most, estimated per event (``_event_bytes``; a batch is sent
+#: once the estimate reaches it, so a payload is below it plus one event's bytes).
+MAX_BATCH_BYTES = 16 << 10
 #: Batches queued per subscriber at most (ZMQ's send high-water mark of the PUB socket): a
-#: subscriber that does not read costs at most this many batches of memory; past it ZMQ drops
-#: its batches (it sees the gap in the sequence numbers) and the others are not slowed.
+#: subscriber that does not read costs at most this many batches of memory (so at most about
+#: ``SUBSCRIBER_HWM * MAX_BATCH_BYTES``, 16 MiB); past it ZMQ drops its batches (it sees the gap
+#: in the sequence numbers) and the others are not slowed. Subscribers past ``MAX_SUBSCRIBERS``
+#: are refused (``subscribers.py``).
 SUBSCRIBER_HWM = 1000
 #: Bytes of past batches kept for the replay socket (oldest dropped first; see replay.py).
 REPLAY_BUFFER_BYTES = 64 << 20
@@ -126,11 +132,13 @@ class EventPublisher:
 
     def __init__(self, ctx: zmq.Context, address: str, port: int, *, topic: str = "",
                  medium: str = "CPU", int_hashes: bool = True, hwm: int = SUBSCRIBER_HWM,
-                 curve_secret_key: bytes | None = None, replay_port: int | None = None):
+                 curve_secret_key: bytes | None = None, replay_port: int | None = None,
+                 max_subscribers: int = MAX_SUBSCRIBERS):
         self.topic = topic.encode()
         self.medium = medium
         self.int_hashes = int_hashes
         self.sock, self.port = _bound(ctx, zmq.PUB, address, port, curve_secret_key, hwm)
+        self._cap = SubscriberCap(self.sock, self.port, max_subscribers)
         # vLLM's replay protocol: a REQ sends an 8-byte big-endian start sequence number, the
         # ROUTER answers every kept batch from there, then END_SEQ (bounded work: replay.py)
         self.replay, self.replay_port, self._replay = None, None, None
@@ -139,15 +147,19 @@ class EventPublisher:
                 self.replay, self.replay_port = _bound(ctx, zmq.ROUTER, address, replay_port,
                                                        curve_secret_key, 1000)
             except zmq.ZMQError:
+                self._cap.close()
                 self.sock.close(linger=0)
                 raise
             self._replay = ReplayBuffer(self.replay, self.topic, REPLAY_BUFFER_BYTES)
         self._meta: dict[Any, _Meta] = {}  # Obj (hashed by identity) -> its event payload
         self._pending: list[Any] = []
+        self._pending_bytes = 0  # estimated payload of the pending events
         self._seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
         self.counters = {"kv_events_stored": 0, "kv_events_removed": 0, "kv_event_batches": 0,
-                         "kv_events_replays_refused": 0}
+                         "kv_events_replays_refused": 0, "kv_events_replays_dropped": 0,
+                         "kv_events_subscribers": 0,
+                         "kv_events_subscribers_refused": 0}
 
     # ------------------------------------------------------------- object life (hooks)
 
@@ -192,7 +204,8 @@ class EventPublisher:
 
     def _add(self, event: Any) -> None:
         self._pending.append(event)
-        if len(self._pending) >= MAX_BATCH_EVENTS:
+        self._pending_bytes += _event_bytes(event)
+        if len(self._pending) >= MAX_BATCH_EVENTS or self._pending_bytes >= MAX_BATCH_BYTES:
             self.flush()
 
     def flush(self) -> None:
@@ -200,6 +213,7 @@ class EventPublisher:
         if not self._pending:
             return
         batch, self._pending = KVEventBatch(time.time(), self._pending), []
+        self._pending_bytes = 0
         payload = self._encode(batch)
         frames = (self.topic, self._seq.to_bytes(8, "big"), payload)
         if self._replay is not None:
@@ -210,10 +224,15 @@ class EventPublisher:
             self.sock.send_multipart(frames, zmq.NOBLOCK)
 
     def serve_replay(self) -> None:
-        """Answer replay requests, bounded work (replay.py; called once per loop pass)."""
+        """Once per loop pass, bounded work: count subscribers and refuse those past the cap
+        (subscribers.py), answer replay requests (replay.py)."""
+        self._cap.poll()
+        self.counters["kv_events_subscribers"] = self._cap.subscribers
+        self.counters["kv_events_subscribers_refused"] = self._cap.refused
         if self._replay is not None:
             self._replay.serve()
             self.counters["kv_events_replays_refused"] = self._replay.refused
+            self.counters["kv_events_replays_dropped"] = self._replay.dropped
 
     @property
     def replaying(self) -> bool:
@@ -221,9 +240,19 @@ class EventPublisher:
         return self._replay is not None and self._replay.replaying
 
     def close(self) -> None:
+        self._cap.close()
         self.sock.close(linger=200)  # ms: lets the last batch (AllBlocksCleared) leave
         if self.replay is not None:
             self.replay.close(linger=0)
+
+
+def _event_bytes(ev: Any) -> int:
+    """An upper estimate of ``ev``'s msgpack bytes: its field names and scalars (< 200 B) plus
+    each block hash (an int: 9 B; bytes: 2 + their length)."""
+    hashes = getattr(ev, "block_hashes", ())
+    if not hashes or isinstance(hashes[0], int):
+        return 200 + 9 * len(hashes)
+    return 200 + sum(2 + len(h) for h in hashes)
 
 
 def _bound(ctx: zmq.Context, kind: int, address: str, port: int, curve_secret_key: bytes | None,

@@ -133,9 +133,12 @@ class Room:
         """Stop reuse of small extent ``e`` and evict its evictable objects (at most ``left[0]``,
         decremented): once every object there is gone the extent is free for any class."""
         self.alloc.drain(e)
-        for obj in list(self._in_extent.get(e, ())):
-            if left[0] <= 0:
-                return
+        victims = []  # picked first (an eviction changes the extent's dict); never a copy of
+        for obj in self._in_extent.get(e, ()):  # all of it: 4,096 one-page objects per call
+            if len(victims) >= left[0]:
+                break
             if obj.ready and not obj.leases:
-                self._evict_cb(obj)
-                left[0] -= 1
+                victims.append(obj)
+        for obj in victims:
+            self._evict_cb(obj)
+            left[0] -= 1

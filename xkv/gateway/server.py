@@ -174,8 +174,10 @@ class Gateway:
 
         while not self._stop:
             wait = 100 if self.tier is None else self.tier.timeout_ms()
-            # wake up for TTLs, stats, metrics and SIGTERM; not at all while work is waiting
-            poller.poll(0 if jobs or (ev is not None and ev.replaying) else wait)
+            # wake up for TTLs, stats, metrics and SIGTERM; not at all while work is waiting;
+            # after 1 ms while replays move (each pass sends a bounded share: never a spin that
+            # a client re-requesting replays could keep going, issue 27 item 2)
+            poller.poll(0 if jobs else 1 if ev is not None and ev.replaying else wait)
             # Take turns between the sockets (each ROUTER between its connections) and the
             # slices of big RESERVEs in progress.
             for _ in range(256):

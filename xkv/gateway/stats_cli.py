@@ -46,6 +46,8 @@ ROWS = (
     ("events", "blocks stored", "kv_events_stored", "count"),
     ("events", "blocks removed", "kv_events_removed", "count"),
     ("events", "batches sent", "kv_event_batches", "count"),
+    ("events", "subscribers", "kv_events_subscribers", "count"),
+    ("events", "subscribers refused", "kv_events_subscribers_refused", "count"),
 )
 
 # Shown only by a gateway that runs the scale-out tier (--mooncake-master): xkv/gateway/tier.py

@@ -135,6 +135,7 @@ def capturing_publisher(ctx, **kw):
     from xkv.gateway.events import EventPublisher
 
     pub = EventPublisher(ctx, "127.0.0.1", 0, **kw)
+    pub._cap.close()  # no subscriber can connect to the capture
     pub.sock.close(linger=0)
     pub.sock = cap = FrameCapture()
     return pub, cap

@@ -22,8 +22,9 @@ that :meth:`Tier.poll` drains on every turn of the loop.
   one long system prompt over hosts. A pull of a few chunks over TCP takes single-digit ms. The cost:
   vLLM's scheduler waits for that lookup, and its whole step with it; ``wait_s`` 0 is the pure
   prefetch policy for deployments that value decode latency over first-request hits.
-* Failure. Tier down (master gone, setup failing), or too many deferred lookups already: the
-  lookup is answered at once from the card. A pulled object that is lost, truncated or fails its
+* Failure. Tier down (master gone, setup failing, or a Mooncake call past its time limit:
+  ``MooncakeBackend.watch``), or too many deferred lookups already: the lookup is answered at
+  once from the card, and lookups still waiting when the tier goes down are answered then. A pulled object that is lost, truncated or fails its
   checksum is aborted (a miss), counted, and logged by the backend.
 """
 
@@ -248,6 +249,7 @@ class Tier:
         """Apply the threads' results and answer lookups that are done or out of time; returns
         the reply frames to send."""
         out: list[list[bytes]] = []
+        self.backend.watch(now)  # a call to a master that stopped answering: down now
         done = self.backend.done
         while not done.empty():
             msg = done.get_nowait()
@@ -259,10 +261,11 @@ class Tier:
                 continue
             else:
                 self._pushed(msg[1], msg[2], msg[3])
+        down = not self.up
         for p in self._live.values():
-            if not p.answered and now >= p.deadline:
+            if not p.answered and (down or now >= p.deadline):
                 self.counters["tier_deadline"] += 1
-                out += self._finish(p)  # the tier's work goes on as a prefetch
+                out += self._finish(p)  # the tier's work goes on (a prefetch), or fails fast
         return out
 
     def snapshot(self) -> dict:

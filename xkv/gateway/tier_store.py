@@ -36,7 +36,12 @@ every ``probe_interval_s`` while they do not): a master that appears later is at
 about a second. The pull thread also owns the connection state (connecting / up /
 down), logging one line per change. While idle it calls ``health_check`` once a second (it
 reads the client's own heartbeat state and returns at once) to notice a lost master; while down
-it also makes one real call before it says "up" again.
+it also makes one real call before it says "up" again. A call to a dead master may block for
+seconds before it fails, so the threads note when each call started (:meth:`MooncakeBackend.watch`,
+called by the loop every pass): a call older than ``call_limit_s`` (plus ``nbytes /
+MIN_BYTES_PER_S`` for a pull or push) flips the state to down at once, without waiting for the
+call to return; the tier then answers its waiting lookups from the card (``tier.Tier.poll``) and
+the thread probes the master again once the call returned.
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ RPC_FAIL = -900  # Mooncake ErrorCode: the master did not answer
 OBJECT_ALREADY_EXISTS = -705
 #: Most objects in one pull or push call (and header buffers per thread).
 MAX_BATCH = 4096
+#: Bytes per second a pull or push moves at least while its master is alive: its call may take
+#: ``call_limit_s + bytes / MIN_BYTES_PER_S`` before the tier counts the master as not answering.
+MIN_BYTES_PER_S = 100e6
 
 
 def layout_digest(namespace: str, fingerprint: str, num_shards: int, shard_bytes: int,
@@ -144,6 +152,7 @@ class MooncakeSettings:
     local_buffer_bytes: int = 16 << 20
     probe_interval_s: float = 1.0
     secret: bytes | None = None  # shared by every gateway of the cluster: objects carry a MAC
+    call_limit_s: float = 1.0  # a Mooncake call older than this (plus its bytes): tier down
 
 
 def _endpoints(s: MooncakeSettings) -> list[tuple[str, str, int]]:
@@ -198,6 +207,8 @@ class MooncakeBackend:
         self._factory = store_factory
         self._mac_key = mac_key(settings.secret) if settings.secret else None
         self.state = "connecting"  # read by the loop without a lock (a str swap is atomic)
+        self._state_lock = threading.Lock()  # the threads and the loop's watch() set it
+        self._calls: dict[int, tuple[float, float, str]] = {}  # thread -> (start, limit, what)
         self.store = None
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -252,10 +263,31 @@ class MooncakeBackend:
 
     # ------------------------------------------------------------------ connection state
 
+    @contextlib.contextmanager
+    def _call(self, what: str, nbytes: int = 0):
+        """Around one Mooncake call of a thread: :meth:`watch` sees how long it has run."""
+        limit = self.settings.call_limit_s + nbytes / MIN_BYTES_PER_S
+        me = threading.get_ident()
+        self._calls[me] = (time.monotonic(), limit, what)
+        try:
+            yield
+        finally:
+            self._calls.pop(me, None)
+
+    def watch(self, now: float) -> None:
+        """The loop, every pass: a call that has run past its limit means the master does not
+        answer; the tier is down from now (the thread probes again once the call returned)."""
+        for start, limit, what in list(self._calls.values()):
+            if now - start > limit and self.state == "up":
+                self._set_state("down", f"{what} has not returned for {now - start:.1f} s "
+                                        f"(limit {limit:.1f} s): master {self.settings.master} "
+                                        "not answering")
+
     def _set_state(self, state: str, why: str = "") -> None:
-        if state == self.state:
-            return
-        old, self.state = self.state, state
+        with self._state_lock:
+            if state == self.state:
+                return
+            old, self.state = self.state, state
         s = self.settings
         if state == "up":
             log.info("mooncake tier up: master %s, metadata %s, %s, segment %d B%s",
@@ -300,8 +332,13 @@ class MooncakeBackend:
 
     def _probe(self) -> None:
         """While down: the client reconnects by itself; up again once the master answers."""
-        if self.store.health_check() == 0 and self.store.batch_is_exist(["xkv1/probe"])[0] >= 0:
-            self._set_state("up")
+        with self._call("health_check"):
+            if self.store.health_check() != 0:
+                return
+        with self._call("batch_is_exist (probe)"):
+            if self.store.batch_is_exist(["xkv1/probe"])[0] < 0:
+                return
+        self._set_state("up")
 
     def _failed(self, what: str, rc) -> None:
         self._set_state("down", f"{what} failed ({rc}): master {self.settings.master} unreachable")
@@ -323,8 +360,11 @@ class MooncakeBackend:
             try:
                 if self.state == "down":
                     self._probe()
-                elif not job and self.store.health_check() != 0:  # idle: notice a lost master
-                    self._failed("health_check", self.store.health_check())
+                elif not job:  # idle: notice a lost master
+                    with self._call("health_check"):
+                        rc = self.store.health_check()
+                    if rc != 0:
+                        self._failed("health_check", rc)
                 if job:
                     self.done.put(self._run(job))
             except Exception as e:  # a bug or a binding error must not kill the tier silently
@@ -344,7 +384,8 @@ class MooncakeBackend:
         if self.state != "up":
             return self._failure(job, "down")
         if kind == "exists":
-            res = self.store.batch_is_exist(payload)
+            with self._call("batch_is_exist"):
+                res = self.store.batch_is_exist(payload)
             if any(r == RPC_FAIL for r in res):
                 self._failed("batch_is_exist", RPC_FAIL)
             return ("exists", token, [int(r == 1) for r in res])
@@ -356,7 +397,8 @@ class MooncakeBackend:
         hdr = self._hdr["pull"]
         ptrs, sizes = self._buffers(items, "pull")
         t0 = time.perf_counter()
-        with self._words_registered(items):
+        with self._words_registered(items), \
+                self._call("batch_get_into", sum(it.nbytes for it in items)):
             res = self.store.batch_get_into_multi_buffers([it.name for it in items], ptrs, sizes)
         seconds = time.perf_counter() - t0
         out, nbytes = [], 0
@@ -367,7 +409,8 @@ class MooncakeBackend:
             elif rc == RPC_FAIL:
                 status = "error"
             else:  # gone, or another size than the layout says: ask which, for the counters
-                size = self.store.get_size(it.name)
+                with self._call("get_size"):
+                    size = self.store.get_size(it.name)
                 status = "lost" if size < 0 else "truncated"
                 log.warning("mooncake tier: object %s %s (get %d, size %d, expected %d): a miss",
                             it.name, "lost" if size < 0 else "has the wrong size", rc, size,
@@ -465,7 +508,8 @@ class MooncakeBackend:
                 head = head[:SIGNED] + self._mac(it, head[:SIGNED])
             hdr[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = head
         ptrs, sizes = self._buffers(items, "push")
-        with self._words_registered(items):
+        with self._words_registered(items), \
+                self._call("batch_put_from", sum(it.nbytes for it in items)):
             res = self.store.batch_put_from_multi_buffers([it.name for it in items], ptrs, sizes)
         if any(r == RPC_FAIL for r in res):
             self._failed("batch_put_from", RPC_FAIL)

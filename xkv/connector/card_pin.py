@@ -1,0 +1,106 @@
+"""Pinning the gateway's card for the GPU in segments, so that letting go of it stalls nobody long.
+
+Why: ``cudaHostRegister`` / ``cudaHostUnregister`` hold a driver lock that blocks *every* CUDA call
+of the process for their whole duration, whichever thread makes them (measured on the H200,
+``bench/cuda_register_lock.py``: ~17 ms per GiB to unregister, ~43 ms per GiB to register). A
+40 GiB card unregistered in one call stalled a request 1.5 s (bench/RESULTS.md,
+``after_kill_idle``). So the card is registered as adjacent segments of :data:`SEGMENT_BYTES`
+(``cudaHostRegister`` of sub-ranges of the one mapping), and ``turnoff.OffPath`` lets go of one
+segment at a time, only while the engine is idle: a request that arrives meanwhile waits for one
+segment's unregister at most.
+
+Addresses do not change: with unified virtual addressing a registered range's device pointer is
+its host pointer, so kernels and copies keep addressing ``card.data_ptr() + offset`` whether the
+card is one registration or many (``xkv.kernels.is_host_accessible`` accepts a tensor that spans
+adjacent registered pieces).
+
+Segment boundaries are page-aligned in absolute addresses (``cudaHostRegister`` pins whole pages;
+two registrations must not share one): boundary ``k`` is ``page_floor(ptr) + k * segment``, so the
+first segment is short by ``ptr``'s offset into its page and the last one holds the rest.
+``XKV_CARD_SEGMENT_MIB`` overrides the size (benchmarks; a positive number of MiB).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from xkv.kernels import host
+
+#: Bytes of one registered segment of the card: one unregister of it stalls CUDA ~17 ms (H200).
+SEGMENT_BYTES = 1 << 30
+PAGE = mmap.PAGESIZE
+#: Seconds to wait between two segments registered at an attach (beside a running engine): the
+#: engine's CUDA calls that queued on the driver lock get it before the next segment takes it.
+REGISTER_PAUSE_S = 0.005
+
+
+def segment_bytes() -> int:
+    """:data:`SEGMENT_BYTES`, or ``XKV_CARD_SEGMENT_MIB`` MiB when set (a positive integer)."""
+    v = os.environ.get("XKV_CARD_SEGMENT_MIB", "").strip()
+    if not v:
+        return SEGMENT_BYTES
+    try:
+        mib = int(v)
+    except ValueError:
+        mib = 0
+    if mib <= 0:
+        raise ValueError(f"XKV_CARD_SEGMENT_MIB={v!r}: expected a positive whole number of MiB")
+    return mib << 20
+
+
+def segments(nbytes: int, ptr: int = 0, seg: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
+    """``(offset, bytes)`` of each segment of a buffer of ``nbytes`` bytes at address ``ptr``:
+    boundaries at ``page_floor(ptr) + k * seg`` (see the module docstring); ``[]`` for an empty
+    buffer. ``seg`` must be a positive multiple of the page size."""
+    if seg <= 0 or seg % PAGE:
+        raise ValueError(f"segment of {seg} bytes: expected a positive multiple of the page "
+                         f"size ({PAGE} bytes)")
+    if nbytes < 0:
+        raise ValueError(f"buffer of {nbytes} bytes: expected >= 0")
+    lead = ptr % PAGE
+    out, start = [], 0
+    while start < nbytes:
+        end = min(nbytes, (start + lead) // seg * seg + seg - lead)
+        out.append((start, end - start))
+        start = end
+    return out
+
+
+def pin(card: torch.Tensor, seg: int | None = None,
+        pause: Callable[[], None] | None = None) -> torch.Tensor:
+    """Register ``card`` (a contiguous CPU uint8 tensor) for the GPU, one segment per
+    ``cudaHostRegister``; ``pause()`` runs between two segments. Returns ``card``. A failure
+    unregisters the segments registered so far and raises (the card is then not usable)."""
+    seg = segment_bytes() if seg is None else seg
+    if card.device.type != "cpu" or not card.is_contiguous() or card.element_size() != 1:
+        raise ValueError(f"pin needs a contiguous 1-byte CPU tensor, got {card.dtype} on "
+                         f"{card.device}")
+    try:
+        for i, (off, n) in enumerate(segments(card.numel(), card.data_ptr(), seg)):
+            if i and pause is not None:
+                pause()
+            host.register_host(card[off:off + n])
+    except BaseException:
+        unpin(card)
+        raise
+    return card
+
+
+def pin_beside_engine(card: torch.Tensor) -> torch.Tensor:
+    """:func:`pin` with :data:`REGISTER_PAUSE_S` between segments (a background attach)."""
+    return pin(card, pause=lambda: time.sleep(REGISTER_PAUSE_S))
+
+
+def unpin(card: torch.Tensor, limit: int | None = None) -> int:
+    """Unregister up to ``limit`` (None: all) of the registered pieces inside ``card``, the
+    highest addresses first; returns how many stay registered."""
+    ranges = host.registered_ranges(card)
+    n = len(ranges) if limit is None else max(0, min(limit, len(ranges)))
+    for off, size in reversed(ranges[len(ranges) - n:]):
+        host.unregister_host(card[off:off + size])
+    return len(ranges) - n
