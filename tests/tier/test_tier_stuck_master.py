@@ -63,7 +63,7 @@ class FakeIndex:
     def __init__(self):
         self.on_ready = None
         self.layouts = {1: SimpleNamespace(layout_id=1, namespace="ns", fingerprint="fp",
-                                           num_shards=1, shard_bytes=4096)}
+                                           num_shards=1, shard_bytes=4096, check_words=0)}
         self.counters = {"lookups": 1, "lookup_keys": 2, "hit_chunks": 0, "released": 0}
 
     def release(self, lease_id):
