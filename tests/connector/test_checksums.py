@@ -35,7 +35,8 @@ def _prompt(n, base=10):
 def _engine(llama_dir, *, mla=False, extra=None):
     bs = 16 if mla else 32
     vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=bs,
-                            extra={"chunk_size": CHUNK, **(extra or {})})
+                            extra={"chunk_size": CHUNK, "verify_checksums": True,  # opt-in
+                                   **(extra or {})})
     layout = "LBNHC" if mla else "LBHNC"
     kcfg = H.attention_cache_config(block_size=bs, mla=mla)
     kcfg.kv_cache_layout = layout
@@ -217,7 +218,7 @@ def test_the_scheduler_passes_each_chunks_words_to_the_load(monkeypatch):
     from connector_fakes import FakeGateway
 
     gw = FakeGateway()
-    s = S._sched(gw, monkeypatch)
+    s = S._sched(gw, monkeypatch, verify_checksums=True)
     assert s.session.check_words == (1, 1, 1)  # one layer per group
     r0 = S._req("a", S.H3)
     s.update_state_after_alloc(r0, S.STORE_IDS, 0)

@@ -69,9 +69,9 @@ def test_state_positions():
     assert with_running_block(gt, [0, 0, 7], 288, 12, 96) is gt
 
 
-def _sched(gw, monkeypatch):
+def _sched(gw, monkeypatch, **extra):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    cfg = ConnectorConfig.from_extra({"chunk_size": BS, "lookup_timeout_ms": 1000})
+    cfg = ConnectorConfig.from_extra({"chunk_size": BS, "lookup_timeout_ms": 1000, **extra})
     reg = build_registry([M0, M1, ATT], tp_size=1, pp_size=1, chunk_size=BS)
     return SchedulerSide(cfg, reg, ["fp0", "fp1", "fp2"], hash_block_size=BS, world_size=1,
                          gateway_factory=gw.client)
