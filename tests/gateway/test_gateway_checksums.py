@@ -142,8 +142,16 @@ def test_check_words_is_part_of_the_layout(client):
         client._call(P.Hello(P.PROTOCOL_VERSION, "cs", "wire", 1, 64, 0, P.MAX_CHECK_WORDS + 1),
                      P.LayoutInfo, 5.0)
     assert e.value.code in (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE)
-    assert client.register_layout("cs", "max", 1, 64,
+    big = P.MAX_CHECK_WORDS * 4 * P.CHECK_BYTES_PER_SLOT_BYTE  # the words fit 1/8 of the slot
+    assert client.register_layout("cs", "max", 1, big,
                                   check_words=P.MAX_CHECK_WORDS).check_words == P.MAX_CHECK_WORDS
+    # words over 1/8 of the slot: the gateway's memory for words stays below 1/8 of the card
+    with pytest.raises(GatewayError) as e:
+        client.register_layout("cs", "max-small", 1, 64, check_words=P.MAX_CHECK_WORDS)
+    assert e.value.code == ErrorCode.BAD_REQUEST and "1/8 of the 4096-byte slot" in str(e.value)
+    assert client.register_layout("cs", "ratio", 1, 64, check_words=128).check_words == 128
+    with pytest.raises(GatewayError, match="check_words=129"):
+        client.register_layout("cs", "ratio-over", 1, 64, check_words=129)
 
 
 def test_wrong_lengths_refused_before_anything_changes(client):
@@ -192,7 +200,8 @@ def test_big_commit_is_split_to_fit_the_frame(client):
     words = P.MAX_CHECK_WORDS
     per_msg = P.commit_keys_per_message(words)
     assert 1 <= per_msg < 100
-    info = client.register_layout("cs", "split", 1, 64, check_words=words)
+    info = client.register_layout("cs", "split", 1, words * 4 * P.CHECK_BYTES_PER_SLOT_BYTE,
+                                  check_words=words)
     keys = [b"S%03d" % i for i in range(100)]
     res = client.reserve(info.layout_id, keys)
     cs = [_words(rng, words) for _ in keys]
@@ -240,7 +249,7 @@ def _filled(ix: Index, lid: int, keys, rng) -> dict:
 def test_reply_size_cap_shortens_the_prefix_and_leases_only_it():
     rng = random.Random(6)
     ix = Index(256 * A, slot_alignment=A)
-    a = ix.register_layout("ns", "a", 2, A, check_words=3)  # 2 * (16 + 12) = 56 B per chunk
+    a = ix.register_layout("ns", "a", 2, 2 * A, check_words=3)  # 2 * (16 + 12) = 56 B per chunk
     b = ix.register_layout("ns", "b", 1, A)  # 16 B per chunk
     keys = [b"c%d" % i for i in range(9)]
     _filled(ix, a.layout_id, keys, rng)
@@ -269,7 +278,7 @@ def test_reply_size_cap_shortens_the_prefix_and_leases_only_it():
 def test_index_stores_words_exactly(shards, words, n, order, seed):
     rng = random.Random(seed)
     ix = Index(1024 * A, slot_alignment=A)
-    lid = ix.register_layout("ns", "fp", shards, A + 3, check_words=words).layout_id
+    lid = ix.register_layout("ns", "fp", shards, 4 * A + 3, check_words=words).layout_id
     keys = [b"h%d" % i for i in range(n)]
     out = ix.reserve(lid, keys, now=0)
     checks = {}

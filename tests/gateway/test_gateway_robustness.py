@@ -29,10 +29,13 @@ def _valid_messages(epoch: int) -> list[bytes]:
     keys = [bytes([i]) * 32 for i in range(8)]
     msgs = [
         P.Hello(P.PROTOCOL_VERSION, "fuzz", "fp", 2, 10_000),
+        P.Hello(P.PROTOCOL_VERSION, "fuzz", "fp-words", 2, 10_000, 0, 3),
         P.Card(), P.Ping(), P.Stats(),
         P.Lookup(epoch, [P.LookupGroup(1, keys), P.LookupGroup(2, keys)]),
         P.Reserve(epoch, 1, keys), P.Commit(epoch, 1, 1, keys, [0] * 8, [0] * 8),
         P.Abort(epoch, 1, 0, keys, [4096] * 8, [1] * 8),
+        P.Commit(epoch, 2, 0, keys, [0] * 8, [0] * 8, b"\1" * 96),
+        P.Corrupt(epoch, 1, 0, keys, [0] * 8, [0] * 8),
         P.Release(epoch, 7),
     ]
     return [P.encoder.encode(m) for m in msgs]
@@ -55,7 +58,8 @@ def _fuzz_message(rng: random.Random, valid: list[bytes], epoch: int) -> list[by
     elif kind == 3:  # wrong protocol version
         body = P.encoder.encode(P.Hello(rng.choice([0, P.PROTOCOL_VERSION - 1, 99, -1, 2**40]), "ns", "fp", 1, 4096))
     elif kind == 4:  # right tags, wrong field types / ranges / unknown fields
-        tag = rng.choice(["Hello", "Lookup", "Reserve", "Commit", "Abort", "Release", "Nope"])
+        tag = rng.choice(["Hello", "Lookup", "Reserve", "Commit", "Abort", "Release", "Corrupt",
+                          "Nope"])
         junk = rng.choice([None, -1, 2**64 - 1, "x" * 300, [], {}, [b"k"] * 3, 1.5, True])
         fields = {"type": tag, rng.choice(["epoch", "keys", "groups", "shard", "version",
                                            "namespace", "num_shards", "lease_id", "extra"]): junk}
@@ -67,6 +71,9 @@ def _fuzz_message(rng: random.Random, valid: list[bytes], epoch: int) -> list[by
             P.Lookup(epoch, [P.LookupGroup(1, [b"k"])] * (P.MAX_GROUPS + 1)),
             P.Lookup(epoch, [P.LookupGroup(1, [b"k%d" % i for i in range(3000)])] * 2),
             P.Commit(epoch, 1, 5000, [b"k"], [0], [0]),
+            P.Commit(epoch, 1, 0, [b"k"], [0], [0], b"c" * 100_000),  # wrong length
+            P.Corrupt(epoch, 1, 5000, [b"k"], [0], [0]),
+            P.Hello(P.PROTOCOL_VERSION, "ns", "fp", 1, 4096, 0, P.MAX_CHECK_WORDS + 1),
             P.Hello(P.PROTOCOL_VERSION, "ns", "fp", 1, 1 << 60),
         ]))
     elif kind == 6:  # stale epoch or unknown layout

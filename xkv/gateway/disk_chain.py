@@ -48,6 +48,11 @@ class Tiers:
     def timeout_ms(self) -> int:
         return min(t.timeout_ms() for t in self._parts)
 
+    def forget(self, obj) -> None:
+        """``obj`` was reported corrupt (CORRUPT): every tier drops its copy (issue 25)."""
+        for t in self._parts:
+            t.forget(obj)
+
     def snapshot(self) -> dict:
         snap = {}
         for t in self._parts:

@@ -17,6 +17,14 @@ Header, little-endian: ``magic b"XKVD" | version u16 | key length u16 | num_shar
 shard_bytes u64 | layout digest 16 B | crc32 of the shards u32 | crc32 of the header before it
 u32 | key``. The payload checksum covers the ``shard_bytes`` of every shard (not the padding).
 
+Checksum words (issue 25, version 2). An object of a layout with checksum words (HELLO's
+``check_words``) carries them, opaque, as the card's index holds them (num_shards x check_words
+uint32, shard-major): in a region after the last shard, ``[BLOCK + num_shards * stride, ... +
+round_up(check_bytes, BLOCK))``, zero padded. Its header has version 2 and, after the key, the
+region's length ``check_bytes`` u32, covered by the header crc32; the payload crc32 goes on over
+the words after the shards. Objects without words keep version 1, byte for byte. (The layout
+digest of a layout with words includes check_words, so the two never share a directory.)
+
 Visibility: a file is written under a temporary name (``<name>.tmp-<random>``), made durable
 (``fdatasync``), then renamed to its name, and its directory is synced; the loop learns of it
 only after that. A name therefore always holds a complete file, unless the disk itself lost
@@ -32,6 +40,8 @@ import zlib
 BLOCK = 4096  # bytes: O_DIRECT alignment of buffers, offsets and lengths (safe for 512e/4Kn)
 ROOT_NAME = "xkv-disk-1"
 MAGIC, VERSION = b"XKVD", 1
+VERSION_CHECKS = 2  # the object carries checksum words (see above)
+CHECKS_LEN = struct.Struct("<I")
 HEAD = struct.Struct("<4sHHIQ16sII")
 MAX_KEY_BYTES = 512
 TMP_MARK = ".tmp-"
@@ -42,8 +52,14 @@ def stride(shard_bytes: int) -> int:
     return -(-shard_bytes // BLOCK) * BLOCK
 
 
-def file_bytes(num_shards: int, shard_bytes: int) -> int:
-    """Size of an object's file: header block plus every shard's stride."""
+def file_bytes(num_shards: int, shard_bytes: int, check_bytes: int = 0) -> int:
+    """Size of an object's file: header block, every shard's stride, and the checksum words'
+    region (``check_bytes`` rounded up to BLOCK; none without words)."""
+    return BLOCK + num_shards * stride(shard_bytes) + stride(check_bytes)
+
+
+def checks_offset(num_shards: int, shard_bytes: int) -> int:
+    """Where the checksum words' region starts in an object's file."""
     return BLOCK + num_shards * stride(shard_bytes)
 
 
@@ -59,24 +75,36 @@ def rel_path(digest: bytes, name: str) -> str:
     return f"{digest.hex()}/{name[:2]}/{name}"
 
 
-def pack_header(digest: bytes, key: bytes, num_shards: int, shard_bytes: int, crc: int) -> bytes:
-    """The header block (BLOCK bytes) of an object whose shards have checksum ``crc``."""
+def pack_header(digest: bytes, key: bytes, num_shards: int, shard_bytes: int, crc: int,
+                check_bytes: int = 0) -> bytes:
+    """The header block (BLOCK bytes) of an object whose payload (shards, then ``check_bytes``
+    of checksum words) has checksum ``crc``; version 2 with words, else 1."""
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key)} bytes, at most {MAX_KEY_BYTES}")
-    fixed = HEAD.pack(MAGIC, VERSION, len(key), num_shards, shard_bytes, digest, crc, 0)[:-4]
-    head = fixed + struct.pack("<I", zlib.crc32(fixed + key)) + key
+    version = VERSION_CHECKS if check_bytes else VERSION
+    fixed = HEAD.pack(MAGIC, version, len(key), num_shards, shard_bytes, digest, crc, 0)[:-4]
+    tail = key + (CHECKS_LEN.pack(check_bytes) if check_bytes else b"")
+    head = fixed + struct.pack("<I", zlib.crc32(fixed + tail)) + tail
     return head + bytes(BLOCK - len(head))
 
 
-def check_header(block, digest: bytes, key: bytes, num_shards: int, shard_bytes: int) -> int:
+def check_header(block, digest: bytes, key: bytes, num_shards: int, shard_bytes: int,
+                 check_bytes: int = 0) -> int:
     """The payload crc32 a header block promises, after checking that it is intact and names
-    this object (layout, key, geometry); raises ValueError saying what differs."""
-    block = bytes(block[:HEAD.size + MAX_KEY_BYTES])
+    this object (layout, key, geometry, bytes of checksum words); raises ValueError saying
+    what differs."""
+    block = bytes(block[:HEAD.size + MAX_KEY_BYTES + CHECKS_LEN.size])
     magic, version, klen, shards, sbytes, dig, crc, hcrc = HEAD.unpack_from(block)
-    if magic != MAGIC or version != VERSION:
-        raise ValueError(f"not an xkv disk object (magic {magic!r}, version {version})")
-    if klen > MAX_KEY_BYTES or zlib.crc32(block[:HEAD.size - 4] + block[HEAD.size:HEAD.size + klen]) != hcrc:
+    want = VERSION_CHECKS if check_bytes else VERSION
+    if magic != MAGIC or version != want:
+        raise ValueError(f"not an xkv disk object of this kind (magic {magic!r}, version "
+                         f"{version}, expected {want})")
+    tail = block[HEAD.size:HEAD.size + klen + (CHECKS_LEN.size if check_bytes else 0)]
+    if klen > MAX_KEY_BYTES or zlib.crc32(block[:HEAD.size - 4] + tail) != hcrc:
         raise ValueError("header checksum mismatch")
+    if check_bytes and CHECKS_LEN.unpack_from(tail, klen)[0] != check_bytes:
+        raise ValueError(f"header promises {CHECKS_LEN.unpack_from(tail, klen)[0]} bytes of "
+                         f"checksum words, expected {check_bytes}")
     if (dig, shards, sbytes) != (digest, num_shards, shard_bytes):
         raise ValueError(f"header is for another layout ({shards} x {sbytes} B)")
     if block[HEAD.size:HEAD.size + klen] != key:

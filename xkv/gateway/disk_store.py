@@ -46,6 +46,7 @@ from xkv.gateway.disk_format import (
     BLOCK,
     TMP_MARK,
     check_header,
+    checks_offset,
     file_bytes,
     pack_header,
     rel_path,
@@ -70,6 +71,13 @@ class DiskItem:
     shard_bytes: int
     offsets: tuple[int, ...]  # byte offset of each shard's slot in the card
     ref: object = None  # the loop's handle; never touched by the threads
+    #: The object's checksum words (issue 25; disk_format.py): the bytes to write, or for a
+    #: read the STAGED object's buffer of ``check_bytes`` that the read fills. None: no words.
+    checks: bytes | bytearray | None = None
+
+    @property
+    def check_bytes(self) -> int:
+        return len(self.checks) if self.checks is not None else 0
 
     @property
     def rel(self) -> str:
@@ -77,7 +85,7 @@ class DiskItem:
 
     @property
     def nbytes(self) -> int:
-        return file_bytes(self.num_shards, self.shard_bytes)
+        return file_bytes(self.num_shards, self.shard_bytes, self.check_bytes)
 
 
 class _Read:
@@ -273,21 +281,27 @@ class DiskStore:
                 self._unlink(path)
                 return "truncated"
             iov = self._iov(it)
+            words = self._words_buffer(it)
             if self.direct:
-                got = os.preadv(fd, [hdr, *iov], 0)
+                got = os.preadv(fd, [hdr, *iov, *words], 0)
                 want = it.nbytes
             else:
                 got = os.preadv(fd, [hdr], 0)
-                want = BLOCK + it.num_shards * it.shard_bytes
+                want = BLOCK + it.num_shards * it.shard_bytes + it.check_bytes
                 s = stride(it.shard_bytes)
                 for r, buf in enumerate(iov):
                     got += os.preadv(fd, [buf], BLOCK + r * s)
+                if words:
+                    got += os.preadv(fd, words, checks_offset(it.num_shards, it.shard_bytes))
+            if words and words[0] is not it.checks:  # O_DIRECT: read into an aligned buffer
+                it.checks[:] = words[0][:it.check_bytes]
             if got != want:
                 log.warning("disk tier: %s gave %d of %d bytes: removed, a miss", path, got, want)
                 self._unlink(path)
                 return "truncated"
             try:
-                crc = check_header(hdr, it.digest, it.key, it.num_shards, it.shard_bytes)
+                crc = check_header(hdr, it.digest, it.key, it.num_shards, it.shard_bytes,
+                                   it.check_bytes)
             except ValueError as e:
                 log.warning("disk tier: %s: %s: removed, a miss", path, str(e))  # str: no frames kept
                 self._unlink(path)
@@ -314,7 +328,18 @@ class DiskStore:
         crc, view = 0, self._view
         for off in it.offsets:
             crc = zlib.crc32(view[off:off + it.shard_bytes], crc)  # releases the GIL
-        return crc
+        return zlib.crc32(it.checks, crc) if it.checks else crc
+
+    def _words_buffer(self, it: DiskItem) -> list:
+        """[] without checksum words; else the buffer the words' region moves through: the
+        item's own with buffered I/O, a page-aligned copy of the whole region with O_DIRECT."""
+        if not it.check_bytes:
+            return []
+        if not self.direct:
+            return [it.checks]
+        buf = mmap.mmap(-1, stride(it.check_bytes))
+        buf[:it.check_bytes] = it.checks
+        return [buf]
 
     # ------------------------------------------------------------------ write
 
@@ -352,12 +377,14 @@ class DiskStore:
         path = os.path.join(self.root, it.rel)
         tmp = None
         try:
-            hdr[:] = pack_header(it.digest, it.key, it.num_shards, it.shard_bytes, self.crc(it))
+            hdr[:] = pack_header(it.digest, it.key, it.num_shards, it.shard_bytes, self.crc(it),
+                                 it.check_bytes)
             fd, tmp = self._open_tmp(path)
             try:
                 iov = self._iov(it)
+                words = self._words_buffer(it)
                 if self.direct:
-                    done = os.pwritev(fd, [hdr, *iov], 0)
+                    done = os.pwritev(fd, [hdr, *iov, *words], 0)
                     if done != it.nbytes:
                         raise OSError(5, f"short write ({done} of {it.nbytes} bytes)")
                 else:
@@ -366,6 +393,8 @@ class DiskStore:
                     s = stride(it.shard_bytes)
                     for r, buf in enumerate(iov):
                         os.pwrite(fd, buf, BLOCK + r * s)
+                    if words:
+                        os.pwrite(fd, words[0], checks_offset(it.num_shards, it.shard_bytes))
                 os.fdatasync(fd)
             finally:
                 os.close(fd)

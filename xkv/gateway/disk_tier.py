@@ -74,6 +74,7 @@ class DiskTier:
         self.used_bytes = 0  # files on disk + writes in flight
         self._writing: dict[tuple[bytes, str], int] = {}
         self._deleting: set[tuple[bytes, str]] = set()
+        self._forget: set[tuple[bytes, str]] = set()  # reported corrupt while being written
         self._backlog = 0
         self._offer: list[DiskItem] = []
         self._digests: dict[int, bytes] = {}
@@ -95,14 +96,16 @@ class DiskTier:
         d = self._digests.get(layout.layout_id)
         if d is None:
             d = layout_digest(layout.namespace, layout.fingerprint, layout.num_shards,
-                              layout.shard_bytes)
+                              layout.shard_bytes, layout.check_words)
             self._digests[layout.layout_id] = d
         return d
 
     def _item(self, obj, name: str) -> DiskItem:
         lay = obj.layout
+        # checksum words (issue 25): READY, the index's bytes to write; STAGED for a read, the
+        # object's own buffer, filled by the read and served once it commits
         return DiskItem(self._digest(lay), obj.key, name, lay.num_shards, lay.shard_bytes,
-                        obj.slots.offsets, obj)
+                        obj.slots.offsets, obj, obj.checks or None)
 
     @property
     def up(self) -> bool:
@@ -144,7 +147,7 @@ class DiskTier:
         if k in self.entries:  # on disk already (restored, or stored again after eviction)
             self.entries.move_to_end(k)
             return
-        nbytes = file_bytes(lay.num_shards, lay.shard_bytes)
+        nbytes = file_bytes(lay.num_shards, lay.shard_bytes, len(obj.checks))
         if (k in self._writing or k in self._deleting or not self.up
                 or self._backlog + nbytes > self.backlog_bytes or not self._make_room(nbytes)):
             self.counters["disk_write_dropped"] += 1
@@ -164,10 +167,14 @@ class DiskTier:
             k = (it.digest, it.name)
             size = self._writing.pop(k)
             self._backlog -= size
+            forget = k in self._forget
+            self._forget.discard(k)
             if st == "ok":
                 self.entries[k] = [size, 0]
                 self.counters["disk_written"] += 1
                 self._errors = 0
+                if forget:
+                    self._forget_file(k)
                 continue
             self.used_bytes -= size
             if st == "full":
@@ -187,6 +194,24 @@ class DiskTier:
                                 self._errors, self.retry_s)
                     self._down_until = time.monotonic() + self.retry_s
                     self._errors = 0
+
+    def forget(self, obj) -> None:
+        """``obj`` was reported corrupt (CORRUPT, issue 25): its file is deleted, now or when
+        its write lands, so the disk does not restore the same bad bytes again."""
+        k = (self._digest(obj.layout), file_name(obj.key))
+        if k in self._writing:
+            self._forget.add(k)
+        else:
+            self._forget_file(k)
+
+    def _forget_file(self, k: tuple[bytes, str]) -> None:
+        e = self.entries.get(k)
+        if e is None or e[1]:  # not on disk, or being restored (into another object)
+            return
+        del self.entries[k]
+        self.used_bytes -= e[0]
+        self._deleting.add(k)
+        self.store.delete([k])
 
     # ------------------------------------------------------------------ lookup miss
 

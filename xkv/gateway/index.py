@@ -47,6 +47,7 @@ from collections.abc import Callable, MutableSequence, Sequence
 from xkv.gateway.alloc import CardAllocator, extent_pages_for
 from xkv.gateway.objects import Layout, Lease, Obj, RequestError
 from xkv.gateway.protocol import (
+    CHECK_BYTES_PER_SLOT_BYTE,
     MAX_CHECK_WORDS,
     MAX_LAYOUTS,
     MAX_LAYOUTS_PER_CLIENT,
@@ -117,6 +118,8 @@ class Index(Removals):
              "corrupt_removed"), 0)
         #: Called with each object that becomes READY (the scale-out tier's write-through hook).
         self.on_ready: Callable[[Obj], None] | None = None
+        #: Called with each object a CORRUPT report removed (the tiers drop their copies).
+        self.on_corrupt: Callable[[Obj], None] | None = None
         # Chunks asked for by lookups (not x groups, unlike lookup_keys); payload bytes
         # (num_shards * shard_bytes) found by lookups / made visible by commits; the evictions a
         # namespace quota forced (``evicted`` counts them too).
@@ -168,6 +171,12 @@ class Index(Removals):
                                f"this client created {mine} layouts already, at most "
                                f"{MAX_LAYOUTS_PER_CLIENT} per client")
         slot_pages = -(-shard_bytes // self.alignment)
+        if check_words * 4 * CHECK_BYTES_PER_SLOT_BYTE > slot_pages * self.alignment:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"check_words={check_words} ({check_words * 4} bytes per shard) "
+                               f"exceeds 1/{CHECK_BYTES_PER_SLOT_BYTE} of the "
+                               f"{slot_pages * self.alignment}-byte slot: the gateway keeps the "
+                               f"words in its own memory, bounded by a fraction of the card")
         object_bytes = slot_pages * num_shards * self.alignment
         limit = self._quota(namespace) or self.capacity_bytes
         if object_bytes > min(limit, self.alloc.max_object_pages * self.alignment):

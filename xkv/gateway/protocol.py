@@ -73,6 +73,9 @@ MAX_LAYOUTS_PER_CLIENT = 64
 MAX_LEASED_PER_CLIENT = 1 << 20
 #: Most uint32 checksum words per shard of one object (HELLO's ``check_words``).
 MAX_CHECK_WORDS = 4096
+#: A layout's words of one shard may take at most 1/8 of its slot (HELLO is refused otherwise):
+#: the gateway keeps them in its own memory, which thus stays below 1/8 of the card.
+CHECK_BYTES_PER_SLOT_BYTE = 8
 #: Most bytes of the packed arrays (offsets, generations, checksums) of one LOOKUP reply: the
 #: gateway answers a shorter prefix rather than more (a shorter prefix is always correct). At
 #: least MAX_KEYS chunks x MAX_SHARDS shards x 16 bytes, so a layout without checksum words is

@@ -102,6 +102,8 @@ class Removals:
                 self.room.unlist(obj)
                 self._free(obj)
             removed.append(obj)
+            if self.on_corrupt is not None:
+                self.on_corrupt(obj)
         self.counters["corrupt_removed"] += len(removed)
         return removed
 

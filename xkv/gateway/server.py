@@ -57,6 +57,8 @@ class Gateway:
         self.hist = Histogram()
         self._jobs: collections.deque[SlicedReserve] = collections.deque()
         self.corrupt_warnings = CorruptWarnings()
+        #: Callables run on the loop thread once per turn (tests: xkv.gateway.testing.on_loop).
+        self.loop_calls: collections.deque = collections.deque()
         self._stop = False
         self.ctx = zmq.Context()
         self._auth = None
@@ -109,6 +111,8 @@ class Gateway:
                            default_quota_bytes=cfg.namespace_quota_bytes,
                            quotas=cfg.quotas, generations=self.card.generations)
         self.tier = start_tiers(self)  # card -> disk -> Mooncake (disk_chain.py)
+        if self.tier is not None:  # a copy of an object reported corrupt is not restored again
+            self.index.on_corrupt = self.tier.forget
         self.events = bind_events(self.ctx, cfg)
         self.index.listener = self.events
         self.ipc = router(self.ctx, IPC_DOMAIN)
@@ -203,6 +207,8 @@ class Gateway:
                     self.metrics.publish()
             now = time.monotonic()
             expire(now)
+            while self.loop_calls:
+                self.loop_calls.popleft()()
             if self.events is not None:
                 self.events.flush()
                 self.events.serve_replay()

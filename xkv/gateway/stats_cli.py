@@ -37,6 +37,8 @@ ROWS = (
     ("freed", "evicted (quota)", "evicted_quota", "count"),
     ("freed", "aborted", "aborted", "count"),
     ("freed", "write TTL passed", "write_expired", "count"),
+    ("freed", "reported corrupt", "corrupt_removed", "count"),
+    ("freed", "corrupt reports (keys)", "corrupt_reports", "count"),
     ("leases", "live", "leases", "count"),
     ("leases", "granted", "leases_granted", "count"),
     ("leases", "released", "released", "count"),

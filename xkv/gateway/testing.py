@@ -138,3 +138,148 @@ def capturing_publisher(ctx, **kw):
     pub.sock.close(linger=0)
     pub.sock = cap = FrameCapture()
     return pub, cap
+
+
+# ------------------------------------------------------------------ fault injection (issue 25)
+#
+# For the verified-restore fault suite: each helper makes one fault the restore path must detect
+# (its checksum words no longer match the bytes a reader copies) or that must stay harmless.
+# The index-level helpers act on an ``Index``; for a gateway served by a thread of the test
+# process (:func:`gateway_in_thread`) run them on its loop with :func:`on_loop`. Each returns a
+# function that undoes the fault, so one stored object can take many faults in turn.
+
+
+@contextlib.contextmanager
+def gateway_in_thread(capacity: int | str = "64M", extra_args=()):
+    """A :class:`xkv.gateway.server.Gateway` whose loop runs in a daemon thread of this process
+    (clients connect to ``gw.port`` as usual); the test can reach ``gw.index`` and
+    ``gw.card.arena`` — but change the index only through :func:`on_loop`."""
+    import threading
+
+    from xkv.gateway.config import parse_args
+    from xkv.gateway.server import Gateway
+
+    gw = Gateway(parse_args(["--capacity", str(capacity), "--port", "0", "--log-level",
+                             "WARNING", *extra_args]))
+    loop = threading.Thread(target=gw.serve, name="xkv-gateway-loop", daemon=True)
+    loop.start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        loop.join(10)
+        gw.close()
+
+
+def on_loop(gw, fn, timeout_s: float = 10.0):
+    """``fn()`` run on ``gw``'s loop thread between two requests (the index has one writer);
+    returns its result or raises what it raised. A PING wakes the loop at once."""
+    import threading
+
+    done, box = threading.Event(), {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the caller)
+            box["error"] = e
+        done.set()
+
+    gw.loop_calls.append(call)
+    with GatewayClient("localhost", gw.port, timeout_s=timeout_s) as poke, \
+            contextlib.suppress(GatewayUnavailable):
+        poke.ping()
+    if not done.wait(timeout_s):
+        raise RuntimeError(f"the gateway loop did not run the call within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _obj(index, layout_id: int, key: bytes):
+    obj = index.layout(layout_id).objects.get(key)
+    if obj is None or not obj.ready:
+        raise KeyError(f"key {key.hex()[:32]} of layout {layout_id} is not a committed object")
+    return obj
+
+
+def flip_bit(card, offset: int, bit: int):
+    """(a) Flip bit ``bit`` (0 = lowest bit of the byte at ``offset``) of the card: e.g. offset
+    = a committed object's ``slots.offsets[shard]``, bit < shard_bytes * 8 (a bit flip in host
+    memory). ``card``: the gateway's ``card.arena`` or a client's ``map_card()``. Returns the
+    undo."""
+    pos = offset + bit // 8
+    if not 0 <= pos < len(card):
+        raise ValueError(f"byte {pos} is outside the card of {len(card)} bytes")
+    mask = 1 << (bit % 8)
+
+    def undo():
+        card[pos] ^= mask
+
+    card[pos] ^= mask
+    return undo
+
+
+def misdirect(index, layout_id: int, key: bytes, other_key: bytes):
+    """(b) The index entry of ``key`` points at ``other_key``'s slots (offsets and generations,
+    so the generation check passes): lookups of ``key`` return another object's bytes with
+    ``key``'s checksum words. Both must be committed objects of the layout. Returns the undo."""
+    obj, other = _obj(index, layout_id, key), _obj(index, layout_id, other_key)
+    saved = (obj.slots, obj.packed)
+
+    def undo():
+        obj.slots, obj.packed = saved
+
+    obj.slots, obj.packed = other.slots, other.packed
+    return undo
+
+
+def reuse_under_stale_generation(index, card, layout_id: int, key: bytes, donor_key: bytes):
+    """(c) ``key``'s slots get the bytes of another object (``donor_key``, same layout) as if
+    the slots had been handed to a new occupant while their generations stayed what readers
+    noted (a stale generation; also what a writer past write TTL + quarantine leaves). Every
+    shard's ``slot_bytes`` are overwritten; generations do not move. Returns the undo."""
+    obj, donor = _obj(index, layout_id, key), _obj(index, layout_id, donor_key)
+    n = obj.layout.slot_bytes
+    saved = [bytes(card[o:o + n]) for o in obj.slots.offsets]
+    for o, d in zip(obj.slots.offsets, donor.slots.offsets, strict=True):
+        card[o:o + n] = card[d:d + n]
+
+    def undo():
+        for o, b in zip(obj.slots.offsets, saved, strict=True):
+            card[o:o + n] = b
+
+    return undo
+
+
+def bump_generation(index, layout_id: int, key: bytes, shard: int = 0):
+    """(c') The generation of ``key``'s slot of ``shard`` moves while the object stays (what a
+    reuse does): a reader's token from before is stale, its copy must not count. Returns the
+    undo (the generation goes back)."""
+    obj = _obj(index, layout_id, key)
+    page = obj.slots.offsets[shard] // index.alignment
+    index.generations[page] += 1
+
+    def undo():
+        index.generations[page] -= 1
+
+    return undo
+
+
+def torn_commit(client, layout_id: int, ref, data, checksums, written) -> int:
+    """(d) A torn or truncated object: for each shard r of the reservation ``ref`` (a
+    ChunkRef from ``client.reserve``), only the first ``written[r]`` bytes of ``data[r]`` reach
+    its slot (0: the shard is never written; len(data[r]) - k: its tail is cut) — the rest
+    keeps whatever the slot held — and every shard is committed with the checksum words of the
+    full bytes (``checksums[r]``, as the connector computed them). Returns the shards committed."""
+    card = client.map_card()
+    if not len(data) == len(checksums) == len(written) == len(ref.offsets):
+        raise ValueError(f"one data, checksum and written count per shard ({len(ref.offsets)}), "
+                         f"got {len(data)}, {len(checksums)}, {len(written)}")
+    done = 0
+    for r, (off, d, n) in enumerate(zip(ref.offsets, data, written, strict=True)):
+        if not 0 <= n <= len(d):
+            raise ValueError(f"written[{r}] = {n}: expected 0..{len(d)}")
+        card[off:off + n] = d[:n]
+        done += client.commit(layout_id, r, [ref], checksums=[checksums[r]])
+    return done

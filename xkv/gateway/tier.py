@@ -91,13 +91,19 @@ class Tier:
         d = self._digests.get(layout.layout_id)
         if d is None:
             d = self._digests[layout.layout_id] = layout_digest(
-                layout.namespace, layout.fingerprint, layout.num_shards, layout.shard_bytes)
+                layout.namespace, layout.fingerprint, layout.num_shards, layout.shard_bytes,
+                layout.check_words)
         return d
 
     def _item(self, obj) -> TierItem:
         lay = obj.layout
+        # checksum words (issue 25): READY, a copy of the index's to push (the thread needs a
+        # writable buffer's address); STAGED for a pull, the object's own buffer, which it fills
+        checks = None
+        if obj.checks:
+            checks = bytearray(obj.checks) if obj.ready else obj.checks
         return TierItem(self._digest(lay), obj.key, lay.num_shards, lay.shard_bytes,
-                        obj.slots.offsets, obj)
+                        obj.slots.offsets, obj, checks)
 
     @property
     def up(self) -> bool:
@@ -125,6 +131,12 @@ class Tier:
             self.counters["tier_written" if good else "tier_write_errors"] += 1
         self._inflight -= len(items)
         self.counters["tier_write_bytes"] += nbytes
+
+    def forget(self, obj) -> None:
+        """``obj`` was reported corrupt (CORRUPT, issue 25): its Mooncake copy is removed (by
+        the pull thread; best effort: a copy another host is reading stays)."""
+        if self.up:
+            self.backend.submit(("remove", 0, [mooncake_key(self._digest(obj.layout), obj.key)]))
 
     # ------------------------------------------------------------------ lookup miss
 
@@ -243,6 +255,8 @@ class Tier:
                 out += self._exists(msg[1], msg[2], now)
             elif msg[0] == "pull":
                 out += self._pulled(msg[1], msg[2], msg[3], msg[4])
+            elif msg[0] == "removed":
+                continue
             else:
                 self._pushed(msg[1], msg[2], msg[3])
         for p in self._live.values():

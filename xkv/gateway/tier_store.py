@@ -4,7 +4,10 @@ Mooncake Store so the gateway's loop never does.
 Object format. One card object (one chunk of one layout: ``num_shards`` shards of
 ``shard_bytes`` each) is one Mooncake object of ``HEADER_BYTES + num_shards * shard_bytes``
 bytes: a 64-byte header, then the shards back to back (never a slot's padding, which may hold
-bytes of an earlier occupant of the slot). Header, little-endian::
+bytes of an earlier occupant of the slot). An object of a layout with checksum words (issue 25)
+has them after the shards, opaque, as the card's index holds them (``check_bytes`` = num_shards x
+check_words x 4), header version 2; the crc32 and the MAC go on over them. Header,
+little-endian::
 
     magic b"XKVT" | version u16 | flags u16 | num_shards u32 | layout digest 16 B |
     key digest 8 B | shard_bytes u64 | crc32 of the shards u32 | MAC 16 B
@@ -63,15 +66,20 @@ SIGNED = HEADER.size - 16  # header bytes the MAC covers (all but itself)
 FLAG_MAC = 1
 HEADER_BYTES = HEADER.size  # 64
 MAGIC, VERSION = b"XKVT", 1
+VERSION_CHECKS = 2  # checksum words follow the shards
 RPC_FAIL = -900  # Mooncake ErrorCode: the master did not answer
 OBJECT_ALREADY_EXISTS = -705
 #: Most objects in one pull or push call (and header buffers per thread).
 MAX_BATCH = 4096
 
 
-def layout_digest(namespace: str, fingerprint: str, num_shards: int, shard_bytes: int) -> bytes:
-    """16 bytes naming a layout on every host alike (msgpack of the tuple: unambiguous)."""
-    blob = msgspec.msgpack.encode(["xkv-tier-1", namespace, fingerprint, num_shards, shard_bytes])
+def layout_digest(namespace: str, fingerprint: str, num_shards: int, shard_bytes: int,
+                  check_words: int = 0) -> bytes:
+    """16 bytes naming a layout on every host alike (msgpack of the tuple: unambiguous).
+    ``check_words`` (issue 25) is part of the layout: it joins the tuple when not 0 (so a layout
+    without words keeps its digest, and its objects on disk and in Mooncake)."""
+    fields = ["xkv-tier-1", namespace, fingerprint, num_shards, shard_bytes]
+    blob = msgspec.msgpack.encode(fields + [check_words] if check_words else fields)
     return hashlib.blake2b(blob, digest_size=16).digest()
 
 
@@ -84,8 +92,8 @@ def key_digest(key: bytes) -> bytes:
 
 
 def pack_header(digest: bytes, key: bytes, num_shards: int, shard_bytes: int, crc: int,
-                flags: int = 0, mac: bytes = bytes(16)) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, flags, num_shards, digest, key_digest(key), shard_bytes,
+                flags: int = 0, mac: bytes = bytes(16), version: int = VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, flags, num_shards, digest, key_digest(key), shard_bytes,
                        crc, mac)
 
 
@@ -104,14 +112,25 @@ class TierItem:
     shard_bytes: int
     offsets: tuple[int, ...]
     ref: object = None  # the loop's handle (its index object); never touched by the threads
+    #: Checksum words (issue 25), a writable buffer: a copy of the index's to push, or the
+    #: STAGED object's own buffer that a pull fills. None: the layout has none.
+    checks: bytearray | None = None
 
     @property
     def name(self) -> str:
         return mooncake_key(self.digest, self.key)
 
     @property
+    def check_bytes(self) -> int:
+        return len(self.checks) if self.checks is not None else 0
+
+    @property
+    def version(self) -> int:
+        return VERSION_CHECKS if self.checks is not None else VERSION
+
+    @property
     def nbytes(self) -> int:
-        return HEADER_BYTES + self.num_shards * self.shard_bytes
+        return HEADER_BYTES + self.num_shards * self.shard_bytes + self.check_bytes
 
 
 @dataclass
@@ -202,7 +221,8 @@ class MooncakeBackend:
     def submit(self, job: tuple) -> None:
         """("exists", token, [names]) -> done gets ("exists", token, [0/1 per name]);
         ("pull", token, [TierItem]) -> ("pull", token, [status per item], bytes, seconds);
-        status is "ok", "lost", "corrupt", "truncated" or "error"."""
+        status is "ok", "lost", "corrupt", "truncated" or "error";
+        ("remove", token, [names]) -> ("removed", token, [Mooncake's return code per name])."""
         self._jobs.put(job)
 
     def offer(self, items: list[TierItem]) -> None:
@@ -315,6 +335,8 @@ class MooncakeBackend:
     def _failure(self, job: tuple, why: str) -> tuple:
         if job[0] == "exists":
             return ("exists", job[1], [0] * len(job[2]))
+        if job[0] == "remove":
+            return ("removed", job[1], [RPC_FAIL] * len(job[2]))
         return ("pull", job[1], ["error"] * len(job[2]), 0, 0.0)
 
     def _run(self, job: tuple) -> tuple:
@@ -326,16 +348,16 @@ class MooncakeBackend:
             if any(r == RPC_FAIL for r in res):
                 self._failed("batch_is_exist", RPC_FAIL)
             return ("exists", token, [int(r == 1) for r in res])
+        if kind == "remove":
+            return ("removed", token, [self.store.remove(name) for name in payload])
         return self._pull(token, payload)
 
     def _pull(self, token, items: list[TierItem]) -> tuple:
-        hdr, base = self._hdr["pull"], _address(self._hdr["pull"])
-        ptrs, sizes = [], []
-        for i, it in enumerate(items):
-            ptrs.append([base + i * HEADER_BYTES] + [self._card_addr + o for o in it.offsets])
-            sizes.append([HEADER_BYTES] + [it.shard_bytes] * it.num_shards)
+        hdr = self._hdr["pull"]
+        ptrs, sizes = self._buffers(items, "pull")
         t0 = time.perf_counter()
-        res = self.store.batch_get_into_multi_buffers([it.name for it in items], ptrs, sizes)
+        with self._words_registered(items):
+            res = self.store.batch_get_into_multi_buffers([it.name for it in items], ptrs, sizes)
         seconds = time.perf_counter() - t0
         out, nbytes = [], 0
         for i, (it, rc) in enumerate(zip(items, res, strict=True)):
@@ -355,9 +377,39 @@ class MooncakeBackend:
             self._failed("batch_get_into", RPC_FAIL)
         return ("pull", token, out, nbytes, seconds)
 
+    def _buffers(self, items: list[TierItem], which: str) -> tuple[list, list]:
+        """Per item, the addresses and sizes of its parts in object order: header (a side
+        buffer), the shards (straight in the card's slots), the checksum words if any."""
+        base = _address(self._hdr[which])
+        ptrs, sizes = [], []
+        for i, it in enumerate(items):
+            ptrs.append([base + i * HEADER_BYTES] + [self._card_addr + o for o in it.offsets])
+            sizes.append([HEADER_BYTES] + [it.shard_bytes] * it.num_shards)
+            if it.check_bytes:
+                ptrs[-1].append(_address(it.checks))
+                sizes[-1].append(it.check_bytes)
+        return ptrs, sizes
+
+    @contextlib.contextmanager
+    def _words_registered(self, items: list[TierItem]):
+        """RDMA moves registered memory only: the items' word buffers are registered for the
+        call (TCP moves any address: nothing to do)."""
+        bufs = [it.checks for it in items if it.check_bytes]
+        if self.settings.protocol != "rdma" or not bufs:
+            yield
+            return
+        addrs = [_address(b) for b in bufs]
+        for a, b in zip(addrs, bufs, strict=True):
+            self.store.register_buffer(a, len(b))
+        try:
+            yield
+        finally:
+            for a in addrs:
+                self.store.unregister_buffer(a)
+
     def _verify(self, it: TierItem, header: bytes) -> str:
         magic, version, flags, shards, digest, kdig, shard_bytes, crc, mac = HEADER.unpack(header)
-        want = (MAGIC, VERSION, it.num_shards, it.digest, key_digest(it.key), it.shard_bytes)
+        want = (MAGIC, it.version, it.num_shards, it.digest, key_digest(it.key), it.shard_bytes)
         if (magic, version, shards, digest, kdig, shard_bytes) != want:
             log.warning("mooncake tier: object %s has a foreign header (layout or key differs): "
                         "a miss", it.name)
@@ -376,13 +428,15 @@ class MooncakeBackend:
         h = hashlib.blake2b(signed, digest_size=16, key=self._mac_key)
         for off in it.offsets:
             h.update(self._view[off:off + it.shard_bytes])  # releases the GIL
+        if it.checks is not None:
+            h.update(it.checks)
         return h.digest()
 
     def _crc(self, it: TierItem) -> int:
         crc, view = 0, self._view
         for off in it.offsets:
             crc = zlib.crc32(view[off:off + it.shard_bytes], crc)  # releases the GIL
-        return crc
+        return zlib.crc32(it.checks, crc) if it.checks is not None else crc
 
     # ------------------------------------------------------------------ push thread
 
@@ -403,17 +457,16 @@ class MooncakeBackend:
     def _push(self, items: list[TierItem]) -> tuple:
         if self.state != "up" or self.store is None:
             return ("pushed", items, [False] * len(items), 0)
-        hdr, base = self._hdr["push"], _address(self._hdr["push"])
-        ptrs, sizes = [], []
+        hdr = self._hdr["push"]
         for i, it in enumerate(items):
             head = pack_header(it.digest, it.key, it.num_shards, it.shard_bytes, self._crc(it),
-                               FLAG_MAC if self._mac_key else 0)
+                               FLAG_MAC if self._mac_key else 0, version=it.version)
             if self._mac_key is not None:
                 head = head[:SIGNED] + self._mac(it, head[:SIGNED])
             hdr[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = head
-            ptrs.append([base + i * HEADER_BYTES] + [self._card_addr + o for o in it.offsets])
-            sizes.append([HEADER_BYTES] + [it.shard_bytes] * it.num_shards)
-        res = self.store.batch_put_from_multi_buffers([it.name for it in items], ptrs, sizes)
+        ptrs, sizes = self._buffers(items, "push")
+        with self._words_registered(items):
+            res = self.store.batch_put_from_multi_buffers([it.name for it in items], ptrs, sizes)
         if any(r == RPC_FAIL for r in res):
             self._failed("batch_put_from", RPC_FAIL)
         ok = [r in (0, OBJECT_ALREADY_EXISTS) for r in res]  # another host wrote it first
