@@ -36,14 +36,23 @@ MAX_CHECK_WORDS = 4096
 def check_words(plan, enabled: bool = True) -> int:
     """uint32 checksum words per shard of one object of ``plan``'s group (``GroupPlan``): one per
     layer; 0 when ``enabled`` is False, when a layer's page is not a multiple of 4 bytes (the
-    checksum's word) or when the group has more layers than the gateway keeps words."""
+    checksum's word), when the group has more layers than the gateway keeps words, or when
+    the words would take more than 1/8 of the object's slot (the gateway refuses that HELLO)."""
     if not enabled:
         return 0
     g = plan.group
     sizes = [g.bytes_of(i) for i in range(len(g.layer_names))]
     if not sizes or any(s % 4 for s in sizes) or len(sizes) > MAX_CHECK_WORDS:
         return 0
+    if len(sizes) * 4 * 8 > _slot_bytes(plan):
+        return 0
     return len(sizes)
+
+
+def _slot_bytes(plan) -> int:
+    """The gateway's slot for one shard: the registered bytes rounded up to 4 KiB."""
+    b = getattr(plan, "registered_bytes", None)
+    return 1 << 62 if b is None else -(-b // 4096) * 4096
 
 
 def session_words(session) -> dict[int, int]:
@@ -58,6 +67,8 @@ def unverified_reason(plan) -> str:
     sizes = sorted({g.bytes_of(i) for i in range(len(g.layer_names))})
     if len(g.layer_names) > MAX_CHECK_WORDS:
         return f"{len(g.layer_names)} layers > {MAX_CHECK_WORDS} words"
+    if len(g.layer_names) * 32 > _slot_bytes(plan):
+        return "the words would take more than 1/8 of the object's slot"
     return f"page sizes {sizes} bytes are not all multiples of 4"
 
 

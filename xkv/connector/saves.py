@@ -369,6 +369,9 @@ class Saver:
             self._count("save_errors", len(keys))
             self._count("gateway_errors")
             log.warning("xkv: %s refused: %s", what, e)
+        except ValueError as e:  # the client refused before sending (e.g. checksum words)
+            self._count("save_errors", len(keys))
+            log.warning("xkv: %s not sent: %s", what, e)
 
     def _count(self, name: str, value: float = 1) -> None:
         with self._counts_lock:
