@@ -15,6 +15,7 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from store_results import wait  # noqa: E402
 
 from xkv.gateway.client import GatewayClient
 from xkv.gateway.disk_format import (
@@ -36,18 +37,6 @@ from xkv.gateway.tier_store import layout_digest
 
 DIGEST = bytes(range(16))
 CARD = 8 << 20
-
-
-def wait(store, kind, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not store.done.empty():
-            msg = store.done.get_nowait()
-            if msg[0] == kind:
-                return msg
-            continue
-        time.sleep(0.001)
-    raise AssertionError(f"no {kind} result")
 
 
 def make_store(tmp, card, direct):

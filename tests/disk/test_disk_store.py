@@ -12,6 +12,7 @@ import time
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from store_results import wait  # noqa: E402
 
 from xkv.gateway import disk_store as ds
 from xkv.gateway.disk_format import (
@@ -26,18 +27,6 @@ from xkv.gateway.disk_store import DiskError, DiskItem, DiskStore, check_dir
 
 DIGEST = bytes(range(16))
 CARD = 8 << 20
-
-
-def wait(store, kind, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not store.done.empty():
-            msg = store.done.get_nowait()
-            if msg[0] == kind:
-                return msg
-            continue
-        time.sleep(0.001)
-    raise AssertionError(f"no {kind} result")
 
 
 @pytest.fixture
