@@ -5,18 +5,15 @@ card is served with the words it was committed with."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 
 import pytest
-from tier_hosts import check, hosts
+from tier_hosts import check, hosts, start_backends
 
 from xkv.gateway.testing import wait_tier_result
 from xkv.gateway.tier_store import (
     HEADER_BYTES,
-    MooncakeBackend,
-    MooncakeSettings,
     TierItem,
     layout_digest,
     mooncake_key,
@@ -27,24 +24,11 @@ SB = 12345
 DIGEST = layout_digest("prod", "llama-fp", 2, SB, 5)
 
 
-def _start(master, secrets):
-    out = []
-    for secret in secrets:
-        card = mmap.mmap(-1, CARD)
-        b = MooncakeBackend(MooncakeSettings(master.address, master.metadata,
-                                             segment_bytes=32 << 20, secret=secret), card)
-        b.start()
-        out.append((b, card))
-    deadline = time.monotonic() + 30
-    while any(b.state != "up" for b, _ in out):
-        assert time.monotonic() < deadline, [b.state for b, _ in out]
-        time.sleep(0.02)
-    return out
 
 
 @pytest.mark.parametrize("secret", [None, b"0123456789abcdef-cluster"])
 def test_words_push_and_pull_exactly_damage_is_a_miss(master, secret):
-    out = _start(master, [secret, secret])
+    out = start_backends(master, [secret, secret])
     (a, card_a), (b, card_b) = out
     try:
         keys = [os.urandom(32) for _ in range(4)]

@@ -4,17 +4,14 @@ truncated, foreign header) turning into a miss. Bytes are compared exactly, dest
 
 from __future__ import annotations
 
-import mmap
 import os
-import time
 
 import pytest
+from tier_hosts import start_backends
 
 from xkv.gateway.testing import wait_tier_result
 from xkv.gateway.tier_store import (
     HEADER_BYTES,
-    MooncakeBackend,
-    MooncakeSettings,
     TierItem,
     layout_digest,
     mooncake_key,
@@ -26,25 +23,12 @@ DIGEST = layout_digest("prod", "llama-fp", 2, 12345)
 
 
 
-def _start(master, secrets):
-    out = []
-    for secret in secrets:
-        card = mmap.mmap(-1, CARD)
-        b = MooncakeBackend(MooncakeSettings(master.address, master.metadata,
-                                             segment_bytes=32 << 20, secret=secret), card)
-        b.start()
-        out.append((b, card))
-    deadline = time.monotonic() + 30
-    while any(b.state != "up" for b, _ in out):
-        assert time.monotonic() < deadline, [b.state for b, _ in out]
-        time.sleep(0.02)
-    return out
 
 
 @pytest.fixture
 def backends(master):
     """Two backends (hosts A and B) on one master, each with its own card."""
-    out = _start(master, [None, None])
+    out = start_backends(master, [None, None])
     yield out
     for b, _ in out:
         b.close()
@@ -128,7 +112,7 @@ def test_lost_corrupt_truncated_foreign_are_misses(backends, master):
 
 def test_secret_signed_objects_and_unsigned_or_foreign_signed_are_misses(master):
     key1, key2 = b"0123456789abcdef-cluster", b"another-cluster-secret!!"
-    out = _start(master, [key1, key1, key2, None])
+    out = start_backends(master, [key1, key1, key2, None])
     try:
         (a, card_a), (b, card_b), (c, _), (d, card_d) = out
         ks = [os.urandom(32) for _ in range(3)]

@@ -76,3 +76,24 @@ def check(host, result, keys, data, shard_bytes: int) -> None:
     for c, k in enumerate(keys[:result.num_chunks]):
         for s, off in enumerate(result.slots[0][c].offsets):
             assert bytes(card[off:off + shard_bytes]) == data[(k, s)], (c, s)
+
+
+def start_backends(master, secrets, card_bytes: int = 4 << 20) -> list:
+    """One started ``MooncakeBackend`` per secret (None: no MAC), each over its own card of
+    ``card_bytes``, all attached to ``master``: ``[(backend, card)]`` once every one is up."""
+    import mmap
+
+    from xkv.gateway.tier_store import MooncakeBackend, MooncakeSettings
+
+    out = []
+    for secret in secrets:
+        card = mmap.mmap(-1, card_bytes)
+        b = MooncakeBackend(MooncakeSettings(master.address, master.metadata,
+                                             segment_bytes=32 << 20, secret=secret), card)
+        b.start()
+        out.append((b, card))
+    deadline = time.monotonic() + 30
+    while any(b.state != "up" for b, _ in out):
+        assert time.monotonic() < deadline, [b.state for b, _ in out]
+        time.sleep(0.02)
+    return out
