@@ -3,8 +3,7 @@
 Both handlers take a cache group's copies of one step at once, as ``xkv.kernels`` prepared steps
 (validated and uploaded once, then one launch per layer): ``load_group`` for restores,
 ``load_before_forward`` for a restore's blocks the step's forward also writes (landed before the
-forward: ``loads.load_transfers``' ``fence_tail``),
-``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves;
+forward: ``loads.load_transfers``' ``fence_tail``), ``prepare_saves`` + ``save_prepared`` (per layer, as vLLM's ``save_kv_layer`` comes) for saves;
 ``save_mode`` step: ``save_group`` + ``fence_saves_deferred``, ``order_after_saves`` at the next
 bind (``saves`` module docstring).
 ``SyncTransferHandler`` (CPU tensors, vLLM's CPU engine, tests) runs them inline — on CPU the
@@ -273,7 +272,8 @@ class CudaTransferHandler(TransferHandler):
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
     ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
     load stream from the first copy to the last (events), host time spent issuing them, of it the
-    time to plan (validate, upload) the copies, and the step's launches (before-forward ones aside).
+    time to plan (validate, upload) the copies, host time of the before-forward (tail) launches
+    and the step's launches (those aside).
     A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
     groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
     """
@@ -289,7 +289,7 @@ class CudaTransferHandler(TransferHandler):
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
         self._timing = os.environ.get("XKV_TIMING", "0") == "1"
-        # [start event, host start, host end of issue, bytes, host plan seconds, launches]
+        # [start ev, host start, host end of issue, bytes, plan s, launches, tail host s, end ev]
         self._t: list = []
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
@@ -302,7 +302,7 @@ class CudaTransferHandler(TransferHandler):
         if self._timing:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.load_stream)
-            self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0]
+            self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0, 0.0, None]
 
     def load_group(self, names, card, offsets, pools, block_ids, checks=None):
         """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
@@ -335,16 +335,19 @@ class CudaTransferHandler(TransferHandler):
                     self._events[names[i]] = ev
             flags = WordsReadback(prep, len(pools)) if checks is not None else None
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
-        if self._t:
+        if self._t:  # end of the copies (not of the step: sync_loads comes after the forward)
             self._t[2] = time.perf_counter()
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
             self._t[5] += len(groups)
+            self._t[7] = torch.cuda.Event(enable_timing=True)
+            self._t[7].record(self.load_stream)
         return flags
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
         """One launch for every layer (per page size) on the load stream, then the compute
         stream waits for it (on the GPU) before the forward, so the forward's own KV of these
         blocks lands after the copy. A few blocks: the wait is short."""
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 self.verifier.record_tail(names, card, offsets, pools, block_ids)
@@ -356,6 +359,7 @@ class CudaTransferHandler(TransferHandler):
             self.verifier.check_tail(names)
         if self._t:
             self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
+            self._t[6] += time.perf_counter() - t0
 
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
@@ -380,19 +384,16 @@ class CudaTransferHandler(TransferHandler):
         self._events.clear()
 
     def sync_loads(self) -> None:
-        end = None
-        if self._t:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.load_stream)
+        end = self._t[7] if self._t else None
         self.load_stream.synchronize()
         self._events.clear()
         self._preps.clear()
         if end is not None:
-            start, h0, h1, nbytes, plan_s, launches = self._t
+            start, h0, h1, nbytes, plan_s, launches, tail_s, _ = self._t
             ms = start.elapsed_time(end)
             log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f plan_ms=%.2f "
-                     "launches=%d GBps=%.1f", nbytes, ms, (h1 - h0) * 1e3, plan_s * 1e3,
-                     launches, nbytes / ms / 1e6 if ms else 0.0)
+                     "tail_ms=%.2f launches=%d GBps=%.1f", nbytes, ms, (h1 - h0) * 1e3,
+                     plan_s * 1e3, tail_s * 1e3, launches, nbytes / ms / 1e6 if ms else 0.0)
             self._t = []
         if self.verifier is not None:
             self.verifier.check("restore")
