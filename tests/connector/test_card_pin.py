@@ -126,7 +126,7 @@ def test_segments_edges():
 
 def test_segment_size_from_the_environment(monkeypatch):
     monkeypatch.delenv("XKV_CARD_SEGMENT_MIB", raising=False)
-    assert card_pin.segment_bytes() == card_pin.SEGMENT_BYTES == 1 << 30
+    assert card_pin.segment_bytes() is None  # segments are opt-in (the H200 crash, card_pin)
     monkeypatch.setenv("XKV_CARD_SEGMENT_MIB", "64")
     assert card_pin.segment_bytes() == 64 << 20
     for bad in ("0", "-3", "1.5", "lots"):
@@ -162,6 +162,15 @@ def test_pin_registers_each_segment_and_unpin_lets_go_of_the_last_first(cudart, 
             assert host.is_host_accessible(card[:want[left - 1][0] + want[left - 1][1]])
     assert unpin(card, 1) == 0 and unpin(card) == 0 and cudart.pinned == {}
     assert not host.is_host_accessible(card)
+
+
+def test_without_segments_asked_for_the_card_is_one_registration(cudart, monkeypatch):
+    monkeypatch.delenv("XKV_CARD_SEGMENT_MIB", raising=False)
+    card = _card(9 * PAGE + 5, 77)
+    assert card_pin.pin_beside_engine(card) is card
+    assert [c[:3] for c in cudart.calls] == [("register", card.data_ptr(), card.numel())]
+    assert host.registered_ranges(card) == [(0, card.numel())] and host.is_host_accessible(card)
+    assert unpin(card, 1) == 0 and cudart.pinned == {}
 
 
 def test_unpin_all_and_limits(cudart):

@@ -137,3 +137,31 @@ def test_per_layer_launches_equal_one_layer_copies(job, budget):
         assert launch.args[9:16] + launch.args[18:] == alone.args[9:16] + alone.args[18:]
         for a, b in zip(launch.args[2:9], alone.args[2:9], strict=True):
             assert torch.equal(a, b)
+
+
+def test_checked_restores_default_to_their_own_budget(monkeypatch):
+    """A restore that checks checksums runs with ``VERIFIED_RESTORE_PROGRAMS`` when the caller
+    names no budget (hashing lengthens each program: 4 programs halve the H200's restore rate);
+    saves, unchecked restores and an explicit or ``XKV_MAX_PROGRAMS`` budget are unchanged."""
+    from pools import random_bytes
+
+    from xkv.kernels.page_copy import check_engine
+
+    monkeypatch.delenv("XKV_MAX_PROGRAMS", raising=False)
+    g = Geometry(8, 4096, ((0, 4096),))
+    pool = pool_over(random_bytes(g.extent, 1), 0, g)
+    card = torch.zeros(4096 * 8, dtype=torch.uint8)
+    offs = offsets_arg(np.arange(3, dtype=np.int64) * 4096, 1, "o")
+
+    def budget(save, checked, max_programs=None):
+        exp = None if save else np.zeros((1, 1), np.uint32)
+        checks = K.Checks(np.zeros(3, np.int64), np.arange(3), 1, expected=exp) if checked else None
+        job = build_job([pool], np.arange(3), card, offs, save=save, checks=checks)
+        return check_engine(job, "reference", max_programs)[1]
+
+    assert _launch.VERIFIED_RESTORE_PROGRAMS > _launch.DEFAULT_PROGRAMS
+    assert budget(False, True) == _launch.VERIFIED_RESTORE_PROGRAMS == K.default_programs(True)
+    assert budget(False, False) == budget(True, True) == budget(True, False) == _launch.DEFAULT_PROGRAMS
+    assert budget(False, True, 3) == 3
+    monkeypatch.setenv("XKV_MAX_PROGRAMS", "6")
+    assert budget(False, True) == budget(True, False) == 6

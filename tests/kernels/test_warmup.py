@@ -17,6 +17,7 @@ from pools import POISON, Geometry, geometries, pool_over, random_bytes
 import xkv.kernels as K
 from xkv.kernels import _launch
 from xkv.kernels.jobs import build_job, offsets_arg
+from xkv.kernels.page_copy import check_engine
 
 CACHES = [
     Geometry(6, 4096, ((0, 4096),)),  # NHD page
@@ -230,7 +231,8 @@ def test_checked_launches_use_warmed_variants(save):
         checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1, expected=exp)
         job = build_job([pool], np.arange(n)[::-1], card, offsets_arg(offs, 1, "o"), save=save,
                         checks=checks)
-        (launch,) = _launch.launches(job, K.default_programs())
+        _, budget = check_engine(job, "triton", None)  # a checked restore's own default budget
+        (launch,) = _launch.launches(job, budget)
         assert launch.key in keys, n
     _, pools = _caches(5)
     K.warmup(pools, card, engine="triton", checks=True)  # the odd (byte-word) cache: skipped

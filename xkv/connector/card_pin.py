@@ -1,4 +1,12 @@
-"""Pinning the gateway's card for the GPU in segments, so that letting go of it stalls nobody long.
+"""Pinning the gateway's card for the GPU, at once (the default) or in segments, so that letting go
+of it stalls nobody long.
+
+**Segments are opt-in** (``XKV_CARD_SEGMENT_MIB``): on the H200 (2026-12-03, bench/RESULTS.md) an
+engine whose 24 GiB card was registered in 1 GiB segments stopped with "illegal memory access" at
+its first save past the first segment, while the same run with the card registered at once was
+clean (and a 32 MiB anonymous mapping in 2 MiB segments copied across every boundary bit-exact).
+Until ``bench/card_pieces_probe.py`` has shown which mappings a kernel reaches through segments,
+the card is one registration and a dead gateway's idle release costs the measured ~45 ms per GiB.
 
 Why: ``cudaHostRegister`` / ``cudaHostUnregister`` hold a driver lock that blocks *every* CUDA call
 of the process for their whole duration, whichever thread makes them (measured on the H200,
@@ -17,7 +25,7 @@ adjacent registered pieces).
 Segment boundaries are page-aligned in absolute addresses (``cudaHostRegister`` pins whole pages;
 two registrations must not share one): boundary ``k`` is ``page_floor(ptr) + k * segment``, so the
 first segment is short by ``ptr``'s offset into its page and the last one holds the rest.
-``XKV_CARD_SEGMENT_MIB`` overrides the size (benchmarks; a positive number of MiB).
+``XKV_CARD_SEGMENT_MIB`` (a positive number of MiB) turns segments on at that size.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import torch
 
 from xkv.kernels import host
 
-#: Bytes of one registered segment of the card: one unregister of it stalls CUDA ~17 ms (H200).
+#: Bytes of one registered segment when :func:`segments` is called without a size (one unregister
+#: of it stalls CUDA ~17 ms on the H200); the card itself is pinned in segments only when
+#: ``XKV_CARD_SEGMENT_MIB`` asks for it (:func:`segment_bytes`).
 SEGMENT_BYTES = 1 << 30
 PAGE = mmap.PAGESIZE
 #: Seconds to wait between two segments registered at an attach (beside a running engine): the
@@ -39,11 +49,12 @@ PAGE = mmap.PAGESIZE
 REGISTER_PAUSE_S = 0.005
 
 
-def segment_bytes() -> int:
-    """:data:`SEGMENT_BYTES`, or ``XKV_CARD_SEGMENT_MIB`` MiB when set (a positive integer)."""
+def segment_bytes() -> int | None:
+    """``XKV_CARD_SEGMENT_MIB`` MiB when set (a positive integer), else None: the card is
+    registered at once (segments are opt-in, see the module docstring)."""
     v = os.environ.get("XKV_CARD_SEGMENT_MIB", "").strip()
     if not v:
-        return SEGMENT_BYTES
+        return None
     try:
         mib = int(v)
     except ValueError:
@@ -73,13 +84,16 @@ def segments(nbytes: int, ptr: int = 0, seg: int = SEGMENT_BYTES) -> list[tuple[
 
 def pin(card: torch.Tensor, seg: int | None = None,
         pause: Callable[[], None] | None = None) -> torch.Tensor:
-    """Register ``card`` (a contiguous CPU uint8 tensor) for the GPU, one segment per
-    ``cudaHostRegister``; ``pause()`` runs between two segments. Returns ``card``. A failure
+    """Register ``card`` (a contiguous CPU uint8 tensor) for the GPU, one segment of ``seg``
+    bytes per ``cudaHostRegister`` (None: :func:`segment_bytes`; no segments asked for: the whole
+    card in one call); ``pause()`` runs between two segments. Returns ``card``. A failure
     unregisters the segments registered so far and raises (the card is then not usable)."""
     seg = segment_bytes() if seg is None else seg
     if card.device.type != "cpu" or not card.is_contiguous() or card.element_size() != 1:
         raise ValueError(f"pin needs a contiguous 1-byte CPU tensor, got {card.dtype} on "
                          f"{card.device}")
+    if seg is None:
+        return host.register_host(card)
     try:
         for i, (off, n) in enumerate(segments(card.numel(), card.data_ptr(), seg)):
             if i and pause is not None:

@@ -47,6 +47,11 @@ __all__ = [
 ]
 
 DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs when tiles are 2-D
+#: Restores that hash while they copy (checksums): each program's loop is longer, so it takes more
+#: programs to keep enough host reads in flight. H200, bench/page_mover.py --checksums
+#: (2026-12-03): 4 programs reach 0.46-0.63 x the unverified restore, 16 reach 0.74-0.93 (>= 16 KiB
+#: fragments: 0.87-0.93). Checked saves hash what they read from HBM: 4 programs suffice (0.99-1.0).
+VERIFIED_RESTORE_PROGRAMS = 16
 READ_TILE_BYTES = 128 * 1024  # bytes a program loads per step when the flat side is read (restore)
 WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side written (save, pack)
 MAX_COL_BYTES = 4096  # widest tile row
@@ -62,11 +67,13 @@ class LaunchConfig:
     num_warps: int
 
 
-def default_programs() -> int:
-    """The SM budget used when a caller passes ``max_programs=None`` (env ``XKV_MAX_PROGRAMS``)."""
+def default_programs(verified_restore: bool = False) -> int:
+    """The SM budget used when a caller passes ``max_programs=None`` (env ``XKV_MAX_PROGRAMS``,
+    which sets both): :data:`VERIFIED_RESTORE_PROGRAMS` for a restore that checks checksums,
+    else :data:`DEFAULT_PROGRAMS`."""
     v = os.environ.get("XKV_MAX_PROGRAMS")
     if v is None:
-        return DEFAULT_PROGRAMS
+        return VERIFIED_RESTORE_PROGRAMS if verified_restore else DEFAULT_PROGRAMS
     n = int(v)
     if n < 1:
         raise ValueError(f"XKV_MAX_PROGRAMS must be >= 1, got {v!r}")

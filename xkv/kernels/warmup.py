@@ -72,7 +72,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         offset_alignment: a power of two every object (slot) start in ``flat`` is a multiple of
             (the card's ``slot_alignment_bytes``); fragments lie at a slot start plus multiples of
             ``block_bytes``. Every word size such offsets can give is warmed.
-        max_programs: the SM budget the copies will use (None: ``default_programs()``).
+        max_programs: the SM budget the copies will use (None: ``default_programs()``, and
+            ``default_programs(True)`` for checked restores).
         engine: ``"auto"`` warms Triton for CUDA pools (nothing to compile on CPU, where the torch
             engine runs); ``"triton"`` also on CPU pools (under ``TRITON_INTERPRET=1``).
         restore_groups: lists of indices into ``pools`` restored by one launch together (grouped
@@ -103,6 +104,10 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     probe = build_job(pools[:1], [], flat, None, save=False, flat_name="flat")  # the buffer's checks
     flat = probe.flat
     _, budget = check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
+    # a checked restore runs with its own default budget (_launch.VERIFIED_RESTORE_PROGRAMS)
+    vbudget = budget if max_programs is not None else _launch.default_programs(True)
+    budget_of = {(s, c): vbudget if c and not s else budget for s in (False, True)
+                 for c in (False, True)}
     tables = _launch.Tables()
     zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
     warmed: dict[tuple, _launch.LaunchPlan] = {}
@@ -116,7 +121,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         for save in (False, True):
             for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
                 for check in variants:
-                    for p in _samples([pool], flat, save, g, budget, check):
+                    for p in _samples([pool], flat, save, g, budget_of[save, check], check):
                         warmed.setdefault(p.key, p)
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
@@ -131,7 +136,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         seen_groups.add(key)
         for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
             for check in variants:
-                for p in _samples(grp, flat, save, g, budget, check):
+                for p in _samples(grp, flat, save, g, budget_of[save, check], check):
                     warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
