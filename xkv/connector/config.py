@@ -60,7 +60,7 @@ OPTIONS: dict[str, Option] = {
     "lookup_timeout_ms": Option(50.0, (int, float), "deadline of one LOOKUP (scheduler)"),
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
-    "verify_checksums": Option(False, (bool,), "check every restored page against the checksum its save computed (CPU-verified; not yet run on a GPU)"),
+    "verify_checksums": Option(False, (bool,), "check every restored page against the checksum its save computed (opt-in: restores cost up to 1.6x on the H200, docs/verification.md)"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
