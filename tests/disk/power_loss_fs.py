@@ -124,7 +124,7 @@ class Model:
         for op in d.names:
             if rng.random() < keep:
                 _apply_name(entries, op)
-        for name, child in sorted(entries.items()):
+        for name, child in sorted(entries.items(), key=lambda e: e[1]):  # not by random names
             p = os.path.join(path, name)
             if self.inodes[child].is_dir:
                 os.mkdir(p, 0o700)
