@@ -26,8 +26,9 @@ the words after the shards. Objects without words keep version 1, byte for byte.
 digest of a layout with words includes check_words, so the two never share a directory.)
 
 Visibility: a file is written under a temporary name (``<name>.tmp-<random>``), made durable
-(``fdatasync``), then renamed to its name, and its directory is synced; the loop learns of it
-only after that. A name therefore always holds a complete file, unless the disk itself lost
+(``fdatasync``), then renamed to its name, and its directory is synced (so is the parent of a
+directory the write had to make); the loop learns of it only after that
+(tests/disk/test_disk_power_loss.py draws power losses at every step). A name therefore always holds a complete file, unless the disk itself lost
 bytes; those, and any other damage, fail the header or checksum test on read: a miss.
 """
 

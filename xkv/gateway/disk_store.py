@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from xkv.gateway.disk_crc import SlotCrc
-from xkv.gateway.disk_dir import DiskError, check_dir
+from xkv.gateway.disk_dir import DiskError, check_dir, sync_dir
 from xkv.gateway.disk_format import (
     BLOCK,
     TMP_MARK,
@@ -395,11 +395,7 @@ class DiskStore:
             nbytes += it.nbytes if status == "ok" else 0
         for d in dirs:  # the renames are durable before the loop learns of them
             try:
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                sync_dir(d)
             except OSError as e:
                 log.warning("disk tier: syncing %s failed (%s)", d, e.strerror)
                 out = ["error" if s == "ok" and os.path.dirname(os.path.join(self.root, it.rel))
@@ -413,7 +409,11 @@ class DiskStore:
         try:
             return os.open(tmp, flags, 0o600), tmp
         except FileNotFoundError:  # first object of its layout or prefix (or the dir was removed)
-            os.makedirs(os.path.dirname(tmp), 0o700, exist_ok=True)
+            d = os.path.dirname(tmp)
+            os.makedirs(d, 0o700, exist_ok=True)
+            # a new directory's name is durable only once its parent is synced (issue 26)
+            sync_dir(os.path.dirname(d))
+            sync_dir(os.path.dirname(os.path.dirname(d)))
             return os.open(tmp, flags, 0o600), tmp
 
     def _write_one(self, it: DiskItem, hdr, dirs: set) -> str:
