@@ -18,6 +18,7 @@ from xkv.gateway import disk_store as ds
 from xkv.gateway.disk_format import (
     BLOCK,
     ROOT_NAME,
+    TMP_MARK,
     check_header,
     file_bytes,
     file_name,
@@ -255,6 +256,23 @@ def test_directory_checks(tmp_path, card, monkeypatch):
     monkeypatch.setattr(ds.os, "geteuid", lambda: 4242424)
     with pytest.raises(DiskError, match="belongs to uid"):
         check_dir(str(d))
+
+
+def test_a_start_removes_probe_files_an_earlier_start_left(tmp_path):
+    """A power loss between the O_DIRECT probe's create and unlink leaves its file; the next start
+    removes it (only probe files: an object's temporary file is the scan's business)."""
+    root, _ = check_dir(str(tmp_path))
+    old = os.path.join(root, f"probe{TMP_MARK}0badcafe")
+    other = os.path.join(root, f"ab{TMP_MARK}12345678")
+    os.makedirs(os.path.join(root, f"probe{TMP_MARK}dir"))  # not a regular file: left alone
+    for p in (old, other):
+        with open(p, "wb") as f:
+            f.write(b"\0" * BLOCK)
+    check_dir(str(tmp_path))
+    left = sorted(os.listdir(root))
+    assert os.path.basename(old) not in left and os.path.basename(other) in left
+    assert f"probe{TMP_MARK}dir" in left and not any(
+        n.startswith(f"probe{TMP_MARK}") and os.path.isfile(os.path.join(root, n)) for n in left)
 
 
 def test_o_direct_refused_when_slots_are_not_aligned(tmp_path, card):

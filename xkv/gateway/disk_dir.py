@@ -29,6 +29,21 @@ def sync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _remove_old_probes(root: str) -> None:
+    """Remove probe files an earlier start left behind (a power loss between the probe's create
+    and its unlink leaves one; never read, but they would pile up). Only our regular files."""
+    for name in os.listdir(root):
+        if not name.startswith(f"probe{TMP_MARK}"):
+            continue
+        p = os.path.join(root, name)
+        try:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(p)
+        except OSError:
+            pass  # gone meanwhile or not ours to remove: the scan ignores it either way
+
+
 def check_dir(path: str) -> tuple[str, bool]:
     """Make ``<path>/xkv-disk-1`` (mode 0700) and check it is usable; returns (its path, whether
     O_DIRECT works there). Raises DiskError naming the path and the problem."""
@@ -60,6 +75,7 @@ def check_dir(path: str) -> tuple[str, bool]:
     if st.st_mode & 0o077:
         raise DiskError(f"--disk {path}: {root} has mode {st.st_mode & 0o777:o}; other users "
                         f"could read or plant objects: chmod 700 it")
+    _remove_old_probes(root)
     probe = os.path.join(root, f"probe{TMP_MARK}{secrets.token_hex(4)}")
     buf = mmap.mmap(-1, BLOCK)
     direct = hasattr(os, "O_DIRECT")
