@@ -26,6 +26,7 @@ Usage (GPU machine, vLLM 0.26 importable, repo on PYTHONPATH; bench/gpu_e2e.sh d
   python bench/e2e_ttft.py --model bench/models/llama8b --out $OUT [--lens 4096,8192,16384,32768]
   python bench/e2e_ttft.py --report-only OUT/e2e_ttft.json --out DIR   # table + PNG again
   python bench/e2e_ttft.py --kinds none,xkv --load-mode async --out $OUT/async   # restores parked
+  python bench/e2e_ttft.py --kinds none,xkv,xkv@save_mode=step,offload   # a setting, same call
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+import e2e_kinds
 import e2e_models
 
 KINDS = ("none", "xkv", "offload", "verify")
@@ -87,14 +89,16 @@ def _args(argv=None):
                     help="cold requests timed one by one after the gateway's SIGKILL (xkv)")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
     e2e_models.add_args(ap)
-    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------- child
-def _engine(a, kind, max_len):
+def _engine(a, label, max_len):
     from vllm import LLM
+
+    kind = e2e_kinds.base(label)
 
     kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               enforce_eager=(a.mode == "eager"), gpu_memory_utilization=a.gpu_util, max_model_len=max_len + 64,
@@ -113,7 +117,8 @@ def _engine(a, kind, max_len):
                                           "chunk_size": e2e_models.chunk_tokens(a),
                                           "verify_restores": kind == "verify",
                                           "load_mode": a.load_mode,
-                                          **e2e_models.connector_extra(a)},
+                                          **e2e_models.connector_extra(a),
+                                          **e2e_kinds.options(label)},
         }
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -155,7 +160,8 @@ def _emit(tag, obj):
 
 
 def _child(a):
-    kind = a.child
+    label = a.child  # the row label: a variant (xkv@KEY=VALUE) runs as its base kind
+    kind = e2e_kinds.base(label)
     lens = [int(x) for x in (a.verify_lens if kind == "verify" else a.lens).split(",")]
     reps = 1 if kind == "verify" else a.reps
     cold_reps = 1 if kind == "verify" else max(a.reps, a.cold_reps)
@@ -171,12 +177,12 @@ def _child(a):
         e2e_models.install_state_check()
     t0 = time.perf_counter()
     max_len = max(lens + [a.multi_len, len(ref_prompt)])
-    llm = _engine(a, kind, max_len)
-    _emit("E2E_INFO", dict(kind=kind, engine_start_s=round(time.perf_counter() - t0, 1)))
+    llm = _engine(a, label, max_len)
+    _emit("E2E_INFO", dict(kind=label, engine_start_s=round(time.perf_counter() - t0, 1)))
 
     def row(phase, n, r):
         r = {k: v for k, v in r.items() if k not in ("logprobs",)}
-        _emit("E2E_ROW", dict(kind=kind, phase=phase, tokens=n, **r))
+        _emit("E2E_ROW", dict(kind=label, phase=phase, tokens=n, **r))
 
     def reset():
         ok = llm.reset_prefix_cache()
@@ -197,7 +203,7 @@ def _child(a):
     elif kind in ("xkv", "verify"):
         if kind == "verify" and a.verify_fresh_engine:  # restored by a new engine: a restart
             box, llm = [llm], None  # no reference left here while the new engine starts
-            llm = e2e_models.fresh_engine(box, lambda: _engine(a, kind, max_len))
+            llm = e2e_models.fresh_engine(box, lambda: _engine(a, label, max_len))
         else:
             reset()
         ref["restored"] = _run(llm, [ref_prompt], logprobs=5)[0]
@@ -242,7 +248,7 @@ def _child(a):
             r["ttft_ms"] = r["ftl_ms"] if r["ftl_ms"] is not None else wall
             r["wall_ms"] = round(wall, 2)
             row("multi", a.multi_len, r)
-    if kind == "xkv" and a.gateway_pid:
+    if label == "xkv" and a.gateway_pid:  # variants keep their gateway
         os.kill(a.gateway_pid, signal.SIGKILL)
         time.sleep(0.5)
         reset()
@@ -316,9 +322,10 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}}
+    e2e_kinds.check(a.kinds.split(","), KINDS)
     for kind in a.kinds.split(","):
         log = open(out / f"{kind}.log", "w")  # noqa: SIM115 (closed below, after the child)
-        gw = _start_gateway(a, log) if kind in ("xkv", "verify") else None
+        gw = _start_gateway(a, log) if e2e_kinds.base(kind) in ("xkv", "verify") else None
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
         if gw is not None:
             cmd += ["--gateway-pid", str(gw.pid)]
@@ -449,6 +456,7 @@ def _report(res, out):
         xc, oc = _median(rows, "xkv", "cold", n), _median(rows, "offload", "cold", n)
         lines.append(f"| {n} | {f(rc)} | {f(hit)} | {f(rs)} | {f(of)} | {q(rs, rc)} | {q(rs, of)} | "
                      f"{f(xc)} ({pc(xc, rc)}) | {f(oc)} ({pc(oc, rc)}) |")
+    lines += e2e_kinds.report(rows, lens, _median)
     lines += ["", "Engine scheduled-to-first-token, ms (median): "
               + "; ".join(f"{n}: none cold {f(_median(rows, 'none', 'cold', n, 'engine_ms'))}, hit "
                           f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "

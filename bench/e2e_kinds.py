@@ -1,0 +1,55 @@
+"""Variant kinds of ``bench/e2e_ttft.py``: ``xkv@KEY=VALUE[+KEY=VALUE...]`` is an xkv engine with
+those ``kv_connector_extra_config`` options, measured in the same call as the plain kinds (e.g.
+``--kinds none,xkv,xkv@save_mode=step,xkv@verify_checksums=on,offload``), so a setting's cost
+is a same-call comparison. ``on``/``off``/``true``/``false`` are booleans, digits integers."""
+
+from __future__ import annotations
+
+_BOOL = {"on": True, "true": True, "off": False, "false": False}
+
+
+def base(kind: str) -> str:
+    """The engine a kind runs: ``xkv@save_mode=step`` -> ``xkv``."""
+    return kind.split("@", 1)[0]
+
+
+def options(kind: str) -> dict:
+    """The connector options of a variant kind ({} for a plain one); SystemExit names a bad one."""
+    if "@" not in kind:
+        return {}
+    if base(kind) != "xkv":
+        raise SystemExit(f"kind {kind!r}: only xkv takes options (xkv@KEY=VALUE[+KEY=VALUE])")
+    out = {}
+    for kv in kind.split("@", 1)[1].split("+"):
+        k, sep, v = kv.partition("=")
+        if not sep or not k or not v:
+            raise SystemExit(f"kind {kind!r}: expected xkv@KEY=VALUE[+KEY=VALUE], got {kv!r}")
+        out[k] = _BOOL.get(v.lower(), int(v) if v.isdigit() else v)
+    return out
+
+
+def check(kinds: list[str], known: tuple[str, ...]) -> None:
+    """Every kind is known or a valid variant (before any engine starts)."""
+    for k in kinds:
+        if base(k) not in known:
+            raise SystemExit(f"unknown kind {k!r}: expected one of {known} or xkv@KEY=VALUE")
+        options(k)
+
+
+def report(rows: list[dict], lens: list[int], median) -> list[str]:
+    """A table of the variant kinds against plain xkv and no connector (empty without variants).
+    ``median(rows, kind, phase, n)``: e2e_ttft's median (None when absent)."""
+    variants = sorted({r["kind"] for r in rows if "@" in r["kind"]})
+    if not variants:
+        return []
+    f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+    pc = lambda x, y: "—" if x is None or not y else f"{(x / y - 1) * 100:+.1f}%"  # noqa: E731
+    out = ["", "Variants (same call), TTFT ms, median:", "",
+           "| kind | tokens | restore | restore vs xkv | cold with stores | vs recompute |",
+           "|---|---|---|---|---|---|"]
+    for v in variants:
+        for n in lens:
+            rs, xr = median(rows, v, "restore", n), median(rows, "xkv", "restore", n)
+            cs, rc = median(rows, v, "cold", n), median(rows, "none", "cold", n)
+            out.append(f"| {v} | {n} | {f(rs)} | {pc(rs, xr)} | {f(cs)} | {pc(cs, rc)} |")
+    return out
