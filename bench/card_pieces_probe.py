@@ -25,6 +25,28 @@ WHERE = ("p0:copy_engine", "p0:triton", "p1:copy_engine", "p1:triton", "cross:tr
          "cross:copy_engine", "last:triton")
 
 
+def _device_pointers(ptr: int, pieces: list[tuple[int, int]]) -> None:
+    """What the driver says (libcuda, on the context torch made current): whether a registered
+    range's device pointer is its host pointer on this GPU, and each piece's device pointer."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        print(f"  libcuda: {e}", flush=True)
+        return
+    dev, v = ctypes.c_int(), ctypes.c_int()
+    cu.cuCtxGetDevice(ctypes.byref(dev))
+    rc = cu.cuDeviceGetAttribute(ctypes.byref(v), 91, dev)  # CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
+    print(f"  CanUseHostPointerForRegisteredMem = {v.value} (rc {rc})", flush=True)
+    for off, _ in pieces:
+        for at in (off, off + 4096):
+            d = ctypes.c_uint64()
+            rc = cu.cuMemHostGetDevicePointer_v2(ctypes.byref(d), ctypes.c_void_p(ptr + at), 0)
+            print(f"  piece at {at:#x}: device pointer {d.value:#x} == host {ptr + at:#x}: "
+                  f"{d.value == ptr + at} (rc {rc})", flush=True)
+
+
 def _child(a) -> None:
     import torch
 
@@ -44,8 +66,9 @@ def _child(a) -> None:
     ptr = card.data_ptr()
     card_pin.pin(card, seg if a.pieces else size + mmap.PAGESIZE)
     from xkv.kernels import host
-    print(f"  ptr {ptr:#x} (mod 2M {ptr % (2 << 20)}), pieces {host.registered_ranges(card)[:3]}",
-          flush=True)
+    pieces = host.registered_ranges(card)
+    print(f"  ptr {ptr:#x} (mod 2M {ptr % (2 << 20)}), pieces {pieces[:3]}", flush=True)
+    _device_pointers(ptr, pieces)
     bb = 12288 + 64
     first = card_pin.segments(size, ptr, seg)
     b1 = first[1][0] if len(first) > 1 else seg
@@ -91,12 +114,6 @@ def main() -> None:
                 print(f, fh.read().strip())
         except OSError as e:
             print(f, e)
-    try:
-        import torch
-        print("CanUseHostPointerForRegisteredMem",
-              torch.cuda.get_device_properties(0).__dict__.get("can_use_host_pointer_for_registered_mem", "?"))
-    except Exception as e:  # noqa: BLE001
-        print("device properties:", e)
     for backing, pieces in CASES:
         how = f"pieces of {a.seg_mib} MiB" if pieces else "one registration"
         print(f"{backing}, {how}:", flush=True)

@@ -36,12 +36,11 @@ def _remove_old_probes(root: str) -> None:
         if not name.startswith(f"probe{TMP_MARK}"):
             continue
         p = os.path.join(root, name)
-        try:
+        # gone meanwhile or not ours to remove: the scan ignores it either way
+        with contextlib.suppress(OSError):
             st = os.lstat(p)
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
                 os.unlink(p)
-        except OSError:
-            pass  # gone meanwhile or not ours to remove: the scan ignores it either way
 
 
 def check_dir(path: str) -> tuple[str, bool]:

@@ -36,6 +36,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchPlan",
     "Tables",
+    "copy_programs",
     "default_programs",
     "geometry_groups",
     "launch_config",
@@ -78,6 +79,14 @@ def default_programs(verified_restore: bool = False) -> int:
     if n < 1:
         raise ValueError(f"XKV_MAX_PROGRAMS must be >= 1, got {v!r}")
     return n
+
+
+def copy_programs(max_programs: int | None, *, save: bool, check: bool) -> int:
+    """The SM budget of one copy: ``max_programs``, or the default for its kind (a checked
+    restore has its own, :func:`default_programs`). The one rule launches and warmup share."""
+    if max_programs is not None:
+        return int(max_programs)
+    return default_programs(verified_restore=check and not save)
 
 
 def word_bytes(alignment: int) -> int:

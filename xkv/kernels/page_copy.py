@@ -134,9 +134,7 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         not isinstance(max_programs, (int, np.integer)) or max_programs < 1
     ):
         raise ValueError(f"max_programs must be a positive int, got {max_programs!r}")
-    verified_restore = job.checks is not None and not job.save
-    budget = (_launch.default_programs(verified_restore) if max_programs is None
-              else int(max_programs))
+    budget = _launch.copy_programs(max_programs, save=job.save, check=job.checks is not None)
     if not job.pools:
         return ("reference" if engine == "auto" else engine), budget
     dev = job.pools[0].device

@@ -103,11 +103,11 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         raise ValueError(f"warmup: pools on several devices: {sorted({str(p.device) for p in pools})}")
     probe = build_job(pools[:1], [], flat, None, save=False, flat_name="flat")  # the buffer's checks
     flat = probe.flat
-    _, budget = check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
-    # a checked restore runs with its own default budget (_launch.VERIFIED_RESTORE_PROGRAMS)
-    vbudget = budget if max_programs is not None else _launch.default_programs(True)
-    budget_of = {(s, c): vbudget if c and not s else budget for s in (False, True)
-                 for c in (False, True)}
+    check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
+
+    def budget(save: bool, check: bool) -> int:  # what check_engine gives each copy
+        return _launch.copy_programs(max_programs, save=save, check=check)
+
     tables = _launch.Tables()
     zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
     warmed: dict[tuple, _launch.LaunchPlan] = {}
@@ -121,7 +121,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         for save in (False, True):
             for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
                 for check in variants:
-                    for p in _samples([pool], flat, save, g, budget_of[save, check], check):
+                    for p in _samples([pool], flat, save, g, budget(save, check), check):
                         warmed.setdefault(p.key, p)
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
@@ -136,7 +136,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         seen_groups.add(key)
         for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
             for check in variants:
-                for p in _samples(grp, flat, save, g, budget_of[save, check], check):
+                for p in _samples(grp, flat, save, g, budget(save, check), check):
                     warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
