@@ -17,6 +17,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from connector_fakes import FakeGateway
@@ -82,6 +83,7 @@ def cudart(monkeypatch):
     monkeypatch.setattr(host, "torch", types.SimpleNamespace(Tensor=torch.Tensor, cuda=cuda))
     monkeypatch.setattr(host, "_registered", {})
     monkeypatch.setattr(host, "_spans", [])
+    monkeypatch.setattr(host, "_bounds", np.zeros(0, dtype=np.uint64))
     return rt
 
 
@@ -162,6 +164,35 @@ def test_pin_registers_each_segment_and_unpin_lets_go_of_the_last_first(cudart, 
             assert host.is_host_accessible(card[:want[left - 1][0] + want[left - 1][1]])
     assert unpin(card, 1) == 0 and unpin(card) == 0 and cudart.pinned == {}
     assert not host.is_host_accessible(card)
+
+
+def test_a_card_whose_storage_starts_pinned_still_gets_every_segment(cudart, monkeypatch):
+    """torch's ``Tensor.is_pinned`` answers for the tensor's *storage base*: once the first
+    segment of a card mapped with ``torch.frombuffer`` (storage base = card start, as the
+    connector maps it) is registered, every later segment reads as pinned. Trusting that left
+    segment 1 unregistered and a kernel faulted there on the H200 (2026-12-03). The fake answers
+    as torch does."""
+    import mmap
+
+    def torch_is_pinned(t):  # the driver asked about the storage base (torch's isPinnedPtr)
+        base = t.untyped_storage().data_ptr()
+        return any(p <= base < p + n for p, n in cudart.pinned.items())
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", torch_is_pinned)
+    m = mmap.mmap(-1, 9 * PAGE + 5)
+    card = torch.frombuffer(m, dtype=torch.uint8)
+    assert card.untyped_storage().data_ptr() == card.data_ptr()
+    want = segments(card.numel(), card.data_ptr(), 2 * PAGE)
+    pin(card, 2 * PAGE)
+    assert [(c[1] - card.data_ptr(), c[2]) for c in cudart.calls] == want and len(want) == 5
+    assert host.registered_ranges(card) == want
+    unpin(card, 4)  # only segment 0 stays: a slice of segment 1 is not reachable, whatever
+    o = want[1][0]   # torch says of the storage base
+    assert torch_is_pinned(card[o:o + 8]) and not host.is_host_accessible(card[o:o + 8])
+    assert host.is_host_accessible(card[:o])
+    unpin(card)
+    del card
+    m.close()
 
 
 def test_without_segments_asked_for_the_card_is_one_registration(cudart, monkeypatch):

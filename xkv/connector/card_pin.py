@@ -1,12 +1,16 @@
 """Pinning the gateway's card for the GPU, at once (the default) or in segments, so that letting go
 of it stalls nobody long.
 
-**Segments are opt-in** (``XKV_CARD_SEGMENT_MIB``): on the H200 (2026-12-03, bench/RESULTS.md) an
-engine whose 24 GiB card was registered in 1 GiB segments stopped with "illegal memory access" at
-its first save past the first segment, while the same run with the card registered at once was
-clean (and a 32 MiB anonymous mapping in 2 MiB segments copied across every boundary bit-exact).
-Until ``bench/card_pieces_probe.py`` has shown which mappings a kernel reaches through segments,
-the card is one registration and a dead gateway's idle release costs the measured ~45 ms per GiB.
+**Segments are opt-in** (``XKV_CARD_SEGMENT_MIB``) until a GPU run has shown them clean end to
+end. On the H200 (2026-12-03, bench/RESULTS.md) an engine whose 24 GiB card was registered in
+1 GiB segments stopped with "illegal memory access" at its first save past the first segment.
+``bench/card_pieces_probe.py`` found two causes, both fixed in ``xkv.kernels.host``: only the
+first segment was ever registered (torch's ``Tensor.is_pinned`` answers for a slice's storage
+base, so every later segment looked pinned already), and the copy engine refuses one copy that
+spans two registrations (copies are now cut at segment boundaries, ``host.split_at``). After the
+first fix the probe's Triton copies reached every segment and crossed boundaries bit-exact on the
+H200; the copy-engine cut is CPU-tested only. Without segments a dead gateway's idle release
+costs the measured ~45 ms per GiB.
 
 Why: ``cudaHostRegister`` / ``cudaHostUnregister`` hold a driver lock that blocks *every* CUDA call
 of the process for their whole duration, whichever thread makes them (measured on the H200,

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import torch
 
+from xkv.kernels import host
 from xkv.kernels.jobs import Job
 
 __all__ = ["available", "batch_copy", "plan", "run", "runner", "side_stream"]
@@ -108,17 +109,19 @@ def batch_copy(
 
     A host source that nothing on the GPU writes may be read out of stream order
     (``SRC_ACCESS_ORDER_ANY``, faster); a device source keeps stream order, since the model may
-    still be writing it.
+    still be writing it. A copy over the boundary of two registered pieces of host memory (a card
+    pinned in segments) is cut there (``host.split_at``): the driver refuses one copy spanning two.
     """
     fn = _resolve()
     if fn is None:
         raise RuntimeError("cuMemcpyBatchAsync is not available (needs a CUDA 12.8+ driver)")
-    count = int(sizes.size)
-    if count == 0:
+    if int(sizes.size) == 0:
         return
-    d = np.ascontiguousarray(dsts, dtype=np.uint64)
-    s = np.ascontiguousarray(srcs, dtype=np.uint64)
-    z = np.ascontiguousarray(sizes, dtype=np.uint64)
+    d, s, z = host.split_at(np.ascontiguousarray(dsts, dtype=np.uint64),
+                            np.ascontiguousarray(srcs, dtype=np.uint64),
+                            np.ascontiguousarray(sizes, dtype=np.uint64), host.piece_boundaries())
+    d, s, z = (np.ascontiguousarray(x) for x in (d, s, z))
+    count = int(z.size)
     attrs = _CUmemcpyAttributes(
         srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY
         if src_is_host

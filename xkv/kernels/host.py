@@ -15,14 +15,17 @@ from __future__ import annotations
 import bisect
 import threading
 
+import numpy as np
 import torch
 
-__all__ = ["is_host_accessible", "register_host", "registered_ranges", "unregister_host"]
+__all__ = ["is_host_accessible", "piece_boundaries", "register_host", "registered_ranges",
+           "split_at", "unregister_host"]
 
 _CUDA_HOST_REGISTER_DEFAULT = 0  # with UVA: mapped and portable, device pointer == host pointer
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # host address -> bytes
 _spans: list[tuple[int, int]] = []  # registered [start, end) merged where adjacent, sorted
+_bounds = np.zeros(0, dtype=np.uint64)  # where one registered piece ends and an adjacent one begins
 
 
 def register_host(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,7 @@ def register_host(t: torch.Tensor) -> torch.Tensor:
         return t
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     with _lock:
-        if _covered(ptr, nbytes) or t.is_pinned():
+        if _covered(ptr, nbytes) or _pinned_by_torch(t):
             return t
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_DEFAULT)
         if _err_code(err) != 0:
@@ -69,12 +72,7 @@ def is_host_accessible(t: torch.Tensor) -> bool:
         return False
     nbytes = t.numel() * t.element_size()
     with _lock:
-        if _covered(t.data_ptr(), nbytes):
-            return True
-    try:
-        return bool(t.is_pinned())
-    except RuntimeError:
-        return False
+        return _covered(t.data_ptr(), nbytes) or _pinned_by_torch(t)
 
 
 def registered_ranges(t: torch.Tensor) -> list[tuple[int, int]]:
@@ -88,21 +86,84 @@ def registered_ranges(t: torch.Tensor) -> list[tuple[int, int]]:
         return sorted((a - ptr, n) for a, n in _registered.items() if ptr <= a and a + n <= end)
 
 
+def piece_boundaries() -> np.ndarray:
+    """Addresses (uint64, ascending) where one registered piece ends and an adjacent one begins.
+
+    A kernel reads across them (each byte is registered), but one copy-engine copy must not
+    cross one: on the H200 ``cuMemcpyBatchAsync`` refused a copy spanning two registrations
+    (CUresult 1, 2026-12-03). Empty when every registration is alone (the card at once)."""
+    with _lock:
+        return _bounds
+
+
+def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+             bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copies ``sizes[k]`` bytes ``srcs[k] -> dsts[k]`` (addresses, one dtype), cut so that no
+    copy's source or destination range ``[a, a + size)`` has a ``bounds`` address strictly
+    inside: the same bytes to the same places, a copy crossing ``j`` boundaries becoming ``j + 1``
+    copies (appended after the uncut ones; a batch has no order). ``bounds`` ascending."""
+    if bounds.size == 0 or sizes.size == 0:
+        return dsts, srcs, sizes
+    b = bounds.astype(dsts.dtype)
+    inside = [(np.searchsorted(b, a, side="right"), np.searchsorted(b, a + sizes, side="left"))
+              for a in (srcs, dsts)]
+    cut = np.zeros(sizes.shape, dtype=bool)
+    for lo, hi in inside:
+        cut |= hi > lo
+    if not cut.any():
+        return dsts, srcs, sizes
+    keep = ~cut
+    out_d, out_s, out_z = [dsts[keep]], [srcs[keep]], [sizes[keep]]
+    for k in np.flatnonzero(cut):  # rare: a fragment over a piece boundary
+        d, s, z = int(dsts[k]), int(srcs[k]), int(sizes[k])
+        at = {int(x) - s for x in b[inside[0][0][k]:inside[0][1][k]]}
+        at |= {int(x) - d for x in b[inside[1][0][k]:inside[1][1][k]]}
+        edges = np.array([0, *sorted(at), z], dtype=np.int64)
+        lo, n = edges[:-1], np.diff(edges)
+        out_d.append((d + lo).astype(dsts.dtype))
+        out_s.append((s + lo).astype(srcs.dtype))
+        out_z.append(n.astype(sizes.dtype))
+    return np.concatenate(out_d), np.concatenate(out_s), np.concatenate(out_z)
+
+
 def _merge() -> None:
-    """Rebuild ``_spans`` (under ``_lock``): registrations change rarely, checks are per copy."""
+    """Rebuild ``_spans`` and ``_bounds`` (under ``_lock``): registrations change rarely, checks
+    are per copy."""
+    global _bounds
     spans: list[list[int]] = []
+    bounds: list[int] = []
     for a, n in sorted(_registered.items()):
         if spans and spans[-1][1] == a:
             spans[-1][1] = a + n
+            bounds.append(a)
         else:
             spans.append([a, a + n])
     _spans[:] = [(a, b) for a, b in spans]
+    _bounds = np.array(bounds, dtype=np.uint64)
 
 
 def _covered(ptr: int, nbytes: int) -> bool:
     """``[ptr, ptr + nbytes)`` lies inside one span of adjacent registered pieces."""
     i = bisect.bisect_right(_spans, (ptr, float("inf"))) - 1
     return i >= 0 and _spans[i][0] <= ptr and ptr + nbytes <= _spans[i][1]
+
+
+def _pinned_by_torch(t: torch.Tensor) -> bool:
+    """torch says ``t`` is page-locked, and that answer holds for ``t``'s own bytes (under ``_lock``).
+
+    ``Tensor.is_pinned`` asks the driver about the tensor's *storage base*, not its bytes: a slice
+    of a card registered in pieces reads as pinned once the first piece is. Trusting it skipped
+    every piece after the first, and a kernel faulted on the first unregistered byte ("illegal
+    memory access" on the H200, 2026-12-03, ``bench/card_pieces_probe.py``). So the answer counts
+    only where the base is not one of our registrations (then our ranges decide): memory from
+    torch's pinned allocator, which is page-locked as a whole.
+    """
+    if _covered(t.untyped_storage().data_ptr(), 1):
+        return False
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:
+        return False
 
 
 def _err_code(err: object) -> int:

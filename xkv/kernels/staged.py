@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xkv.kernels import _launch, copy_engine
+from xkv.kernels import _launch, copy_engine, host
 from xkv.kernels.jobs import Job
 
 __all__ = ["STAGED_MIN_BYTES", "chunks", "contiguous_ranges", "run"]
@@ -86,19 +86,23 @@ class _Pipeline:
         if self.dma is not None:
             for f, o, z in ranges:
                 self.dma(flat, f, slot, o, z, to_slot)
-        elif len(ranges) <= _BATCH_MIN_RANGES or not copy_engine.available():
-            for f, o, z in ranges:
+            return
+        fp, sp = flat.data_ptr(), slot.data_ptr()
+        r = np.array(ranges, dtype=np.int64).reshape(-1, 3)
+        # a range over two registered pieces of a card pinned in segments is cut there: one
+        # cudaMemcpy / batch copy must not span two registrations
+        fa, sa, zs = host.split_at(r[:, 0] + fp, r[:, 1] + sp, r[:, 2], host.piece_boundaries())
+        if len(zs) <= _BATCH_MIN_RANGES or not copy_engine.available():
+            for f, o, z in zip((fa - fp).tolist(), (sa - sp).tolist(), zs.tolist(), strict=True):
                 a, b = flat[f : f + z], slot[o : o + z]
                 if to_slot:
                     b.copy_(a, non_blocking=True)
                 else:
                     a.copy_(b, non_blocking=True)
         else:
-            fp, sp = flat.data_ptr(), slot.data_ptr()
-            r = np.array(ranges, dtype=np.int64).reshape(-1, 3)
-            src, dst = (r[:, 0] + fp, r[:, 1] + sp) if to_slot else (r[:, 1] + sp, r[:, 0] + fp)
+            src, dst = (fa, sa) if to_slot else (sa, fa)
             copy_engine.batch_copy(dst.astype(np.uint64), src.astype(np.uint64),
-                                   r[:, 2].astype(np.uint64), device=self.dev,
+                                   zs.astype(np.uint64), device=self.dev,
                                    src_is_host=to_slot and flat.device.type == "cpu")
 
 
