@@ -81,7 +81,10 @@ def _prompt(n, base=10):
 
 
 def _engine(llama_dir):
-    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=BS, extra={"chunk_size": CHUNK})
+    # save_mode "layer": these tests fence per-layer saves; step mode's deferred fence and its
+    # commits are tested in test_step_saves.py
+    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=BS,
+                            extra={"chunk_size": CHUNK, "save_mode": "layer"})
     kcfg = H.attention_cache_config(block_size=BS)
     kcfg.kv_cache_layout = "LBHNC"
     sched = H.make_scheduler(vc, kcfg)

@@ -400,10 +400,10 @@ def test_save_mode_falls_back_to_layer_where_step_is_unsafe():
 
 
 def test_save_mode_config_and_saver_refusals():
-    assert ConnectorConfig.from_extra({}, env={"PYTHONHASHSEED": "0"}).save_mode == "layer"
-    cfg = ConnectorConfig.from_extra({"save_mode": "step"}, env={"PYTHONHASHSEED": "0"})
-    assert cfg.save_mode == "step"
-    with pytest.raises(ConfigError, match=r"save_mode='steps': expected one of 'layer', 'step'"):
+    assert ConnectorConfig.from_extra({}, env={"PYTHONHASHSEED": "0"}).save_mode == "step"
+    cfg = ConnectorConfig.from_extra({"save_mode": "layer"}, env={"PYTHONHASHSEED": "0"})
+    assert cfg.save_mode == "layer"
+    with pytest.raises(ConfigError, match=r"save_mode='steps': expected one of 'step', 'layer'"):
         ConnectorConfig.from_extra({"save_mode": "steps"}, env={"PYTHONHASHSEED": "0"})
     with pytest.raises(ConfigError, match="save_mode"):
         ConnectorConfig.from_extra({"save_mode": 1}, env={"PYTHONHASHSEED": "0"})

@@ -33,7 +33,7 @@ DEFAULT_CHUNK_TOKENS = 256
 LOAD_MODES = ("sync", "async", "auto")
 
 #: Values of ``save_mode`` (``xkv.connector.saves``); the first is the default.
-SAVE_MODES = ("layer", "step")
+SAVE_MODES = ("step", "layer")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -64,7 +64,7 @@ OPTIONS: dict[str, Option] = {
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
-    "save_mode": Option("layer", (str,), "stores: 'layer' (one copy per save_kv_layer) or 'step' (one after the forward)"),
+    "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
 }
@@ -88,7 +88,7 @@ class ConnectorConfig:
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True
-    save_mode: str = "layer"
+    save_mode: str = "step"
     gateway_host: str = DEFAULT_GATEWAY_HOST
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
