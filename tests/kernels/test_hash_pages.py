@@ -174,6 +174,24 @@ def test_one_fragment_and_zero_fragments(engine):
     assert w.tolist() == [[0], [0]]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_layers_of_different_geometries(engine):
+    """Two launches (one per geometry), one word buffer: the words of a checked save."""
+    g = torch.Generator().manual_seed(7)
+    a = PagePool(torch.randint(0, 256, (5 * 24,), dtype=torch.uint8, generator=g), 5, 16, 24,
+                 ((0, 16),))
+    b = PagePool(torch.randint(0, 256, (5 * 40,), dtype=torch.uint8, generator=g), 5, 16, 40,
+                 ((4, 8), (20, 8)))
+    ids, checks = [4, 0, 2], K.Checks([1, 0, 1], [1, 0, 0], 2)
+    card = torch.zeros(2 * 3 * 16, dtype=torch.uint8)
+    offs = np.array([[48, 0, 32], [64, 16, 80]])  # no overlap; the save's own placement
+    want = K.save_layers([a, b], ids, card, offs, engine="reference", checks=checks).host_words()
+    with poisoned_flat() as flats:
+        got = K.hash_pages([a, b], ids, checks, engine=engine).host_words()
+    np.testing.assert_array_equal(got, want)
+    assert all(bool((f == POISON).all()) for f in flats)
+
+
 def _refusing(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("an engine ran")
