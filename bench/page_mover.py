@@ -525,8 +525,8 @@ def checksum_table(args) -> None:
     slot) for pages of 64 KiB and more; and issue 25's plan: the unchecked restore followed by
     ``hash_pages`` of the restored pages in HBM at the same budget (``restore_hash``, its ratio
     to the unchecked restore alone; ``hash``: the hash alone). Plain and checked runs alternate
-    (3 rounds, best median each) so drift hits all. Writes page_mover_checksums.json; the issue's target is a
-    ratio >= 0.98 at the serving budget."""
+    (3 rounds, best median each) so drift hits all. Writes page_mover_checksums.json; the
+    issue's target is a ratio >= 0.98 at the serving budget."""
     total = min(args.total_mib, 256) << 20
     host = torch.empty(total, dtype=torch.uint8).pin_memory()
     host.random_(0, 256)

@@ -48,7 +48,9 @@ def null_flat(device: torch.device) -> torch.Tensor:
 
 def build_hash_job(pools: Sequence[PagePool], block_ids: IndexLike, checks: Checks) -> Job:
     """A validated job that reads blocks ``block_ids`` of ``pools`` and hashes them (saves'
-    direction, ``store=False``); ``ValueError`` naming the argument otherwise."""
+    direction, ``store=False``), its word buffer already bound (words, or residuals with
+    ``checks.expected``): ready for ``_launch.launches`` / ``_torch.run``. ``ValueError``
+    naming the argument otherwise."""
     pools = pools_arg(pools, "pools")
     if not pools:
         raise ValueError("pools must hold at least one PagePool")
@@ -65,6 +67,7 @@ def build_hash_job(pools: Sequence[PagePool], block_ids: IndexLike, checks: Chec
     words = checks.expected is None  # else residuals against checks.expected (restores' rule)
     jc = validate_checks(checks, L=L, n=n, save=words, pools=pools, flat=flat, flat_off=None,
                          sliced=False)
+    jc.bind(pools[0].device, words)  # words or residuals, whichever engine runs the job
     return Job(pools, ids, flat, None, 0, True, 0, L * n * pools[0].block_bytes, False, jc,
                store=False)
 
@@ -84,7 +87,7 @@ def hash_pages(pools: Sequence[PagePool], block_ids: IndexLike, checks: Checks, 
     if engine == "auto":
         engine = "triton" if dev.type == "cuda" else "reference"
     engine, budget = check_engine(job, engine, max_programs)
-    words = job.checks.bind(dev, checks.expected is None)
+    words = job.checks.buf
     if job.n == 0 or job.block_bytes == 0:
         return words
     if engine == "reference":
