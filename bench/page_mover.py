@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import xkv.kernels as K  # noqa: E402
 from xkv.kernels import _launch, copy_engine, staged  # noqa: E402
+from xkv.kernels.hashing import build_hash_job  # noqa: E402
 from xkv.kernels.jobs import build_job, offsets_arg  # noqa: E402
 from xkv.layout import describe_cache  # noqa: E402
 
@@ -508,6 +509,8 @@ def _checked_jobs(frag: int, host: torch.Tensor, host_out: torch.Tensor, total: 
              "save_checked": (True, dst, K.Checks(objs, pages, C))}
 
     def make(name: str):  # a fresh job: a checked job's word buffer adds up over launches
+        if name == "hash":  # hash_pages of the restored pages against the same expected words
+            return build_hash_job([pool], ids, K.Checks(objs, pages, C, expected=exp))
         save, flat, checks = specs[name]
         return build_job([pool], ids, flat, offsets_arg(offs, 1, "o"), save=save, checks=checks)
 
@@ -519,9 +522,11 @@ def checksum_table(args) -> None:
     variant, at the connector's SM budget (``--connector-budget``, the default
     ``XKV_MAX_PROGRAMS``) and at 8 and 16 programs, for pages of 4..256 KiB (one prepared
     launch per layer, as serving issues them); the staged engine (which hashes its GPU staging
-    slot) for pages of 64 KiB and more. Plain and checked runs alternate (3 rounds, best
-    median each) so drift hits both. Writes page_mover_checksums.json; the issue's target is a
-    ratio >= 0.98 at the serving budget."""
+    slot) for pages of 64 KiB and more; and issue 25's plan: the unchecked restore followed by
+    ``hash_pages`` of the restored pages in HBM at the same budget (``restore_hash``, its ratio
+    to the unchecked restore alone; ``hash``: the hash alone). Plain and checked runs alternate
+    (3 rounds, best median each) so drift hits all. Writes page_mover_checksums.json; the
+    issue's target is a ratio >= 0.98 at the serving budget."""
     total = min(args.total_mib, 256) << 20
     host = torch.empty(total, dtype=torch.uint8).pin_memory()
     host.random_(0, 256)
@@ -537,8 +542,15 @@ def checksum_table(args) -> None:
             _prepared(once, budget, "triton", None)()
             torch.cuda.synchronize()
             false_alarms = int(once.checks.buf.mismatched().sum())
+            plain = make("restore")  # a clean unchecked restore, then hash_pages: no flag either
+            _prepared(plain, budget, "triton", None)()
+            hashed = make("hash")
+            _prepared(hashed, budget, "triton", None)()
+            torch.cuda.synchronize()
+            false_alarms += int(hashed.checks.buf.mismatched().sum())
             runs = {k: _prepared(make(k), budget, "triton", None)
-                    for k in ("restore", "restore_checked", "save", "save_checked")}
+                    for k in ("restore", "restore_checked", "save", "save_checked", "hash")}
+            runs["restore_hash"] = lambda r=runs["restore"], h=runs["hash"]: (r(), h())
             best = {k: 0.0 for k in runs}
             for _ in range(3):
                 for k, fn in runs.items():
@@ -546,6 +558,7 @@ def checksum_table(args) -> None:
             cell = dict(best)
             cell["restore_ratio"] = best["restore_checked"] / best["restore"]
             cell["save_ratio"] = best["save_checked"] / best["save"]
+            cell["restore_hash_ratio"] = best["restore_hash"] / best["restore"]
             cell["false_alarms"] = false_alarms
             if frag >= 64 * KIB and budget == args.connector_budget:  # staged: hashes its slot
                 st = {f"staged_{k}": guarded(lambda k=k, mk=make, nb=nbytes, b=budget: gbps(
@@ -560,6 +573,9 @@ def checksum_table(args) -> None:
                   f"{best['restore_checked']:.1f} GB/s ({cell['restore_ratio']:.3f})  save "
                   f"{best['save']:.1f} -> {best['save_checked']:.1f} GB/s "
                   f"({cell['save_ratio']:.3f})  false alarms {false_alarms}", flush=True)
+            print(f"      restore unchecked + hash_pages after ({budget} programs) "
+                  f"{best['restore_hash']:.1f} GB/s ({cell['restore_hash_ratio']:.3f} of the "
+                  f"unchecked restore; hash alone {best['hash']:.1f} GB/s)", flush=True)
     with open(os.path.join(args.out, "page_mover_checksums.json"), "w") as f:
         json.dump(out, f, indent=1)
 

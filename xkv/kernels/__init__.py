@@ -8,6 +8,8 @@ Public API (see each module's docstring for shapes and units):
   copies validated and uploaded once, then launched per layer with no host work);
 * :mod:`~xkv.kernels.checksum` (the definition) and :mod:`~xkv.kernels.verify` (``Checks``,
   ``CheckWords``): checksums computed inside the copies (``checks=`` on every launcher);
+* :mod:`~xkv.kernels.hashing`: ``hash_pages`` (the words of pages already in the cache, or
+  residuals against expected words, with nothing written: verify after an unchecked restore);
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
@@ -20,6 +22,7 @@ Triton; the first GPU (or interpreted) launch does.
 
 from xkv.kernels._launch import LaunchConfig, default_programs, launch_config
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
+from xkv.kernels.hashing import hash_pages
 from xkv.kernels.host import is_host_accessible, register_host, unregister_host
 from xkv.kernels.page_copy import (
     ENGINES,
@@ -44,6 +47,7 @@ __all__ = [
     "calibrate",
     "calibration",
     "default_programs",
+    "hash_pages",
     "is_host_accessible",
     "launch_config",
     "pack",

@@ -177,10 +177,13 @@ def plan(
     max_programs: int,
     tile_bytes: int | None = None,
     check: bool = False,
+    store: bool = True,
 ) -> LaunchPlan:
     """The word size from the alignment of everything touched (``flat_off_gcd``: gcd of the byte
     offsets table), the tile from :func:`launch_config`, the layer/run table in words.
-    ``check``: the variant that computes checksums (``CHECK``; needs 4-byte words)."""
+    ``check``: the variant that computes checksums (``CHECK``; needs 4-byte words).
+    ``store=False``: the variant that writes nothing (``STORE``; only in ``meta`` then, so every
+    other launch keeps its variant and key)."""
     from xkv.kernels import _triton as K
 
     low = min(pools, key=lambda p: p.data_ptr)
@@ -215,6 +218,8 @@ def plan(
     meta = dict(WORD_T=K.WORD_TYPES[word], WORD=word, SAVE=save, HAS_FLAT_OFF=has_flat_off,
                 HAS_LAYERS=Lg > 1, SLICED=sliced, EVEN=even, VEC=vec, CHECK=check, ROWS=cfg.rows,
                 COLS=cfg.cols, num_warps=cfg.num_warps)
+    if not store:
+        meta["STORE"] = False
     return LaunchPlan(tuple(pools), low.base, table, scalars, meta, cfg.programs)
 
 
@@ -332,7 +337,7 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
             p = plan(pools, job.flat, n=n, has_flat_off=flat_off is not None, flat_off_gcd=gcd,
                      flat_base=job.flat_base + layers[0] * job.n * bb if flat_off is None else 0,
                      save=job.save, sliced=job.sliced, lo=lo, hi=hi, max_programs=max_programs,
-                     tile_bytes=tile_bytes, check=jc is not None)
+                     tile_bytes=tile_bytes, check=jc is not None, store=job.store)
             if key is not None:
                 same[key] = p
         at_off = None if flat_off is None else tables.add(flat_off)

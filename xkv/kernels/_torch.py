@@ -64,10 +64,13 @@ def _checked(job: Job, layer: int, pool, offs: np.ndarray, ids: torch.Tensor) ->
     cum = 0
     for r, (_, ln) in enumerate(pool.runs):
         view = pool.run_view(r)
-        flat_rows = _flat_rows(job.flat, offs + cum, ln)
+        # hash_pages (job.store False): pages read and hashed; the flat buffer is never viewed
+        flat_rows = _flat_rows(job.flat, offs + cum, ln) if job.store else None
         if job.save:
             rows = view.index_select(0, ids)  # [n, ln]
-            if flat_rows is not None and (job.n == 1 or int(flat_rows.stride(0)) >= ln):
+            if not job.store:
+                pass
+            elif flat_rows is not None and (job.n == 1 or int(flat_rows.stride(0)) >= ln):
                 flat_rows.copy_(rows)
             else:
                 for i in range(job.n):

@@ -9,6 +9,9 @@ All offsets are int64 and in words of ``WORD_T`` (``WORD`` bytes), except the ``
 holds bytes so that callers can upload it before the word size is known. A program copies a ``[ROWS, COLS]`` tile per step
 (several fragments at once, so few programs keep many bytes in flight) and walks row groups
 grid-stride. ``SLICED`` copies only bytes ``[lo, hi)`` of the concatenation of all fragments.
+``CHECK`` adds the checksum terms of the bytes read; ``STORE=False`` (default True, so every
+other launch is the same variant) stores nothing: with ``SAVE`` and ``CHECK`` it hashes pages in
+place (:mod:`xkv.kernels.hashing`) and never touches the flat buffer.
 
 The integer arguments that change from step to step (counts, ``flat_base``, ``lo``/``hi``) are
 not specialised (``do_not_specialize``): without it Triton compiles a new variant whenever a count
@@ -89,6 +92,7 @@ def page_copy_kernel(
     CHECK: tl.constexpr,  # add the checksum terms of the bytes read into p_res (WORD 4 or 8)
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    STORE: tl.constexpr = True,  # False: read and hash only, write nothing (xkv.kernels.hash_pages)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     n_p = tl.num_programs(0).to(tl.int64)
@@ -152,11 +156,12 @@ def page_copy_kernel(
             if CHECK:
                 t = _terms(b_x, o_q[:, None] + o_c[None, :], WORD)
                 acc += tl.sum(tl.where(m_t & b_hash[:, None], t, 0), axis=1)
-                if SAVE:
-                    tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
-                else:  # hash-only fragments (b_keep False) are read, never written
-                    tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t & b_keep[:, None])
-            else:
+                if STORE:
+                    if SAVE:
+                        tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
+                    else:  # hash-only fragments (b_keep False) are read, never written
+                        tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t & b_keep[:, None])
+            elif STORE:
                 tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
         if CHECK:
             tl.atomic_add(p_res + b_res, acc.to(tl.int32, bitcast=True), mask=m_k)

@@ -41,6 +41,7 @@ class Job:
     hi: int
     sliced: bool
     checks: JobChecks | None = None  # checksums computed while copying (xkv.kernels.verify)
+    store: bool = True  # False: read and hash only, write nothing (xkv.kernels.hash_pages)
 
     @property
     def n(self) -> int:
@@ -62,7 +63,7 @@ class Job:
         off = self.flat_offsets()[k : k + 1]
         return Job([self.pools[k]], self.ids, self.flat, off, 0, self.save, 0,
                    self.n * self.block_bytes, False,
-                   None if self.checks is None else self.checks.layer(k))
+                   None if self.checks is None else self.checks.layer(k), self.store)
 
 
 def pools_arg(pools: Sequence[PagePool], name: str) -> list[PagePool]:
