@@ -73,14 +73,17 @@ class PreparedCopy:
         """Bytes one layer moves."""
         return self.n * self.block_bytes
 
-    def launch(self, layer: int) -> None:
-        """Issue layer ``layer``'s copy (``0 <= layer < len(self)``) on :attr:`stream`."""
+    def launch(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Issue layer ``layer``'s copy (``0 <= layer < len(self)``) on :attr:`stream`, or on
+        ``stream`` (CUDA), which the caller has ordered after the prepare stream's uploads (e.g.
+        it waits for an event recorded there after them)."""
         if not 0 <= layer < len(self._calls):
             raise IndexError(f"layer {layer} out of range [0, {len(self._calls)})")
-        if self.stream is None:
+        st = self.stream if stream is None else stream
+        if st is None:
             self._calls[layer]()
         else:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(st):
                 self._calls[layer]()
 
 

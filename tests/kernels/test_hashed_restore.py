@@ -1,0 +1,136 @@
+"""xkv.kernels.prepare_hashed_restore: a verified restore in two passes (copy unchecked, then hash
+the pages in the cache; hash-only fragments hashed from the card into the same residuals).
+
+Against the one-pass checked restore (``prepare_restore(checks=...)``) on the same inputs, for
+both engines (torch, and Triton interpreted): the same bytes written (poisoned destinations,
+hash-only blocks untouched), the same residuals, so the same objects flagged: none on clean
+bytes, exactly the object of one flipped card bit, whether the bit lies in a written or in a
+hash-only fragment. Bad arguments are refused before anything runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_hash_pages import POISON, cases, make_pools, save_words
+
+import xkv.kernels as K
+from xkv.layout import PagePool
+
+ENGINES = ["reference", "triton"]
+
+
+def poisoned_like(c) -> list[PagePool]:
+    return [PagePool(torch.full((c["nblocks"] * c["stride"],), POISON, dtype=torch.uint8),
+                     c["nblocks"], c["bb"], c["stride"], c["runs"]) for _ in range(c["L"])]
+
+
+def run_two_pass(c, card, checks, engine):
+    dst = poisoned_like(c)
+    prep = K.prepare_hashed_restore(card, c["offs"], dst, c["ids"], checks, engine=engine,
+                                    max_programs=3, hash_programs=2)
+    assert len(prep) == c["L"]
+    for li in range(c["L"]):
+        prep.launch(li)
+        prep.launch_check(li)
+    return dst, prep.checks
+
+
+def run_one_pass(c, card, checks, engine):
+    dst = poisoned_like(c)
+    prep = K.prepare_restore(card, c["offs"], dst, c["ids"], engine=engine, checks=checks)
+    for li in range(c["L"]):
+        prep.launch(li)
+    return dst, prep.checks
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@settings(max_examples=30, deadline=None)
+@given(c=cases(), data=st.data())
+def test_two_passes_write_and_flag_what_one_pass_does(engine, c, data):
+    src_pools = make_pools(c)
+    want, card = save_words(c, src_pools)
+    ho = np.array(data.draw(st.lists(st.booleans(), min_size=c["n"], max_size=c["n"])),
+                  dtype=bool)
+    checks = K.Checks(c["obj"], c["page"], c["C"], expected=want, hash_only=ho)
+    flip = c["n"] > 0 and data.draw(st.booleans())
+    if flip:  # one bit of the card, in a written or a hash-only fragment
+        i = data.draw(st.integers(0, c["n"] - 1))
+        li = data.draw(st.integers(0, c["L"] - 1))
+        at = int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))
+        card[at] ^= 1 << data.draw(st.integers(0, 7))
+    two, w2 = run_two_pass(c, card, checks, engine)
+    one, w1 = run_one_pass(c, card, checks, "reference")
+    for a, b in zip(two, one, strict=True):
+        assert torch.equal(a.base, b.base)  # same bytes written, hash-only blocks still poison
+    np.testing.assert_array_equal(w2.words.numpy(), w1.words.numpy())
+    flagged = np.zeros(c["C"], dtype=bool)
+    if flip:
+        flagged[c["obj"][i]] = True
+    np.testing.assert_array_equal(w2.mismatched(), flagged)
+    if not flip:  # the written pages equal their source pages
+        for li in range(c["L"]):
+            for i in np.flatnonzero(~ho):
+                b = int(c["ids"][i])
+                s = src_pools[li].base[b * c["stride"]:(b + 1) * c["stride"]]
+                d = two[li].base[b * c["stride"]:(b + 1) * c["stride"]]
+                for r0, rl in c["runs"]:
+                    assert torch.equal(d[r0:r0 + rl], s[r0:r0 + rl])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_only_hash_only_fragments_and_none_at_all(engine):
+    L, k, bb, nb = 2, 2, 16, 5
+    src = [PagePool(torch.arange(nb * bb, dtype=torch.uint8) + 7 * li, nb, bb, bb, ((0, bb),))
+           for li in range(L)]
+    ids = np.array([3, 1], dtype=np.int64)
+    card = torch.full((L * k * bb,), POISON, dtype=torch.uint8)
+    offs = np.array([[(li * k + j) * bb for j in range(k)] for li in range(L)], dtype=np.int64)
+    obj, page = np.zeros(2, np.int64), np.arange(2, dtype=np.int64)
+    want = K.save_layers(src, ids, card, offs, engine="reference",
+                         checks=K.Checks(obj, page, 1)).host_words()
+    dst = [PagePool(torch.full((nb * bb,), POISON, dtype=torch.uint8), nb, bb, bb, ((0, bb),))
+           for _ in range(L)]
+    for ho in (np.ones(2, bool), np.array([False, True])):
+        prep = K.prepare_hashed_restore(card, offs, dst, np.where(ho, -1, ids),
+                                        K.Checks(obj, page, 1, expected=want, hash_only=ho),
+                                        engine=engine)
+        for li in range(L):
+            prep.launch(li)
+            prep.launch_check(li)
+        assert not prep.checks.mismatched().any()
+    empty = K.prepare_hashed_restore(card, np.zeros((L, 0), np.int64), dst,
+                                     np.zeros(0, np.int64),
+                                     K.Checks(np.zeros(0, np.int64), np.zeros(0, np.int64), 1,
+                                              expected=want), engine=engine)
+    for li in range(L):
+        empty.launch(li)
+        empty.launch_check(li)
+    assert empty.checks.mismatched().tolist() == [True]  # an object no page of which was read
+
+
+def test_bad_arguments_refused_before_anything_runs():
+    L, bb, nb = 1, 16, 4
+    card = torch.zeros(64, dtype=torch.uint8)
+    dst = [PagePool(torch.full((nb * bb,), POISON, dtype=torch.uint8), nb, bb, bb, ((0, bb),))]
+    ids, offs = np.array([0, 1]), np.array([[0, 16]])
+    obj, page = np.zeros(2, np.int64), np.arange(2, dtype=np.int64)
+    exp = np.zeros((L, 1), np.uint32)
+    with pytest.raises(ValueError, match="expected words"):
+        K.prepare_hashed_restore(card, offs, dst, ids, K.Checks(obj, page, 1))
+    with pytest.raises(ValueError, match="written and as hash-only"):
+        K.prepare_hashed_restore(card, np.array([[0, 0]]), dst, np.array([0, -1]),
+                                 K.Checks(obj, np.zeros(2, np.int64), 1, expected=exp,
+                                          hash_only=np.array([False, True])))
+    with pytest.raises(ValueError, match="src_offsets"):
+        K.prepare_hashed_restore(card, np.array([0, 16]), dst, ids,
+                                 K.Checks(obj, page, 1, expected=exp))
+    with pytest.raises(ValueError, match="hash_only"):
+        K.prepare_hashed_restore(card, offs, dst, ids,
+                                 K.Checks(obj, page, 1, expected=exp, hash_only=np.ones(3, bool)))
+    with pytest.raises(ValueError):
+        K.prepare_hashed_restore(card, offs, dst, np.array([0, 9]),  # block 9 of 4
+                                 K.Checks(obj, page, 1, expected=exp))
+    assert bool((dst[0].base == POISON).all())

@@ -1,0 +1,115 @@
+"""A verified restore in two passes: copy unchecked at the link's rate, then hash in HBM (issue 25).
+
+A checked restore kernel hashes what it reads over PCIe and runs at 0.74-0.92 of the unchecked
+rate on the H200 even at 16 programs (bench/RESULTS.md, stop 31). Here the copy is the unchecked
+prepared restore, and a second prepared job hashes the pages once they are in the cache
+(:func:`xkv.kernels.hashing.build_hash_job`: reads at HBM rate, writes nothing) into residuals
+against the expected words, on a stream of the caller's choosing, so layer ``l``'s hash can run
+beside layer ``l + 1``'s copy.
+
+``checks.hash_only`` fragments (pages of an object that this copy does not write: the step's
+forward writes them, or another call restores them) are not in the cache when the hash runs, so
+they are hashed from the flat buffer by the checked restore kernel (hash-only, nothing written),
+into the SAME word buffer: ``words[l, c] = -expected[l, c] + terms of the pages hashed in HBM +
+terms of the hash-only pages read from the flat buffer``, 0 exactly where layer ``l`` of object
+``c`` matched, as a one-pass checked restore computes it.
+
+:func:`prepare_hashed_restore` returns a :class:`HashedRestore`: ``launch(l)`` issues layer
+``l``'s copy (the prepare stream), ``launch_check(l, stream)`` its hash (and its hash-only
+pages), ``checks`` the shared :class:`~xkv.kernels.verify.CheckWords`. Shapes as in
+:mod:`xkv.kernels.prepared`; everything is validated before anything is issued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xkv.kernels.hashing import build_hash_job
+from xkv.kernels.jobs import IndexLike, as_index, build_job, offsets_arg, pools_arg
+from xkv.kernels.prepared import PreparedCopy, _prepare, prepare_restore
+from xkv.kernels.verify import Checks, CheckWords
+from xkv.layout import PagePool
+
+__all__ = ["HashedRestore", "prepare_hashed_restore"]
+
+
+@dataclass
+class HashedRestore:
+    """A prepared two-pass verified restore (module docstring)."""
+
+    copy: PreparedCopy  # unchecked, the written fragments
+    hash: PreparedCopy  # per layer: the written pages hashed in the cache
+    tail: PreparedCopy | None  # per layer: the hash-only fragments hashed from the flat buffer
+    checks: CheckWords  # residuals [L, C], shared by hash and tail
+
+    def __len__(self) -> int:
+        return len(self.copy)
+
+    def launch(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Layer ``layer``'s copy (unchecked)."""
+        self.copy.launch(layer, stream)
+
+    def launch_check(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Layer ``layer``'s hash, after its copy landed: the caller orders ``stream`` after the
+        copy (an event recorded after :meth:`launch`); None: the prepare stream."""
+        self.hash.launch(layer, stream)
+        if self.tail is not None:
+            self.tail.launch(layer, stream)
+
+
+def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list[PagePool],
+                           block_ids: IndexLike, checks: Checks, *, engine: str = "auto",
+                           max_programs: int | None = None,
+                           hash_programs: int | None = None) -> HashedRestore:
+    """Prepare :func:`~xkv.kernels.prepare_restore` of the fragments ``checks.hash_only`` does
+    not mark (unchecked, ``engine``, ``max_programs``) and their verification (module
+    docstring; ``hash_programs``: the hash's SM budget, default a checked save's).
+    ``ValueError`` before anything is issued: bad arguments, ``checks`` without ``expected``, or
+    a page listed both as written and as hash-only."""
+    dsts = pools_arg(dsts, "dsts")
+    L = len(dsts)
+    ids = as_index(block_ids, "block_ids")
+    offs_np = as_index(src_offsets, "src_offsets")
+    if offs_np.shape != (L, int(ids.size)):
+        raise ValueError(f"src_offsets must be [{L}, {int(ids.size)}] (layers, fragments), got "
+                         f"{offs_np.shape}")
+    if not isinstance(checks, Checks) or checks.expected is None:
+        raise ValueError("a hashed restore needs kernels.Checks with expected words")
+    n = int(ids.size)
+    objects = np.asarray(as_index(checks.objects, "checks.objects"), dtype=np.int64)
+    pages = np.asarray(as_index(checks.pages, "checks.pages"), dtype=np.int64)
+    if objects.shape != (n,) or pages.shape != (n,):
+        raise ValueError(f"checks.objects / checks.pages must be [{n}], got {objects.shape} / "
+                         f"{pages.shape}")
+    ho = (np.zeros(n, dtype=bool) if checks.hash_only is None
+          else np.asarray(checks.hash_only))
+    if ho.dtype != np.bool_ or ho.shape != (n,):
+        raise ValueError(f"checks.hash_only must be bool [{n}], got {ho.dtype} {ho.shape}")
+    w = np.flatnonzero(~ho)
+    h = np.flatnonzero(ho)
+    both = set(zip(objects[w].tolist(), pages[w].tolist(), strict=True)) & set(
+        zip(objects[h].tolist(), pages[h].tolist(), strict=True))
+    if both:
+        raise ValueError(f"pages listed as written and as hash-only: {sorted(both)[:4]}")
+    ids_np = np.asarray(ids)
+    copy = prepare_restore(src, offs_np[:, w], dsts, ids_np[w], engine=engine,
+                           max_programs=max_programs)
+    hjob = build_hash_job(dsts, ids_np[w], Checks(objects[w], pages[w], checks.num_objects,
+                                                  expected=checks.expected))
+    words = hjob.checks.buf
+    tail = None
+    if h.size:
+        tjob = build_job(dsts, ids_np[h], src, offsets_arg(offs_np[:, h], L, "src_offsets"),
+                         save=False, per_layer=True,
+                         checks=Checks(objects[h], pages[h], checks.num_objects,
+                                       expected=checks.expected,
+                                       hash_only=np.ones(h.size, dtype=bool)))
+        tjob.checks.buf = words  # adds its terms into the same residuals (-expected once)
+        tail = _prepare(tjob, engine, None)  # checked restores' own budget and engine rule
+    cuda = dsts[0].device.type == "cuda"
+    hash_engine = "triton" if engine == "triton" or (cuda and engine != "reference") else "reference"
+    hash_prep = _prepare(hjob, hash_engine, hash_programs)
+    return HashedRestore(copy, hash_prep, tail, words)
