@@ -82,12 +82,14 @@ def test_commits_carry_the_words_of_the_card_bytes(fake_gateway, llama_dir, mla,
         assert got == _card_words(fake_gateway, lid, key, CHUNK // bs * page, len(c1))
 
 
+@pytest.mark.parametrize("checksum_pass", ["copy", "hbm"])
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
-def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir, mla):
+def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir, mla,
+                                                         checksum_pass):
     s1, w1, c1, bs = _engine(llama_dir, mla=mla)
     p = _prompt(300)
     _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
-    s2, w2, c2, _ = _engine(llama_dir, mla=mla)
+    s2, w2, c2, _ = _engine(llama_dir, mla=mla, extra={"checksum_pass": checksum_pass})
     s2.add_request(H.make_request("b", p, block_size=bs))
     so, meta, out = H.step_with_worker(s2, w2, c2, bs)
     (gt,) = meta.loads[0].groups
@@ -99,10 +101,11 @@ def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
-@pytest.mark.parametrize(("victim", "save_mode"), [(0, "layer"), (1, "layer"), (3, "layer"),
-                                                   (1, "step")])
+@pytest.mark.parametrize(("victim", "save_mode", "checksum_pass"),
+                         [(0, "layer", "copy"), (1, "layer", "copy"), (3, "layer", "copy"),
+                          (1, "step", "copy"), (0, "step", "hbm"), (3, "layer", "hbm")])
 def test_a_flipped_bit_fails_exactly_its_object_and_reports_it(fake_gateway, llama_dir, mla,
-                                                               victim, save_mode):
+                                                               victim, save_mode, checksum_pass):
     s1, w1, c1, bs = _engine(llama_dir, mla=mla, extra={"save_mode": save_mode})
     p = _prompt(300)
     _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
@@ -113,7 +116,7 @@ def test_a_flipped_bit_fails_exactly_its_object_and_reports_it(fake_gateway, lla
     size = len(c1) * (CHUNK // bs) * H.page(c1[next(iter(c1))], 0).numel()
     at = o["offsets"][0] + (victim * 7919 + 13) % size
     fake_gateway.card[at] ^= 0x08
-    s2, w2, c2, _ = _engine(llama_dir, mla=mla)
+    s2, w2, c2, _ = _engine(llama_dir, mla=mla, extra={"checksum_pass": checksum_pass})
     s2.add_request(H.make_request("b", p, block_size=bs))
     with Warnings() as warn:
         so, meta, out = H.step_with_worker(s2, w2, c2, bs)
@@ -315,3 +318,21 @@ def test_window_load_sets_first_page():
     assert gt.block_in_chunk == (2, 3) and gt.first_page == 2
     gt = window_load(1, plan, [0, 6, 7, 8], 0, 64, _ref(b"w", 0), "r")  # chunk 1: all 4 exist
     assert gt.block_in_chunk == (1, 2, 3) and gt.first_page == 0
+
+
+def test_checksum_pass_setting_and_refusals():
+    from xkv.connector.config import ConfigError, ConnectorConfig
+    from xkv.connector.transfer import SyncTransferHandler
+
+    env = {"PYTHONHASHSEED": "0"}
+    assert ConnectorConfig.from_extra({}, env=env).checksum_pass == "copy"
+    assert ConnectorConfig.from_extra({"checksum_pass": "hbm"}, env=env).checksum_pass == "hbm"
+    with pytest.raises(ConfigError, match=r"checksum_pass='gpu': expected one of 'copy', 'hbm'"):
+        ConnectorConfig.from_extra({"checksum_pass": "gpu"}, env=env)
+    h = SyncTransferHandler()
+    assert h.checksum_pass == "copy"
+    h.set_checksum_pass("hbm")
+    assert h.checksum_pass == "hbm"
+    with pytest.raises(ValueError, match="checksum_pass='HBM'"):
+        h.set_checksum_pass("HBM")
+    assert h.checksum_pass == "hbm"

@@ -35,6 +35,9 @@ LOAD_MODES = ("sync", "async", "auto")
 #: Values of ``save_mode`` (``xkv.connector.saves``); the first is the default.
 SAVE_MODES = ("step", "layer")
 
+#: Values of ``checksum_pass`` (``xkv.connector.group_copies``); the first is the default.
+CHECKSUM_PASSES = ("copy", "hbm")
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -64,6 +67,7 @@ OPTIONS: dict[str, Option] = {
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
+    "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy') or the pages in GPU memory after it ('hbm')"),
     "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
@@ -89,6 +93,7 @@ class ConnectorConfig:
     load_mode: str = "sync"
     full_hit_restore: bool = True
     save_mode: str = "step"
+    checksum_pass: str = "copy"
     gateway_host: str = DEFAULT_GATEWAY_HOST
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -154,8 +159,13 @@ class ConnectorConfig:
         if self.save_mode not in SAVE_MODES:
             raise ConfigError(
                 f"save_mode={self.save_mode!r}: expected one of {', '.join(map(repr, SAVE_MODES))}"
-                " ('layer': each layer's pages copied as its save_kv_layer comes, the default; "
-                "'step': nothing per layer, every layer copied by one launch after the forward)")
+                " ('step': nothing per layer, every layer copied by one launch after the forward, "
+                "the default; 'layer': each layer's pages copied as its save_kv_layer comes)")
+        if self.checksum_pass not in CHECKSUM_PASSES:
+            raise ConfigError(
+                f"checksum_pass={self.checksum_pass!r}: expected one of "
+                f"{', '.join(map(repr, CHECKSUM_PASSES))} ('copy': restores hash what they copy, "
+                "the default; 'hbm': copy unchecked, then hash the pages in GPU memory)")
         for name in ("lookup_timeout_ms", "gateway_timeout_ms"):
             v = getattr(self, name)
             if not 0 < v <= 60_000:

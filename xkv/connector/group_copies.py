@@ -15,7 +15,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-__all__ = ["WordsReadback", "prepare_by_size", "written"]
+from xkv import kernels
+from xkv.connector.config import CHECKSUM_PASSES
+
+__all__ = ["CHECKSUM_PASSES", "WordsReadback", "prepare_by_size", "prepare_group_restore",
+           "record_loads", "restore_all", "save_all", "written"]
+
+# checksum_pass: "copy" hashes inside the restore kernel as it copies; "hbm" copies unchecked,
+# then hashes the pages in the cache (kernels.prepare_hashed_restore)
 
 
 class _BySize:
@@ -30,6 +37,11 @@ class _BySize:
     def launch(self, layer: int) -> None:
         prep, j = self._where[layer]
         prep.launch(j)
+
+    def launch_check(self, layer: int, stream=None) -> None:
+        """A two-pass verified restore's hash of ``layer`` (``HashedRestore.launch_check``)."""
+        prep, j = self._where[layer]
+        prep.launch_check(j, stream)
 
 
 def _sub_checks(checks, idx: list[int] | None):
@@ -88,3 +100,50 @@ def written(block_ids: torch.Tensor, checks) -> torch.Tensor | None:
     if checks is None or checks.hash_only is None:
         return None
     return torch.from_numpy(~np.asarray(checks.hash_only))
+
+
+def prepare_group_restore(card, offsets, pools, block_ids, checks=None, *, engine: str = "auto",
+                          checksum_pass: str = "copy"):
+    """A group's restore prepared (per page size): one pass (verified while copying when
+    ``checks`` is given), or, with ``checks`` and ``checksum_pass`` ``"hbm"``, the two-pass
+    verified restore whose ``launch_check(l, stream)`` follows each layer's ``launch(l)``."""
+    if checks is not None and checksum_pass == "hbm":
+        return prepare_by_size(lambda ps, offs, ck: kernels.prepare_hashed_restore(
+            card, offs, ps, block_ids, ck, engine=engine), pools, offsets, checks)
+    return prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
+        card, offs, ps, block_ids, engine=engine, checks=ck), pools, offsets, checks)
+
+
+def record_loads(verifier, names, card, offsets, pools, block_ids, checks) -> None:
+    """``verify_restores``: poison and record the fragments a load writes (a verified load's
+    hash-only fragments are not written)."""
+    w = written(block_ids, checks)
+    vb, vo = (block_ids, offsets) if w is None else (block_ids[w], offsets[:, w])
+    for i, pool in enumerate(pools):
+        verifier.poison(pool, vb)
+        verifier.record("restore", card, vo[i], pool, vb, names[i])
+
+
+def _by_size(pools) -> list[list[int]]:
+    """Layer indices per page size (the kernels take layers of one block size together)."""
+    sizes: dict[int, list[int]] = {}
+    for i, p in enumerate(pools):
+        sizes.setdefault(p.block_bytes, []).append(i)
+    return list(sizes.values())
+
+
+def save_all(pools, block_ids, card, offsets, engine: str) -> None:
+    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host): one
+    :func:`xkv.kernels.save_layers` call per page size, on the current stream."""
+    for idx in _by_size(pools):
+        kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
+                            engine=engine)
+
+
+def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
+    """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
+    per page size (the kernels take layers of one block size together), on the current
+    stream."""
+    for idx in _by_size(pools):
+        kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
+                               engine=engine)

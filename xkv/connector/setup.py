@@ -140,7 +140,8 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         namespace=s.cfg.key_namespace,
         tp_rank=tp_rank,
         gateway_factory=gateway_factory(s.cfg, s.cfg.gateway_timeout_ms / 1000),
-        handler_factory=functools.partial(make_handler, verify=s.cfg.verify_restores),
+        handler_factory=functools.partial(_new_handler, verify=s.cfg.verify_restores,
+                                          checksum_pass=s.cfg.checksum_pass),
         fanout_factory=fanout,
         reattach=s.cfg.reattach,
         full_hit_restore=s.cfg.full_hit_restore,
@@ -174,6 +175,15 @@ def worker_parts(registry: Registry, tp_rank: int, session: Any, stats: Connecto
         fanout=(FanoutLoads(restorer, registry, tp_rank, pools)
                 if restorer is not None else None),
     )
+
+
+def _new_handler(device: Any, *, verify: bool, checksum_pass: str) -> TransferHandler:
+    """:func:`make_handler` (looked up at each call: tests wrap it) with ``checksum_pass`` set
+    where it is not the default."""
+    h = make_handler(device, verify=verify)
+    if checksum_pass != "copy":
+        h.set_checksum_pass(checksum_pass)
+    return h
 
 
 def make_handler(device: Any, verify: bool = False) -> TransferHandler:

@@ -47,7 +47,15 @@ import torch
 from xkv import kernels
 from xkv.connector import light_steps
 from xkv.connector.copy_tables import copy_table, layer_offsets  # noqa: F401 (re-exported)
-from xkv.connector.group_copies import WordsReadback, prepare_by_size, written
+from xkv.connector.group_copies import (
+    CHECKSUM_PASSES,
+    WordsReadback,
+    prepare_by_size,
+    prepare_group_restore,
+    record_loads,
+    restore_all,
+    save_all,
+)
 from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
@@ -55,16 +63,6 @@ log = logging.getLogger("xkv.connector")
 
 def _verifier(verify: bool) -> PageVerifier | None:
     return PageVerifier() if verify else None
-
-
-def _record_loads(verifier, names, card, offsets, pools, block_ids, checks) -> None:
-    """``verify_restores``: poison and record the fragments a load writes (a verified load's
-    hash-only fragments are not written)."""
-    w = written(block_ids, checks)
-    vb, vo = (block_ids, offsets) if w is None else (block_ids[w], offsets[:, w])
-    for i, pool in enumerate(pools):
-        verifier.poison(pool, vb)
-        verifier.record("restore", card, vo[i], pool, vb, names[i])
 
 
 class TransferHandler(abc.ABC):
@@ -77,6 +75,13 @@ class TransferHandler(abc.ABC):
     ``verifier``: the ``verify_restores`` debug check (None when off)."""
 
     verifier: PageVerifier | None = None
+    checksum_pass: str = "copy"  # verified restores: hashed in the copy, or after it in HBM
+
+    def set_checksum_pass(self, mode: str) -> None:
+        """``checksum_pass`` (``group_copies.CHECKSUM_PASSES``) for verified restores."""
+        if mode not in CHECKSUM_PASSES:
+            raise ValueError(f"checksum_pass={mode!r}: expected one of {CHECKSUM_PASSES}")
+        self.checksum_pass = mode
 
     @abc.abstractmethod
     def set_light_step(self, light: bool) -> None:
@@ -191,12 +196,14 @@ class SyncTransferHandler(TransferHandler):
         """Restore a group's ``L`` layers: ``offsets`` int64 ``[L, n]`` (host), ``pools[l]`` is
         layer ``names[l]``; validated once (:func:`xkv.kernels.prepare_restore`)."""
         if self.verifier is not None:
-            _record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
-        prep = prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(card, offs, ps, block_ids,
-                                                                     checks=ck),
-                        pools, offsets, checks)
+            record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
+        hashed = checks is not None and self.checksum_pass == "hbm"
+        prep = prepare_group_restore(card, offsets, pools, block_ids, checks,
+                                     checksum_pass=self.checksum_pass)
         for i in range(len(pools)):
             prep.launch(i)
+            if hashed:
+                prep.launch_check(i)
         self._pending.update(names)
         return WordsReadback(prep, len(pools)) if checks is not None else None
 
@@ -284,6 +291,7 @@ class CudaTransferHandler(TransferHandler):
         self.grouped = light_steps.group_mode() == "auto"
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
+        self.check_stream = torch.cuda.Stream(device=device)  # checksum_pass "hbm": the hashes
         self.load_engine = _engine("XKV_LOAD_ENGINE")
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
@@ -311,15 +319,17 @@ class CudaTransferHandler(TransferHandler):
         restore step). A light step of one page size: one launch and event per layer group.
         ``checks``: the flags' readback is queued on the load stream after the last launch."""
         t0, groups = time.perf_counter(), None
-        if self.light_step and self.grouped and len({p.block_bytes for p in pools}) == 1:
+        hashed = checks is not None and self.checksum_pass == "hbm"
+        if (self.light_step and self.grouped and not hashed
+                and len({p.block_bytes for p in pools}) == 1):
             groups = light_steps.load_layer_groups(len(pools))
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
-                _record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
+                record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
             if groups is None:
-                prep = prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
-                    card, offs, ps, block_ids, engine=self.load_engine, checks=ck), pools,
-                    offsets, checks)
+                prep = prepare_group_restore(card, offsets, pools, block_ids, checks,
+                                             engine=self.load_engine,
+                                             checksum_pass=self.checksum_pass)
                 groups = [[i] for i in range(len(pools))]
             else:  # every layer of a group waits on the group's event
                 prep = kernels.prepare_restore(card, offsets, pools, block_ids,
@@ -333,7 +343,15 @@ class CudaTransferHandler(TransferHandler):
                 ev.record(self.load_stream)
                 for i in idx:
                     self._events[names[i]] = ev
-            flags = WordsReadback(prep, len(pools)) if checks is not None else None
+                if hashed:  # layer g's hash beside layer g + 1's copy; the forward never waits
+                    self.check_stream.wait_event(ev)
+                    prep.launch_check(g, self.check_stream)
+            if hashed:  # the flags after the last hash; whoever waits for loads waits for them
+                with torch.cuda.stream(self.check_stream):
+                    flags = WordsReadback(prep, len(pools))
+                self.load_stream.wait_stream(self.check_stream)
+            else:
+                flags = WordsReadback(prep, len(pools)) if checks is not None else None
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         if self._t:  # end of the copies (not of the step: sync_loads comes after the forward)
             self._t[2] = time.perf_counter()
@@ -472,28 +490,3 @@ class CudaTransferHandler(TransferHandler):
         ev, self._unordered = self._unordered, None
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-
-
-def _by_size(pools) -> list[list[int]]:
-    """Layer indices per page size (the kernels take layers of one block size together)."""
-    sizes: dict[int, list[int]] = {}
-    for i, p in enumerate(pools):
-        sizes.setdefault(p.block_bytes, []).append(i)
-    return list(sizes.values())
-
-
-def save_all(pools, block_ids, card, offsets, engine: str) -> None:
-    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host): one
-    :func:`xkv.kernels.save_layers` call per page size, on the current stream."""
-    for idx in _by_size(pools):
-        kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
-                            engine=engine)
-
-
-def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
-    """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
-    per page size (the kernels take layers of one block size together), on the current
-    stream."""
-    for idx in _by_size(pools):
-        kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
-                               engine=engine)
