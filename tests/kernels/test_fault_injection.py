@@ -105,15 +105,28 @@ def _inject(card: torch.Tensor, G: int, rng: np.random.Generator, faulted: np.nd
     return offs, kinds
 
 
-def _round(pools, ids, obj, page, offs, card, words, G, engine, rng, n_faults, device):
+def _restore(card, r_offs, dst, ids, engine, checks, two_pass: bool):
+    """The verified restore: one pass (hashed in the copy), or two (``checksum_pass`` "hbm":
+    copy unchecked, then hash the landed pages)."""
+    if not two_pass:
+        return K.restore_layers(card, r_offs, dst, ids, engine=engine, checks=checks)
+    prep = K.prepare_hashed_restore(card, r_offs, dst, ids, checks, engine=engine)
+    for li in range(len(dst)):
+        prep.launch(li)
+        prep.launch_check(li)
+    return prep.checks
+
+
+def _round(pools, ids, obj, page, offs, card, words, G, engine, rng, n_faults, device,
+           two_pass=False):
     """One card: inject, restore everything verified, check. Returns (faults, detected,
     harmless, clean page restores)."""
     saved = card.clone()
     faulted = rng.choice(G, n_faults, replace=False) if n_faults else np.zeros(0, np.int64)
     r_offs, kinds = _inject(card, G, rng, faulted, offs)
     dst = [PagePool(torch.full_like(p.base, 0xA5), p.num_blocks, P, P, ((0, P),)) for p in pools]
-    res = K.restore_layers(card, r_offs, dst, ids, engine=engine,
-                           checks=K.Checks(obj, page, G, expected=words))
+    res = _restore(card, r_offs, dst, ids, engine, K.Checks(obj, page, G, expected=words),
+                   two_pass)
     flags = res.mismatched()
     bad = np.zeros(G, bool)
     bad[faulted] = True
@@ -132,7 +145,7 @@ def _round(pools, ids, obj, page, offs, card, words, G, engine, rng, n_faults, d
     return len(faulted), int(flags[bad].sum()), harmless, clean_pages, kinds
 
 
-def _suite(G, rounds, n_faults, engine, device, seed=7):
+def _suite(G, rounds, n_faults, engine, device, seed=7, two_pass=False):
     pools, ids, obj, page, offs, card = _world(G, seed, device)
     words = _save(pools, ids, obj, page, offs, card, G, engine)
     rng = np.random.default_rng(seed)
@@ -141,7 +154,7 @@ def _suite(G, rounds, n_faults, engine, device, seed=7):
     for r in range(rounds):
         nf = n_faults if r % 2 == 0 else 0  # every other round: clean restores only
         f, d, h, cp, kinds = _round(pools, ids, obj, page, offs, card, words, G, engine, rng,
-                                    nf, device)
+                                    nf, device, two_pass)
         for k in kinds:
             per_class[k] = per_class.get(k, 0) + 1
         tot["faults"] += f
@@ -160,17 +173,30 @@ def test_ten_thousand_faults_and_a_million_clean_pages_torch_engine():
     assert tot["detected"] >= 0.95 * tot["faults"]  # the rest were provably harmless
 
 
-def test_faults_through_the_triton_kernel():
+def test_ten_thousand_faults_two_passes_torch_engine():
+    """``checksum_pass`` "hbm" (copy unchecked, hash the landed pages): the same guarantees."""
+    tot, per_class = _suite(G=4096, rounds=20, n_faults=1200, engine="reference", device="cpu",
+                            two_pass=True)
+    assert tot["faults"] >= 10**4 and set(per_class) == set(CLASSES)
+    assert tot["clean_pages"] >= 10**6
+    assert tot["detected"] >= 0.95 * tot["faults"]
+
+
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_passes"])
+def test_faults_through_the_triton_kernel(two_pass):
     """The kernel under the interpreter (CPU) on a small card: same guarantees."""
-    tot, per_class = _suite(G=64, rounds=4, n_faults=40, engine="triton", device="cpu")
+    tot, per_class = _suite(G=64, rounds=4, n_faults=40, engine="triton", device="cpu",
+                            two_pass=two_pass)
     assert tot["faults"] == 80 and set(per_class) == set(CLASSES)
 
 
 @pytest.mark.gpu
-def test_fault_injection_on_the_gpu():
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_passes"])
+def test_fault_injection_on_the_gpu(two_pass):
     """The compiled kernel, pools in HBM, the card in pinned host memory: >= 10**4 faults,
     >= 10**6 clean page restores."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    tot, per_class = _suite(G=4096, rounds=20, n_faults=1200, engine="triton", device="cuda")
+    tot, per_class = _suite(G=4096, rounds=20, n_faults=1200, engine="triton", device="cuda",
+                            two_pass=two_pass)
     assert tot["faults"] >= 10**4 and tot["clean_pages"] >= 10**6
