@@ -236,3 +236,24 @@ def test_checked_launches_use_warmed_variants(save):
         assert launch.key in keys, n
     _, pools = _caches(5)
     K.warmup(pools, card, engine="triton", checks=True)  # the odd (byte-word) cache: skipped
+
+
+def test_hash_launches_use_warmed_variants():
+    """``hashes=True`` warms the store-free checked variants ``hash_pages`` and the two-pass
+    verified restore launch, layer by layer, for any block count."""
+    from xkv.kernels.hashing import build_hash_job
+
+    g = Geometry(40, 4096 + 64, ((0, 4096),))
+    pools = [pool_over(random_bytes(g.extent + 5, 4 + k), 0, g) for k in range(2)]
+    card = torch.zeros(4096 * 64, dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 60]
+    checked = K.warmup(pools, card, engine="triton", checks=True)
+    keys = K.warmup(pools, card, engine="triton", checks=True, hashes=True)
+    assert checked < keys and {dict(k).get("STORE") for k in keys - checked} == {"False"}
+    for n in (1, 2, 5, 17, 40):
+        exp = np.zeros((2, 1), np.uint32)
+        job = build_hash_job(pools, np.arange(n)[::-1],
+                             K.Checks(np.zeros(n, np.int64), np.arange(n), 1, expected=exp))
+        _, budget = check_engine(job, "triton", None)
+        for launch in _launch.launches(job, budget, groups=[[0], [1]]):
+            assert launch.key in keys, n

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from xkv.kernels import _launch
+from xkv.kernels.hashing import null_flat
 from xkv.kernels.jobs import build_job, pools_arg
 from xkv.kernels.page_copy import ENGINES, check_engine
 from xkv.layout import PagePool
@@ -32,7 +33,7 @@ __all__ = ["warmup"]
 
 
 def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
-             budget: int, check: bool = False) -> list:
+             budget: int, check: bool = False, store: bool = True) -> list:
     """Plans of copies of ``pools`` (one launch: one layer, or a layer group of one geometry)
     for block counts that reach every ``ROWS`` value.
 
@@ -49,7 +50,8 @@ def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
         return [
             _launch.plan(list(pools), flat, n=n, has_flat_off=True, flat_off_gcd=gcd,
                          flat_base=0, save=save, sliced=False, lo=0,
-                         hi=n * pools[0].block_bytes, max_programs=budget, check=check)
+                         hi=n * pools[0].block_bytes, max_programs=budget, check=check,
+                         store=store)
             for n in sorted(counts)
         ]
     except ValueError:  # a checked variant of a copy that is not 4-byte aligned: never used
@@ -62,7 +64,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            offset_alignment: int = 4096, max_programs: int | None = None,
            engine: str = "auto",
            restore_groups: Sequence[Sequence[int]] = (),
-           save_groups: Sequence[Sequence[int]] = (), checks: bool = False) -> set[tuple]:
+           save_groups: Sequence[Sequence[int]] = (), checks: bool = False,
+           hashes: bool = False) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -82,6 +85,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         save_groups: the same for multi-layer saves (``save_layers``).
         checks: also the variants that compute checksums (``CHECK``, verified copies;
             only where every address can be 4-byte aligned).
+        hashes: also the store-free checked variants that hash pages in the cache
+            (``hash_pages``, the two-pass verified restore of ``checksum_pass`` "hbm").
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -123,6 +128,11 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
                 for check in variants:
                     for p in _samples([pool], flat, save, g, budget(save, check), check):
                         warmed.setdefault(p.key, p)
+        if hashes:  # a hash job's flat offsets are multiples of block_bytes (4-byte words)
+            for g in (4, 8, 16):
+                for p in _samples([pool], null_flat(dev), True, g, budget(True, True), True,
+                                  store=False):
+                    warmed.setdefault(p.key, p)
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
         grp = [pools[i] for i in idx]
