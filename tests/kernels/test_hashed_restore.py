@@ -134,3 +134,54 @@ def test_bad_arguments_refused_before_anything_runs():
         K.prepare_hashed_restore(card, offs, dst, np.array([0, 9]),  # block 9 of 4
                                  K.Checks(obj, page, 1, expected=exp))
     assert bool((dst[0].base == POISON).all())
+
+
+@pytest.mark.gpu
+@settings(max_examples=10, deadline=None)
+@given(c=cases(), data=st.data())
+def test_two_passes_on_the_gpu_with_a_check_stream(c, data):
+    """The compiled kernels, pools in HBM, the card pinned, each layer's hash on a second stream
+    that waits for that layer's copy (as ``CudaTransferHandler`` runs them): the same bytes and
+    residuals as the one-pass kernel; one flipped card bit flags exactly its object."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    src = [PagePool(p.base.cuda(), p.num_blocks, p.block_bytes, p.block_stride, p.runs)
+           for p in make_pools(c)]
+    want, card = save_words(c, src, "triton")
+    card = card.pin_memory()
+    ho = np.array(data.draw(st.lists(st.booleans(), min_size=c["n"], max_size=c["n"])), bool)
+    flip = c["n"] > 0 and data.draw(st.booleans())
+    if flip:
+        i = data.draw(st.integers(0, c["n"] - 1))
+        at = int(c["offs"][0, i]) + data.draw(st.integers(0, c["bb"] - 1))
+        card[at] ^= 1
+    checks = K.Checks(c["obj"], c["page"], c["C"], expected=want, hash_only=ho)
+
+    def dst():
+        return [PagePool(torch.full((c["nblocks"] * c["stride"],), POISON, dtype=torch.uint8,
+                                    device="cuda"), c["nblocks"], c["bb"], c["stride"], c["runs"])
+                for _ in range(c["L"])]
+
+    load, check = torch.cuda.Stream(), torch.cuda.Stream()
+    two = dst()
+    with torch.cuda.stream(load):
+        prep = K.prepare_hashed_restore(card, c["offs"], two, c["ids"], checks, engine="triton")
+        for li in range(c["L"]):
+            prep.launch(li)
+            ev = torch.cuda.Event()
+            ev.record(load)
+            check.wait_event(ev)
+            prep.launch_check(li, check)
+    torch.cuda.synchronize()
+    one = dst()
+    p1 = K.prepare_restore(card, c["offs"], one, c["ids"], engine="triton", checks=checks)
+    for li in range(c["L"]):
+        p1.launch(li)
+    torch.cuda.synchronize()
+    for a, b in zip(two, one, strict=True):
+        assert torch.equal(a.base, b.base)
+    np.testing.assert_array_equal(prep.checks.words.cpu().numpy(), p1.checks.words.cpu().numpy())
+    flagged = np.zeros(c["C"], dtype=bool)
+    if flip:
+        flagged[c["obj"][i]] = True
+    np.testing.assert_array_equal(prep.checks.mismatched(), flagged)
