@@ -317,7 +317,9 @@ class CudaTransferHandler(TransferHandler):
         validated and planned once, every table in one upload, then per layer only a launch and
         its event, which :meth:`wait_layer` fences (no host work per layer: the fixed cost of a
         restore step). A light step of one page size: one launch and event per layer group.
-        ``checks``: the flags' readback is queued on the load stream after the last launch."""
+        ``checks``: the flags' readback is queued on the load stream after the last launch;
+        ``checksum_pass`` "hbm": each layer's hash runs on :attr:`check_stream` after its copy's
+        event, the readback after the last hash, and the load stream waits for it."""
         t0, groups = time.perf_counter(), None
         hashed = checks is not None and self.checksum_pass == "hbm"
         if (self.light_step and self.grouped and not hashed
