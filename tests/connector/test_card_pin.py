@@ -186,8 +186,9 @@ def test_a_card_whose_storage_starts_pinned_still_gets_every_segment(cudart, mon
     pin(card, 2 * PAGE)
     assert [(c[1] - card.data_ptr(), c[2]) for c in cudart.calls] == want and len(want) == 5
     assert host.registered_ranges(card) == want
-    unpin(card, 4)  # only segment 0 stays: a slice of segment 1 is not reachable, whatever
-    o = want[1][0]   # torch says of the storage base
+    unpin(card, 4)  # only segment 0 stays
+    o = want[1][0]
+    # a slice of segment 1 is not reachable, whatever torch says of the storage base
     assert torch_is_pinned(card[o:o + 8]) and not host.is_host_accessible(card[o:o + 8])
     assert host.is_host_accessible(card[:o])
     unpin(card)

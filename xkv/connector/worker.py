@@ -245,11 +245,11 @@ class WorkerSide:
                      if self._save_mode == "step" else [])
             log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer "
                      "groups)", len(self.pools), len(groups), len(saves))
+            checks = any(self.session.check_words)
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
                                       offset_alignment=max(1, align), restore_groups=groups,
-                                      save_groups=saves, checks=any(self.session.check_words),
-                                      hashes=(any(self.session.check_words)
-                                              and self.handler.checksum_pass == "hbm"))
+                                      save_groups=saves, checks=checks,
+                                      hashes=checks and self.handler.checksum_pass == "hbm")
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]

@@ -68,11 +68,10 @@ def _checked(job: Job, layer: int, pool, offs: np.ndarray, ids: torch.Tensor) ->
         flat_rows = _flat_rows(job.flat, offs + cum, ln) if job.store else None
         if job.save:
             rows = view.index_select(0, ids)  # [n, ln]
-            if not job.store:
-                pass
-            elif flat_rows is not None and (job.n == 1 or int(flat_rows.stride(0)) >= ln):
+            if job.store and flat_rows is not None and (job.n == 1
+                                                        or int(flat_rows.stride(0)) >= ln):
                 flat_rows.copy_(rows)
-            else:
+            elif job.store:
                 for i in range(job.n):
                     f = int(offs[i]) + cum
                     job.flat[f : f + ln].copy_(rows[i])

@@ -120,7 +120,6 @@ def batch_copy(
     d, s, z = host.split_at(np.ascontiguousarray(dsts, dtype=np.uint64),
                             np.ascontiguousarray(srcs, dtype=np.uint64),
                             np.ascontiguousarray(sizes, dtype=np.uint64), host.piece_boundaries())
-    d, s, z = (np.ascontiguousarray(x) for x in (d, s, z))
     count = int(z.size)
     attrs = _CUmemcpyAttributes(
         srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY

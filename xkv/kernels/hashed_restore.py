@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xkv.kernels.hashing import build_hash_job
+from xkv.kernels.hashing import HASH_ENGINES, build_hash_job, hash_engine
 from xkv.kernels.jobs import IndexLike, as_index, build_job, offsets_arg, pools_arg
 from xkv.kernels.prepared import PreparedCopy, _prepare, prepare_restore
 from xkv.kernels.verify import Checks, CheckWords
@@ -79,8 +79,8 @@ def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list
     if not isinstance(checks, Checks) or checks.expected is None:
         raise ValueError("a hashed restore needs kernels.Checks with expected words")
     n = int(ids.size)
-    objects = np.asarray(as_index(checks.objects, "checks.objects"), dtype=np.int64)
-    pages = np.asarray(as_index(checks.pages, "checks.pages"), dtype=np.int64)
+    objects = as_index(checks.objects, "checks.objects")
+    pages = as_index(checks.pages, "checks.pages")
     if objects.shape != (n,) or pages.shape != (n,):
         raise ValueError(f"checks.objects / checks.pages must be [{n}], got {objects.shape} / "
                          f"{pages.shape}")
@@ -90,26 +90,28 @@ def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list
         raise ValueError(f"checks.hash_only must be bool [{n}], got {ho.dtype} {ho.shape}")
     w = np.flatnonzero(~ho)
     h = np.flatnonzero(ho)
-    both = set(zip(objects[w].tolist(), pages[w].tolist(), strict=True)) & set(
-        zip(objects[h].tolist(), pages[h].tolist(), strict=True))
-    if both:
-        raise ValueError(f"pages listed as written and as hash-only: {sorted(both)[:4]}")
-    ids_np = np.asarray(ids)
-    copy = prepare_restore(src, offs_np[:, w], dsts, ids_np[w], engine=engine,
+    # (object, page) as one integer: a page in both halves would be counted twice
+    key = objects * (int(pages.max(initial=0)) + 1) + pages
+    both = np.intersect1d(key[w], key[h])
+    if both.size:
+        i = int(np.flatnonzero(key == both[0])[0])
+        raise ValueError(f"page {int(pages[i])} of object {int(objects[i])} is listed as written "
+                         "and as hash-only")
+    copy = prepare_restore(src, offs_np[:, w], dsts, ids[w], engine=engine,
                            max_programs=max_programs)
-    hjob = build_hash_job(dsts, ids_np[w], Checks(objects[w], pages[w], checks.num_objects,
-                                                  expected=checks.expected))
+    hjob = build_hash_job(dsts, ids[w], Checks(objects[w], pages[w], checks.num_objects,
+                                               expected=checks.expected))
     words = hjob.checks.buf
     tail = None
     if h.size:
-        tjob = build_job(dsts, ids_np[h], src, offsets_arg(offs_np[:, h], L, "src_offsets"),
+        tjob = build_job(dsts, ids[h], src, offsets_arg(offs_np[:, h], L, "src_offsets"),
                          save=False, per_layer=True,
                          checks=Checks(objects[h], pages[h], checks.num_objects,
                                        expected=checks.expected,
                                        hash_only=np.ones(h.size, dtype=bool)))
         tjob.checks.buf = words  # adds its terms into the same residuals (-expected once)
         tail = _prepare(tjob, engine, None)  # checked restores' own budget and engine rule
-    cuda = dsts[0].device.type == "cuda"
-    hash_engine = "triton" if engine == "triton" or (cuda and engine != "reference") else "reference"
-    hash_prep = _prepare(hjob, hash_engine, hash_programs)
+    # the hash follows the copy's engine where it can (copy_engine / staged do not hash: auto)
+    he = engine if engine in HASH_ENGINES else "auto"
+    hash_prep = _prepare(hjob, hash_engine(he, dsts[0].device), hash_programs)
     return HashedRestore(copy, hash_prep, tail, words)

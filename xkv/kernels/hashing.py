@@ -36,9 +36,19 @@ from xkv.kernels.page_copy import check_engine
 from xkv.kernels.verify import Checks, CheckWords, validate_checks
 from xkv.layout import PagePool
 
-__all__ = ["HASH_ENGINES", "build_hash_job", "hash_pages", "null_flat"]
+__all__ = ["HASH_ENGINES", "build_hash_job", "hash_engine", "hash_pages", "null_flat"]
 
 HASH_ENGINES = ("auto", "triton", "reference")
+
+
+def hash_engine(engine: str, device: torch.device) -> str:
+    """The engine a hash runs (``HASH_ENGINES``; ``"auto"``: Triton on CUDA, the torch engine
+    elsewhere); ``ValueError`` for another name."""
+    if engine not in HASH_ENGINES:
+        raise ValueError(f"engine must be one of {HASH_ENGINES}, got {engine!r}")
+    if engine == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return engine
 
 
 def null_flat(device: torch.device) -> torch.Tensor:
@@ -83,10 +93,7 @@ def hash_pages(pools: Sequence[PagePool], block_ids: IndexLike, checks: Checks, 
     if engine not in HASH_ENGINES:
         raise ValueError(f"engine must be one of {HASH_ENGINES}, got {engine!r}")
     job = build_hash_job(pools, block_ids, checks)
-    dev = job.pools[0].device
-    if engine == "auto":
-        engine = "triton" if dev.type == "cuda" else "reference"
-    engine, budget = check_engine(job, engine, max_programs)
+    engine, budget = check_engine(job, hash_engine(engine, job.pools[0].device), max_programs)
     words = job.checks.buf
     if job.n == 0 or job.block_bytes == 0:
         return words
