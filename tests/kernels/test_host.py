@@ -82,6 +82,47 @@ def test_split_at_edges():
     assert [x.size for x in host.split_at(e, e, e, b)] == [0, 0, 0]
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 300), nb=st.integers(0, 5))
+def test_copy_bytes_cuts_at_boundaries_and_moves_the_same_bytes(data, n, nb):
+    """``copy_bytes`` (torch copies of card bytes): fresh random bytes into a poisoned
+    destination, boundaries inside the source, the destination, both or neither; every torch copy
+    it makes stays inside one piece of each side, and the bytes equal ``src``."""
+    src_all = torch.randint(0, 256, (n + 64,), dtype=torch.uint8)
+    dst_all = torch.full((n + 64,), 0xA5, dtype=torch.uint8)
+    i, j = data.draw(st.integers(0, 64)), data.draw(st.integers(0, 64))
+    src, dst = src_all[i:i + n], dst_all[j:j + n]
+    addrs = [t.data_ptr() + data.draw(st.integers(1, max(1, n - 1))) for t in (src, dst)
+             for _ in range(nb)]
+    bounds = np.array(sorted(set(addrs)), dtype=np.uint64)
+    made = []
+    real = torch.Tensor.copy_
+
+    def spy(self, other, non_blocking=False):
+        made.append((self.data_ptr(), other.data_ptr(), self.numel()))
+        return real(self, other, non_blocking=non_blocking)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "_bounds", bounds)
+        mp.setattr(torch.Tensor, "copy_", spy)
+        host.copy_bytes(dst, src)
+    assert torch.equal(dst, src)
+    assert torch.equal(dst_all[:j], torch.full((j,), 0xA5, dtype=torch.uint8))  # nothing outside
+    assert torch.equal(dst_all[j + n:], torch.full((64 - j,), 0xA5, dtype=torch.uint8))
+    assert sum(z for _, _, z in made) == n or (n == 0 and len(made) == 1)
+    for d, s_, z in made:
+        for b in bounds.tolist():
+            assert not (s_ < b < s_ + z) and not (d < b < d + z), (b, d, s_, z)
+
+
+def test_copy_bytes_refuses_what_it_cannot_cut():
+    a = torch.zeros(8, dtype=torch.uint8)
+    for dst, src in ((a[:4], a[:5]), (a.view(2, 4), a.view(2, 4)), (a[::2], a[:4]),
+                     (torch.zeros(2, dtype=torch.int32), a[:2])):
+        with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+            host.copy_bytes(dst, src)
+
+
 def test_piece_boundaries_follow_the_registrations(monkeypatch):
     """Adjacent registrations (a card in segments) meet at a boundary; separate ones do not."""
     import types

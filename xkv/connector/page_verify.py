@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from xkv.kernels import host
 from xkv.layout import contiguous_runs
 
 log = logging.getLogger("xkv.connector")
@@ -96,7 +97,7 @@ def _compare(card: torch.Tensor, offs: torch.Tensor, pool, ids: torch.Tensor) ->
         want = torch.empty((z - a, bb), dtype=torch.uint8, device=dev)
         flat = want.view(-1)
         for i, count, o in contiguous_runs(offs[a:z], bb):  # adjacent card blocks: one copy
-            flat[i * bb:(i + count) * bb].copy_(card[o:o + count * bb], non_blocking=True)
+            host.copy_bytes(flat[i * bb:(i + count) * bb], card[o:o + count * bb])  # pieces
         idx = ids[a:z].to(dev)
         got = torch.cat([pool.run_view(r).index_select(0, idx) for r in range(len(pool.runs))], 1)
         bad += int((got != want).any(dim=1).sum())

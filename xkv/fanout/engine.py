@@ -29,6 +29,7 @@ from xkv.fanout.comm import Exchanger
 from xkv.fanout.config import FanoutConfig
 from xkv.fanout.eligibility import Mode
 from xkv.fanout.plan import ALIGN, PlanError, Round, plan_batch
+from xkv.kernels import host
 from xkv.layout import contiguous_runs
 
 logger = logging.getLogger("xkv.fanout")
@@ -251,7 +252,7 @@ class FanoutRestorer:
                     break
             if len(pieces) <= MAX_DMA_COPIES:
                 for plo, phi, base in pieces:
-                    slot[plo:phi].copy_(b.src[base + plo:base + phi], non_blocking=True)
+                    host.copy_bytes(slot[plo:phi], b.src[base + plo:base + phi])  # card pieces
                 return
         from xkv.kernels import restore_slice
         from xkv.layout import PagePool

@@ -18,8 +18,8 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["is_host_accessible", "piece_boundaries", "register_host", "registered_ranges",
-           "split_at", "unregister_host"]
+__all__ = ["copy_bytes", "is_host_accessible", "piece_boundaries", "register_host",
+           "registered_ranges", "split_at", "unregister_host"]
 
 _CUDA_HOST_REGISTER_DEFAULT = 0  # with UVA: mapped and portable, device pointer == host pointer
 _lock = threading.Lock()
@@ -124,6 +124,30 @@ def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
         out_s.append((s + lo).astype(srcs.dtype))
         out_z.append(n.astype(sizes.dtype))
     return np.concatenate(out_d), np.concatenate(out_s), np.concatenate(out_z)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
+    """``dst.copy_(src, non_blocking)`` for two contiguous 1-D ``uint8`` tensors of one length,
+    cut where either crosses a boundary between registered pieces.
+
+    torch's own copy of a card slice spanning two registrations fails like the copy engine's
+    ("invalid argument", H200 2026-12-03, ``test_card_pin``'s GPU test): every torch copy of card
+    bytes that may cross a piece goes through here. One plain copy when nothing is cut."""
+    n = src.numel()
+    if dst.numel() != n or src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1 \
+            or dst.dim() != 1 or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"copy_bytes takes two contiguous 1-D uint8 tensors of one length, got "
+                         f"{tuple(dst.shape)} {dst.dtype} <- {tuple(src.shape)} {src.dtype}")
+    bounds = piece_boundaries()
+    if bounds.size == 0 or n == 0:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    d, s, z = split_at(np.array([dst.data_ptr()], dtype=np.uint64),
+                       np.array([src.data_ptr()], dtype=np.uint64),
+                       np.array([n], dtype=np.uint64), bounds)
+    at_d, at_s = (d - dst.data_ptr()).tolist(), (s - src.data_ptr()).tolist()
+    for a, b, size in zip(at_d, at_s, z.tolist(), strict=True):
+        dst[a:a + size].copy_(src[b:b + size], non_blocking=non_blocking)
 
 
 def _merge() -> None:
