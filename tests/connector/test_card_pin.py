@@ -128,10 +128,12 @@ def test_segments_edges():
 
 def test_segment_size_from_the_environment(monkeypatch):
     monkeypatch.delenv("XKV_CARD_SEGMENT_MIB", raising=False)
-    assert card_pin.segment_bytes() is None  # segments are opt-in (the H200 crash, card_pin)
+    assert card_pin.segment_bytes() == 1 << 30  # segments by default (stop 32, card_pin)
     monkeypatch.setenv("XKV_CARD_SEGMENT_MIB", "64")
     assert card_pin.segment_bytes() == 64 << 20
-    for bad in ("0", "-3", "1.5", "lots"):
+    monkeypatch.setenv("XKV_CARD_SEGMENT_MIB", "0")
+    assert card_pin.segment_bytes() is None  # at once
+    for bad in ("-3", "1.5", "lots"):
         monkeypatch.setenv("XKV_CARD_SEGMENT_MIB", bad)
         with pytest.raises(ValueError, match=f"XKV_CARD_SEGMENT_MIB='{bad}'"):
             card_pin.segment_bytes()
@@ -196,8 +198,8 @@ def test_a_card_whose_storage_starts_pinned_still_gets_every_segment(cudart, mon
     m.close()
 
 
-def test_without_segments_asked_for_the_card_is_one_registration(cudart, monkeypatch):
-    monkeypatch.delenv("XKV_CARD_SEGMENT_MIB", raising=False)
+def test_segments_turned_off_the_card_is_one_registration(cudart, monkeypatch):
+    monkeypatch.setenv("XKV_CARD_SEGMENT_MIB", "0")
     card = _card(9 * PAGE + 5, 77)
     assert card_pin.pin_beside_engine(card) is card
     assert [c[:3] for c in cudart.calls] == [("register", card.data_ptr(), card.numel())]

@@ -17,6 +17,9 @@ def test_defaults():
     assert c.fanout.min_layer_bytes == 4 << 20
     assert c.resolve_chunk_size(32) == 256 and c.resolve_chunk_size(16) == 256
     assert c.resolve_chunk_size(96) == 192 and c.resolve_chunk_size(288) == 288
+    # verified restores on, one-pass checks, stores after the forward (H200 measurements, stop 32)
+    assert c.verify_checksums is True and c.checksum_pass == "copy" and c.save_mode == "step"
+    assert ConnectorConfig.from_extra({"verify_checksums": False}, ENV).verify_checksums is False
 
 
 def test_unknown_key_lists_valid_keys():

@@ -15,7 +15,7 @@ def prompt(n, base=10):
 
 
 P1 = prompt(300)  # 4 full chunks of 64 + a partial one
-EXTRA = {"chunk_size": 64, "verify_checksums": True}  # opt-in (docs/verification.md)
+EXTRA = {"chunk_size": 64}  # verify_checksums: on by default (docs/verification.md): the default is tested
 
 
 def test_corrupted_card_is_recomputed_never_decoded(models, gateway):

@@ -1,16 +1,18 @@
-"""Pinning the gateway's card for the GPU, at once (the default) or in segments, so that letting go
+"""Pinning the gateway's card for the GPU in segments (the default) or at once, so that letting go
 of it stalls nobody long.
 
-**Segments are opt-in** (``XKV_CARD_SEGMENT_MIB``) until a GPU run has shown them clean end to
-end. On the H200 (2026-12-03, bench/RESULTS.md) an engine whose 24 GiB card was registered in
-1 GiB segments stopped with "illegal memory access" at its first save past the first segment.
-``bench/card_pieces_probe.py`` found two causes, both fixed in ``xkv.kernels.host``: only the
-first segment was ever registered (torch's ``Tensor.is_pinned`` answers for a slice's storage
-base, so every later segment looked pinned already), and the copy engine refuses one copy that
-spans two registrations (copies are now cut at segment boundaries, ``host.split_at``). After the
-first fix the probe's Triton copies reached every segment and crossed boundaries bit-exact on the
-H200; the copy-engine cut is CPU-tested only. Without segments a dead gateway's idle release
-costs the measured ~45 ms per GiB.
+Segments are the default since the H200 run of 2026-12-03 (stop 32, bench/RESULTS.md): with the
+24 GiB card in 1 GiB segments a request sent while the idle engine let go of a dead gateway's card
+waited 13.8 ms extra, against 1114 ms with the card as one registration (same call, Llama-3-8B
+shape, CUDA graphs; first-token logprobs equal the no-connector run). The first try (stop 30)
+stopped with "illegal memory access"; ``bench/card_pieces_probe.py`` found two causes, both fixed
+in ``xkv.kernels.host``: only the first segment was ever registered (torch's ``Tensor.is_pinned``
+answers for a slice's storage base), and one copy spanning two registrations is refused, by the
+copy engine (``cuMemcpyBatchAsync``) and by torch's own copy ("invalid argument"): copies are cut
+at segment boundaries (``host.split_at``, ``host.copy_bytes``). On the H200 the Triton kernel, the
+copy engine, the staged path and ``copy_bytes`` crossed boundaries bit-exact
+(``tests/connector/test_card_pin.py``'s GPU test, the probe). ``XKV_CARD_SEGMENT_MIB=0`` registers
+the card at once (a dead gateway's idle release then costs ~45 ms per GiB).
 
 Why: ``cudaHostRegister`` / ``cudaHostUnregister`` hold a driver lock that blocks *every* CUDA call
 of the process for their whole duration, whichever thread makes them (measured on the H200,
@@ -29,7 +31,7 @@ adjacent registered pieces).
 Segment boundaries are page-aligned in absolute addresses (``cudaHostRegister`` pins whole pages;
 two registrations must not share one): boundary ``k`` is ``page_floor(ptr) + k * segment``, so the
 first segment is short by ``ptr``'s offset into its page and the last one holds the rest.
-``XKV_CARD_SEGMENT_MIB`` (a positive number of MiB) turns segments on at that size.
+``XKV_CARD_SEGMENT_MIB`` (MiB, default 1024) sets the segment size; ``0`` registers at once.
 """
 
 from __future__ import annotations
@@ -43,9 +45,8 @@ import torch
 
 from xkv.kernels import host
 
-#: Bytes of one registered segment when :func:`segments` is called without a size (one unregister
-#: of it stalls CUDA ~17 ms on the H200); the card itself is pinned in segments only when
-#: ``XKV_CARD_SEGMENT_MIB`` asks for it (:func:`segment_bytes`).
+#: Bytes of one registered segment by default (one unregister of it stalls CUDA ~17 ms on the
+#: H200); ``XKV_CARD_SEGMENT_MIB`` changes it (:func:`segment_bytes`).
 SEGMENT_BYTES = 1 << 30
 PAGE = mmap.PAGESIZE
 #: Seconds to wait between two segments registered at an attach (beside a running engine): the
@@ -54,18 +55,19 @@ REGISTER_PAUSE_S = 0.005
 
 
 def segment_bytes() -> int | None:
-    """``XKV_CARD_SEGMENT_MIB`` MiB when set (a positive integer), else None: the card is
-    registered at once (segments are opt-in, see the module docstring)."""
+    """Bytes per registered segment: ``XKV_CARD_SEGMENT_MIB`` MiB when set, :data:`SEGMENT_BYTES`
+    when unset; None for ``0`` (the card registered at once)."""
     v = os.environ.get("XKV_CARD_SEGMENT_MIB", "").strip()
     if not v:
-        return None
+        return SEGMENT_BYTES
     try:
         mib = int(v)
     except ValueError:
-        mib = 0
-    if mib <= 0:
-        raise ValueError(f"XKV_CARD_SEGMENT_MIB={v!r}: expected a positive whole number of MiB")
-    return mib << 20
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"XKV_CARD_SEGMENT_MIB={v!r}: expected a whole number of MiB (0: the card "
+                         f"registered at once)")
+    return mib << 20 if mib else None
 
 
 def segments(nbytes: int, ptr: int = 0, seg: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
@@ -89,8 +91,8 @@ def segments(nbytes: int, ptr: int = 0, seg: int = SEGMENT_BYTES) -> list[tuple[
 def pin(card: torch.Tensor, seg: int | None = None,
         pause: Callable[[], None] | None = None) -> torch.Tensor:
     """Register ``card`` (a contiguous CPU uint8 tensor) for the GPU, one segment of ``seg``
-    bytes per ``cudaHostRegister`` (None: :func:`segment_bytes`; no segments asked for: the whole
-    card in one call); ``pause()`` runs between two segments. Returns ``card``. A failure
+    bytes per ``cudaHostRegister`` (None: :func:`segment_bytes`; ``XKV_CARD_SEGMENT_MIB=0``: the
+    whole card in one call); ``pause()`` runs between two segments. Returns ``card``. A failure
     unregisters the segments registered so far and raises (the card is then not usable)."""
     seg = segment_bytes() if seg is None else seg
     if card.device.type != "cpu" or not card.is_contiguous() or card.element_size() != 1:

@@ -63,7 +63,7 @@ OPTIONS: dict[str, Option] = {
     "lookup_timeout_ms": Option(50.0, (int, float), "deadline of one LOOKUP (scheduler)"),
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
-    "verify_checksums": Option(False, (bool,), "check every restored page against the checksum its save computed (opt-in: restores cost up to 1.6x on the H200, docs/verification.md)"),
+    "verify_checksums": Option(True, (bool,), "check every restored page against the checksum its save computed (on by default; its H200 cost: docs/verification.md)"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
@@ -88,7 +88,7 @@ class ConnectorConfig:
     lookup_timeout_ms: float = 50.0
     gateway_timeout_ms: float = 1000.0
     verify_restores: bool = False
-    verify_checksums: bool = False
+    verify_checksums: bool = True
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True

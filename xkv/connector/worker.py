@@ -106,7 +106,7 @@ class WorkerSide:
         full_hit_restore: bool = True,
         save_mode: str = "layer",
         save_line: str = "",
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one).
