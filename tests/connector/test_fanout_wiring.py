@@ -5,6 +5,10 @@
 - Two gloo processes (TP 2) drive ``WorkerSide``'s MLA restore through a ``FanoutRestorer``
   (layer-wise, bulk, below the size threshold, and one rank unable to read its card): every
   rank's cache equals the plain restore's bit for bit, and each rank copied about half.
+- The same with checksum words (``verify_checksums``, on by default): fanned-out restores are
+  verified (hashed after the all-gather, ``fanout_loads``): clean bytes raise no alarm and count
+  no unverified block (layer-wise and bulk); one flipped card bit fails exactly its object's
+  blocks on every rank; layers whose hook never came leave the group unverified and counted.
 """
 
 from __future__ import annotations
@@ -116,13 +120,18 @@ class _Gateway:
     def slot_generation(self, offset):
         return 0
 
+    def report_corrupt(self, layout_id, shard, refs):  # CORRUPT (background thread)
+        pass
+
     def close(self):
         pass
 
 
-def _card_and_meta():
-    """Card (seeded, the same on every rank) and one load of CHUNKS chunks into random blocks."""
+def _card_and_meta(words: bool = False):
+    """Card (seeded, the same on every rank) and one load of CHUNKS chunks into random blocks;
+    ``words``: each chunk with its object's checksum words (one per layer, of the card as made)."""
     from xkv.connector.metadata import ChunkRef, GroupTransfer, StepMetadata, TransferJob
+    from xkv.kernels import checksum
 
     g = torch.Generator().manual_seed(3)
     slot = len(LAYERS) * K * BB + 4096  # padded slots: chunks are not back to back
@@ -131,11 +140,15 @@ def _card_and_meta():
     slot_of = (torch.randperm(n_slots, generator=g)[:CHUNKS] * slot).tolist()
     blocks = torch.randperm(NUM_BLOCKS, generator=g)[: CHUNKS * K].tolist()
     chunks = tuple(ChunkRef(bytes([c]) * 8, (s,), (0,)) for c, s in enumerate(slot_of))
+    raw = card.numpy().tobytes()
+    checks = tuple(b"".join(checksum.words_numpy(raw[s + li * K * BB:s + (li + 1) * K * BB])
+                            .to_bytes(4, "little") for li in range(len(LAYERS)))
+                   for s in slot_of) if words else ()
     gt = GroupTransfer(0, tuple(blocks), tuple(i // K for i in range(len(blocks))),
-                       tuple(i % K for i in range(len(blocks))), chunks)
+                       tuple(i % K for i in range(len(blocks))), chunks, checks=checks)
     meta = StepMetadata(loads=(TransferJob(1, "r", (gt,), len(blocks) * BLOCK),), epoch=EPOCH,
                         layout_ids=(1,))
-    return card, meta
+    return card, meta, slot_of
 
 
 def _worker_side(card, rank, world, restorer_factory=None, epoch=EPOCH):
@@ -171,7 +184,7 @@ def _gloo_worker(rank, world, init_file, q):
     from xkv.fanout import FanoutConfig, FanoutRestorer, Mode, TorchExchanger
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    card, meta = _card_and_meta()
+    card, meta, _ = _card_and_meta()
     plain, ref = _worker_side(card, rank, world)
     assert not _step(plain, meta, LAYERS)
     total = CHUNKS * K * BB * len(LAYERS)
@@ -207,7 +220,43 @@ def _gloo_worker(rank, world, init_file, q):
                                     for n in LAYERS)
         ws.shutdown()
         q.put((rank, name, ok, r.stats["bytes_copied"], r.stats["batches"], total))
+    _verified_cases(rank, world, factory, ref, q)
     dist.destroy_process_group()
+
+
+def _verified_cases(rank, world, factory, ref, q):
+    """Fanned-out restores with checksum words: clean, and one card bit flipped (chunk 5,
+    layer 1) after the words were taken."""
+    from xkv.fanout import Mode
+
+    card, meta, slot_of = _card_and_meta(words=True)
+    bad_chunk = 5
+    gt = meta.loads[0].groups[0]
+    bad_blocks = {b for b, c in zip(gt.block_ids, gt.chunk_of, strict=True) if c == bad_chunk}
+    flipped = card.clone()
+    flipped[slot_of[bad_chunk] + 1 * K * BB + 777] ^= 0x10
+    cases = {  # name -> (mode, hook order, card)
+        "verified_layerwise": (Mode.LAYERWISE, LAYERS[::-1], card),
+        "verified_no_hooks": (Mode.LAYERWISE, (), card),  # exchanged at the end: unverified
+        "verified_bulk": (Mode.BULK, LAYERS, card),
+        "verified_corrupt": (Mode.LAYERWISE, LAYERS, flipped),
+    }
+    for name, (mode, order, c) in cases.items():
+        made: list = []
+        ws, caches = _worker_side(c, rank, world, factory(mode, 0, made))
+        errors = _step(ws, meta, order)
+        st = ws.stats.reduce()
+        want_err = bad_blocks if name == "verified_corrupt" else set()
+        same = all(torch.equal(caches[n].view(torch.uint8)[sorted(set(gt.block_ids) - want_err)],
+                               ref[n].view(torch.uint8)[sorted(set(gt.block_ids) - want_err)])
+                   for n in LAYERS)
+        unverified = len(gt.block_ids) if name == "verified_no_hooks" else 0
+        ok = (errors == want_err and same and st.get("blocks_unverified", 0) == unverified
+              and st.get("checksum_mismatches", 0) == (1 if want_err else 0)
+              and made[0].stats["batches"] == 1)
+        ws.shutdown()
+        q.put((rank, name, ok, made[0].stats["bytes_copied"], made[0].stats["batches"],
+               CHUNKS * K * BB * len(LAYERS)))
 
 
 def test_worker_mla_restore_through_restorer_gloo():
@@ -217,8 +266,10 @@ def test_worker_mla_restore_through_restorer_gloo():
         assert ok, f"rank {rank} {name}: restore differs from the plain one"
         rows.setdefault(name, []).append((rank, copied, batches, total))
     assert sorted(rows) == sorted(["layerwise", "layerwise_no_hooks", "bulk", "small",
-                                   "rank1_card_unusable"])
-    for name in ("layerwise", "layerwise_no_hooks", "bulk"):
+                                   "rank1_card_unusable", "verified_layerwise",
+                                   "verified_no_hooks", "verified_bulk", "verified_corrupt"])
+    for name in ("layerwise", "layerwise_no_hooks", "bulk", "verified_layerwise",
+                 "verified_no_hooks", "verified_bulk", "verified_corrupt"):
         (r0, c0, b0, total), (r1, c1, b1, _) = sorted(rows[name])
         # fan-out ran: one batch per rank, each copied about half, together every byte
         assert (b0, b1) == (1, 1) and c0 + c1 == total and abs(c0 - c1) <= 2 * 4096, rows[name]

@@ -81,6 +81,47 @@ def test_two_passes_write_and_flag_what_one_pass_does(engine, c, data):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@settings(max_examples=30, deadline=None)
+@given(c=cases(), data=st.data())
+def test_page_hash_checks_pages_another_path_wrote(engine, c, data):
+    """``prepare_page_hash`` (the fan-out's verification): the written fragments are put into the
+    cache by a plain unchecked restore (as the all-gather does), hash-only ones stay on the card.
+    Same residuals as the one-pass checked restore on clean bytes; one bit flipped in the cache
+    after the copy (in a written page) or on the card (in a hash-only fragment) flags exactly
+    its object; nothing is written."""
+    src_pools = make_pools(c)
+    want, card = save_words(c, src_pools)
+    ho = np.array(data.draw(st.lists(st.booleans(), min_size=c["n"], max_size=c["n"])),
+                  dtype=bool)
+    checks = K.Checks(c["obj"], c["page"], c["C"], expected=want, hash_only=ho)
+    dst = poisoned_like(c)
+    w = np.flatnonzero(~ho)
+    K.restore_layers(card, c["offs"][:, w], dst, c["ids"][w], engine="reference")
+    flagged = np.zeros(c["C"], dtype=bool)
+    if c["n"] and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, c["n"] - 1))
+        li = data.draw(st.integers(0, c["L"] - 1))
+        r0, rl = c["runs"][data.draw(st.integers(0, len(c["runs"]) - 1))]
+        if ho[i]:  # on the card
+            card[int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))] ^= 1
+        else:  # in the cache, after the copy landed
+            at = int(c["ids"][i]) * c["stride"] + r0 + data.draw(st.integers(0, rl - 1))
+            dst[li].base[at] ^= 1 << data.draw(st.integers(0, 7))
+        flagged[c["obj"][i]] = True
+    before = [p.base.clone() for p in dst]
+    ph = K.prepare_page_hash(card, c["offs"], dst, c["ids"], checks, engine=engine,
+                             hash_programs=2)
+    for li in range(c["L"]):
+        ph.launch(li)
+    for a, b in zip(dst, before, strict=True):
+        assert torch.equal(a.base, b)  # the hash writes nothing
+    np.testing.assert_array_equal(ph.checks.mismatched(), flagged)
+    if not flagged.any():
+        _, w1 = run_one_pass(c, card, checks, "reference")
+        np.testing.assert_array_equal(ph.checks.words.numpy(), w1.words.numpy())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_only_hash_only_fragments_and_none_at_all(engine):
     L, k, bb, nb = 2, 2, 16, 5
     src = [PagePool(torch.arange(nb * bb, dtype=torch.uint8) + 7 * li, nb, bb, bb, ((0, bb),))

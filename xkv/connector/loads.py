@@ -113,13 +113,15 @@ def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
           groups: Mapping[int, list[GroupTransfer]], pools: Mapping[str, Any],
           stats: ConnectorStats, skip: Iterable[int] = (), *, fence_tail: bool = False,
           check_words: Mapping[int, int] | None = None,
-          on_checks: Callable[[PendingCheck], None] | None = None) -> None:
+          on_checks: Callable[[PendingCheck], None] | None = None,
+          checked: Iterable[int] = ()) -> None:
     """Issue every group's restore of ``groups`` on ``handler`` (after its ``begin_loads``),
-    except the groups in ``skip`` (restored by NVLink fan-out: not verified); counts them all.
+    except the groups in ``skip`` (restored by NVLink fan-out; verified there where listed in
+    ``checked``, ``fanout_loads``); counts them all.
     ``fence_tail``: sync restores copy the blocks the step also writes before the forward
     (:func:`load_transfers`). ``check_words[g]``: group ``g``'s words per object (verified
     restores, their flags to ``on_checks``)."""
-    skip = set(skip)
+    skip, checked = set(skip), set(checked)
     check_words = check_words or {}
     for g, transfers in groups.items():
         plan = registry.groups[g]
@@ -130,7 +132,8 @@ def issue(handler: TransferHandler, registry: Registry, tp_rank: int, card: Any,
             n = load_transfers(handler, plan, tp_rank, card, transfers,
                                [pools[name] for name in plan.group.layer_names],
                                fence_tail=fence_tail, check_words=cw, on_checks=on_checks)
-        if g in skip or not verified(plan, transfers, cw):
+        unverified = g not in checked if g in skip else not verified(plan, transfers, cw)
+        if unverified:
             stats.add("blocks_unverified", n)
         stats.add("blocks_restored", n)
         stats.add("bytes_restored", n * plan.group.bytes_all_layers)

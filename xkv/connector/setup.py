@@ -172,7 +172,7 @@ def worker_parts(registry: Registry, tp_rank: int, session: Any, stats: Connecto
                     on_bulk_saves=plan.note_bulk_saves, mode=save_mode),
         async_loads=AsyncLoadWorker(registry, tp_rank, outcomes, stats, pools=pools,
                                     new_handler=new_handler),
-        fanout=(FanoutLoads(restorer, registry, tp_rank, pools)
+        fanout=(FanoutLoads(restorer, registry, tp_rank, pools, stats)
                 if restorer is not None else None),
     )
 

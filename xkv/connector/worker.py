@@ -267,8 +267,9 @@ class WorkerSide:
                 out.append(f"XKV: group {g} ({plan.group.kind}): restores NOT verified "
                            f"({unverified_reason(plan)})")
             elif self.fanout is not None and plan.group.kind == "mla" and not plan.is_state:
-                out.append(f"XKV: group {g} ({plan.group.kind}): restores through NVLink "
-                           "fan-out are NOT verified; others are (one checksum word per layer)")
+                out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
+                           f"checksums ({cw} words per object shard; NVLink fan-out restores "
+                           "hashed in GPU memory after the all-gather)")
             else:
                 out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
                            f"checksums ({cw} words per object shard)")
@@ -360,12 +361,14 @@ class WorkerSide:
         for job in meta.loads:
             self.outcomes.finished(job)
         self._load_checks.extend(meta.loads)
-        fanned = self.fanout.begin(card, groups) if self.fanout is not None else set()
+        words = session_words(self.session)
+        fanned = (self.fanout.begin(card, groups, words, self.outcomes.add_check)
+                  if self.fanout is not None else set())
         self._check_fences = bool(fanned)  # layer-wise fan-out fences: checked too
         issue(self.handler, self.registry, self.tp_rank, card, groups, self.pools, self.stats,
-              skip=fanned, fence_tail=True,
-              check_words=session_words(self.session),
-              on_checks=self.outcomes.add_check)
+              skip=fanned, fence_tail=True, check_words=words,
+              on_checks=self.outcomes.add_check,
+              checked=self.fanout.checked if self.fanout is not None else ())
         for g in groups:
             if g in fanned:
                 continue

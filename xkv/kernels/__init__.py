@@ -11,7 +11,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.hashing`: ``hash_pages`` (the words of pages already in the cache, or
   residuals against expected words, with nothing written: verify after an unchecked restore);
   :mod:`~xkv.kernels.hashed_restore`: ``prepare_hashed_restore`` (a verified restore in two
-  passes: the unchecked copy, then the hash in HBM);
+  passes: the unchecked copy, then the hash in HBM), ``prepare_page_hash`` (the hash alone, for
+  pages another path wrote: the NVLink fan-out);
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
@@ -24,7 +25,12 @@ Triton; the first GPU (or interpreted) launch does.
 
 from xkv.kernels._launch import LaunchConfig, default_programs, launch_config
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
-from xkv.kernels.hashed_restore import HashedRestore, prepare_hashed_restore
+from xkv.kernels.hashed_restore import (
+    HashedRestore,
+    PageHash,
+    prepare_hashed_restore,
+    prepare_page_hash,
+)
 from xkv.kernels.hashing import hash_pages
 from xkv.kernels.host import is_host_accessible, register_host, unregister_host
 from xkv.kernels.page_copy import (
@@ -45,6 +51,7 @@ __all__ = [
     "Checks",
     "Calibration",
     "HashedRestore",
+    "PageHash",
     "ENGINES",
     "LaunchConfig",
     "PreparedCopy",
@@ -56,6 +63,7 @@ __all__ = [
     "launch_config",
     "pack",
     "prepare_hashed_restore",
+    "prepare_page_hash",
     "prepare_restore",
     "prepare_save",
     "register_host",

@@ -14,6 +14,9 @@ into the SAME word buffer: ``words[l, c] = -expected[l, c] + terms of the pages 
 terms of the hash-only pages read from the flat buffer``, 0 exactly where layer ``l`` of object
 ``c`` matched, as a one-pass checked restore computes it.
 
+:func:`prepare_page_hash` is the hash half alone, for pages another path wrote into the cache
+(the NVLink fan-out's all-gather): ``launch(l)`` hashes layer ``l`` after its pages landed.
+
 :func:`prepare_hashed_restore` returns a :class:`HashedRestore`: ``launch(l)`` issues layer
 ``l``'s copy (the prepare stream), ``launch_check(l, stream)`` its hash (and its hash-only
 pages), ``checks`` the shared :class:`~xkv.kernels.verify.CheckWords`. Shapes as in
@@ -33,7 +36,23 @@ from xkv.kernels.prepared import PreparedCopy, _prepare, prepare_restore
 from xkv.kernels.verify import Checks, CheckWords
 from xkv.layout import PagePool
 
-__all__ = ["HashedRestore", "prepare_hashed_restore"]
+__all__ = ["HashedRestore", "PageHash", "prepare_hashed_restore", "prepare_page_hash"]
+
+
+@dataclass
+class PageHash:
+    """The verification of pages already in the cache (:func:`prepare_page_hash`)."""
+
+    hash: PreparedCopy  # per layer: the written pages hashed in the cache
+    tail: PreparedCopy | None  # per layer: the hash-only fragments hashed from the flat buffer
+    checks: CheckWords  # residuals [L, C], shared by hash and tail
+
+    def launch(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Layer ``layer``'s hash, once its pages are in the cache: the caller orders ``stream``
+        after what wrote them; None: the prepare stream."""
+        self.hash.launch(layer, stream)
+        if self.tail is not None:
+            self.tail.launch(layer, stream)
 
 
 @dataclass
@@ -41,9 +60,11 @@ class HashedRestore:
     """A prepared two-pass verified restore (module docstring)."""
 
     copy: PreparedCopy  # unchecked, the written fragments
-    hash: PreparedCopy  # per layer: the written pages hashed in the cache
-    tail: PreparedCopy | None  # per layer: the hash-only fragments hashed from the flat buffer
-    checks: CheckWords  # residuals [L, C], shared by hash and tail
+    check: PageHash  # its verification
+
+    @property
+    def checks(self) -> CheckWords:
+        return self.check.checks
 
     def __len__(self) -> int:
         return len(self.copy)
@@ -55,9 +76,7 @@ class HashedRestore:
     def launch_check(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Layer ``layer``'s hash, after its copy landed: the caller orders ``stream`` after the
         copy (an event recorded after :meth:`launch`); None: the prepare stream."""
-        self.hash.launch(layer, stream)
-        if self.tail is not None:
-            self.tail.launch(layer, stream)
+        self.check.launch(layer, stream)
 
 
 def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list[PagePool],
@@ -69,6 +88,37 @@ def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list
     docstring; ``hash_programs``: the hash's SM budget, default a checked save's).
     ``ValueError`` before anything is issued: bad arguments, ``checks`` without ``expected``, or
     a page listed both as written and as hash-only."""
+    v = _validated(src_offsets, dsts, block_ids, checks)
+    copy = prepare_restore(src, v.offs[:, v.written], v.dsts, v.ids[v.written], engine=engine,
+                           max_programs=max_programs)
+    # the hash follows the copy's engine where it can (copy_engine / staged do not hash: auto)
+    he = engine if engine in HASH_ENGINES else "auto"
+    return HashedRestore(copy, _page_hash(src, v, checks, he, engine, hash_programs))
+
+
+def prepare_page_hash(src: torch.Tensor, src_offsets: IndexLike, dsts: list[PagePool],
+                      block_ids: IndexLike, checks: Checks, *, engine: str = "auto",
+                      hash_programs: int | None = None) -> PageHash:
+    """The verification half of :func:`prepare_hashed_restore` alone: fragments that
+    ``checks.hash_only`` does not mark are already in ``dsts`` (another path wrote them, e.g.
+    the NVLink fan-out) and are hashed there; hash-only fragments are hashed from ``src`` at
+    ``src_offsets``. Same arguments, words and errors as :func:`prepare_hashed_restore`."""
+    v = _validated(src_offsets, dsts, block_ids, checks)
+    return _page_hash(src, v, checks, engine, engine, hash_programs)
+
+
+@dataclass
+class _Args:
+    dsts: list[PagePool]
+    ids: np.ndarray
+    offs: np.ndarray  # [L, n]
+    objects: np.ndarray
+    pages: np.ndarray
+    written: np.ndarray  # indices of the fragments in the cache
+    hashed_only: np.ndarray  # indices of the hash-only fragments
+
+
+def _validated(src_offsets, dsts, block_ids, checks) -> _Args:
     dsts = pools_arg(dsts, "dsts")
     L = len(dsts)
     ids = as_index(block_ids, "block_ids")
@@ -97,21 +147,25 @@ def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list
         i = int(np.flatnonzero(key == both[0])[0])
         raise ValueError(f"page {int(pages[i])} of object {int(objects[i])} is listed as written "
                          "and as hash-only")
-    copy = prepare_restore(src, offs_np[:, w], dsts, ids[w], engine=engine,
-                           max_programs=max_programs)
-    hjob = build_hash_job(dsts, ids[w], Checks(objects[w], pages[w], checks.num_objects,
-                                               expected=checks.expected))
+    return _Args(dsts, ids, offs_np, objects, pages, w, h)
+
+
+def _page_hash(src: torch.Tensor, v: _Args, checks: Checks, engine: str, tail_engine: str,
+               hash_programs: int | None) -> PageHash:
+    """``engine``: the in-cache hash's (``hashing.hash_engine``); ``tail_engine``: the hash-only
+    fragments' checked restore kernel's (checked restores' own budget and engine rule)."""
+    w, h, L = v.written, v.hashed_only, len(v.dsts)
+    hjob = build_hash_job(v.dsts, v.ids[w], Checks(v.objects[w], v.pages[w], checks.num_objects,
+                                                   expected=checks.expected))
     words = hjob.checks.buf
     tail = None
     if h.size:
-        tjob = build_job(dsts, ids[h], src, offsets_arg(offs_np[:, h], L, "src_offsets"),
+        tjob = build_job(v.dsts, v.ids[h], src, offsets_arg(v.offs[:, h], L, "src_offsets"),
                          save=False, per_layer=True,
-                         checks=Checks(objects[h], pages[h], checks.num_objects,
+                         checks=Checks(v.objects[h], v.pages[h], checks.num_objects,
                                        expected=checks.expected,
                                        hash_only=np.ones(h.size, dtype=bool)))
         tjob.checks.buf = words  # adds its terms into the same residuals (-expected once)
-        tail = _prepare(tjob, engine, None)  # checked restores' own budget and engine rule
-    # the hash follows the copy's engine where it can (copy_engine / staged do not hash: auto)
-    he = engine if engine in HASH_ENGINES else "auto"
-    hash_prep = _prepare(hjob, hash_engine(he, dsts[0].device), hash_programs)
-    return HashedRestore(copy, hash_prep, tail, words)
+        tail = _prepare(tjob, tail_engine, None)
+    hash_prep = _prepare(hjob, hash_engine(engine, v.dsts[0].device), hash_programs)
+    return PageHash(hash_prep, tail, words)
