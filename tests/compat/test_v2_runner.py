@@ -150,7 +150,15 @@ class Engine:
                                 num_tokens=so.total_num_scheduled_tokens)
         pre = (so, batch) if PRE_TAKES_BATCH else (so,)
         meta = {n: SimpleNamespace(layer=n) for n in LAYERS}  # per-layer attention metadata
-        if graph:  # FULL: pre_forward outside the forward context, the graph replays the layers
+        if graph == "v1":  # V1's FULL step: start_load_kv inside a FULL forward context
+            from vllm.config import CUDAGraphMode
+
+            with set_forward_context(meta, self.vc, slot_mapping={},
+                                     cudagraph_runtime_mode=CUDAGraphMode.FULL):
+                self.akv.pre_forward(*pre)
+                for name in LAYERS:  # the replay runs no hook
+                    V.compute_layer(self.caches, name, work)
+        elif graph:  # FULL: pre_forward outside the forward context, the graph replays the layers
             self.akv.pre_forward(*pre, **({"attn_metadata": meta} if PRE_TAKES_BATCH else {}))
             for name in LAYERS:
                 V.compute_layer(self.caches, name, work)
@@ -288,14 +296,17 @@ def test_store_then_restore_through_v2_wrapper(engines, defer, save_mode, caplog
     b.assert_restored("b", P, 256)
 
 
+@pytest.mark.parametrize("graph", [True, "v1"])
 @pytest.mark.parametrize("save_mode", ["layer", "step"])
 def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines, monkeypatch,
-                                                                        save_mode):
-    """V2's FULL-CUDA-graph step (ruled out by requires_piecewise_for_cudagraph, made safe
-    anyway): no layer hook runs, so start_load_kv fences every layer itself, and the pages the
-    graph wrote are saved in wait_for_save, after the forward (issue 18: a layer whose
-    save_kv_layer did not come is saved in bulk, not aborted); a fresh engine restores them."""
-    ns = f"v2-full-{save_mode}-{next(_ns)}"
+                                                                        save_mode, graph):
+    """A FULL-CUDA-graph step (``full_cuda_graphs``, or a user's ``cudagraph_mode``): no layer
+    hook runs, so start_load_kv fences every layer itself (V2: no forward context at
+    pre_forward; ``"v1"``: inside a forward context whose ``cudagraph_runtime_mode`` is FULL),
+    and the pages the graph wrote are saved in wait_for_save, after the forward (issue 18: a
+    layer whose save_kv_layer did not come is saved in bulk, not aborted); a fresh engine
+    restores them."""
+    ns = f"v2-full-{save_mode}-{graph}-{next(_ns)}"
     a = engines(ns, save_mode=save_mode)
     a.run("a", P)
     a.close()
@@ -306,10 +317,10 @@ def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines,
     monkeypatch.setattr(c.conn._worker, "wait_for_layer_load",
                         lambda name: (fenced.append(name), orig(name)))
     c.sched.add_request(V.make_request("c", prompt, block_size=BS, max_tokens=2))
-    so, out = c.step(graph=True)
+    so, out = c.step(graph=graph)
     assert so.num_scheduled_tokens == {"c": 400 - 256}
     assert fenced == LAYERS  # inside start_load_kv, before the graph read a page
-    if PRE_TAKES_BATCH:
+    if PRE_TAKES_BATCH and graph is True:
         assert "attn_metadata" in c.spy.load_kwargs[-1]
     c.assert_restored("c", prompt, 256)
     st = out.kv_connector_stats.data

@@ -67,6 +67,7 @@ OPTIONS: dict[str, Option] = {
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
+    "full_cuda_graphs": Option(False, (bool,), "let vLLM keep full CUDA graphs for decode-only batches (a restore in such a step is fenced before the forward); off: piecewise graphs only"),
     "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy') or the pages in GPU memory after it ('hbm')"),
     "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
@@ -92,6 +93,7 @@ class ConnectorConfig:
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True
+    full_cuda_graphs: bool = False
     save_mode: str = "step"
     checksum_pass: str = "copy"
     gateway_host: str = DEFAULT_GATEWAY_HOST

@@ -180,14 +180,20 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         ``request_ids``, ``num_tokens``, ``attn_metadata``); the step's metadata has all we use.
 
         vLLM runs the per-layer hooks only under a forward context with attention metadata
-        (``maybe_transfer_kv_layer``). A context without it here (V2's full-CUDA-graph step, which
-        ``requires_piecewise_for_cudagraph`` should rule out, and no-forward steps, which have no
-        sync loads) means no ``wait_for_layer_load`` will come: every layer's sync load is
-        fenced now, before the forward can read a page (async loads complete on their own). ``None`` (tests driving the hooks by hand) fences nothing."""
+        (``maybe_transfer_kv_layer``), and a full CUDA graph's replay runs none. A context
+        without metadata (V2's full-graph step, no-forward steps, which have no sync loads) or
+        one whose ``cudagraph_runtime_mode`` is ``FULL`` (V1's full-graph step) means no
+        ``wait_for_layer_load`` will come: every layer's sync load is fenced now, before the
+        forward can read a page (async loads complete on their own). Full graphs run only with
+        ``full_cuda_graphs`` (:meth:`requires_piecewise_for_cudagraph`) or a user's explicit
+        ``cudagraph_mode``. ``None`` (tests driving the hooks by hand) fences nothing."""
         assert self._worker is not None
         self._worker.start_load_kv()
         self._worker.start_async_loads()
-        if forward_context is not None and getattr(forward_context, "attn_metadata", None) is None:
+        if forward_context is not None and (
+                getattr(forward_context, "attn_metadata", None) is None
+                or getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name",
+                           None) == "FULL"):
             meta = self._get_connector_metadata() if self.has_connector_metadata() else None
             if isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads:
                 for plan in self._registry.groups:
@@ -239,9 +245,14 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # restores and saves hang on the per-layer hooks; fan-out's all-gather + scatter run in
-        # wait_for_layer_load too, which a full CUDA graph would skip on replay
-        return True
+        """True (vLLM then captures piecewise graphs only) unless ``full_cuda_graphs`` is on and
+        the NVLink fan-out is off. Restores overlap the forward layer by layer through the
+        per-layer hooks, which a full graph's replay skips; with ``full_cuda_graphs`` vLLM keeps
+        its full graphs for decode-only batches and such a step fences every restore before the
+        forward (:meth:`start_load_kv`; saves of layers without their hook run after the
+        forward). The fan-out's all-gathers stay in the hooks."""
+        extra = extra_config or {}
+        return not (extra.get("full_cuda_graphs") is True and not extra.get("nvlink_fanout"))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
