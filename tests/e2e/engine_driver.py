@@ -202,6 +202,7 @@ class _CheckedHandler:
     def save_prepared(self, prep, layer, name, pool, block_ids, card, offsets):
         self.inner.save_prepared(prep, layer, name, pool, block_ids, card, offsets)
         self.inner.flush_saves()
+        self.checks.res["prepared_saves"] = self.checks.res.get("prepared_saves", 0) + 1
         self.checks.compare("save", card, offsets, pool, block_ids)
 
     def save_group(self, names, pools, block_ids, card, offsets):

@@ -3,7 +3,9 @@ an MLA (DeepSeek-V2-like) and a sliding-window (Gemma-3-like) model store with e
 by one call per group after the forward, then a fresh engine restores. Checked in-process
 (``verify``): every saved page equals the computed one, every restored page its card bytes;
 greedy tokens (and, on the fp32 sliding-window model, logprobs) equal a no-connector run.
-``group_saves``: the driver's count of ``save_group`` calls (the step path ran).
+``group_saves``: the driver's count of ``save_group`` calls (the step path ran, unchecked:
+``verify_checksums: false``); with checksums (the default) a step's saves are prepared copies,
+one per layer, all after the forward (``prepared_saves``, and no ``save_group``).
 A hybrid (Mamba) model asking for 'step' runs 'layer' (``setup.save_mode``) and says why.
 """
 
@@ -19,17 +21,22 @@ def prompt(n, base=10):
     return [(base + 7 * i) % 1000 + 4 for i in range(n)]
 
 
-def _check(res, log):
+def _check(res, log, checked):
     assert STEP_LINE in log and "did not call save_kv_layer" not in log
-    assert res.get("group_saves", 0) > 0
+    if checked:
+        assert res.get("prepared_saves", 0) > 0 and res.get("group_saves", 0) == 0
+    else:
+        assert res.get("group_saves", 0) > 0
     assert res["saves_checked"] > 0 and res["saves_equal"] == res["saves_checked"]
     assert res["loads_checked"] > 0 and res["loads_equal"] == res["loads_checked"]
     assert "turned off" not in log
     assert all(x["gw_after"] is None or x["gw_after"]["leases"] == 0 for x in res["runs"])
 
 
-@pytest.mark.parametrize("kind,chunk", [("llama", 64), ("deepseek_v2", 64)])
-def test_step_saves_store_restore(models, gateway, kind, chunk):
+@pytest.mark.parametrize("kind,chunk,checked", [("llama", 64, False), ("llama", 64, True),
+                                                ("deepseek_v2", 64, False),
+                                                ("deepseek_v2", 64, True)])
+def test_step_saves_store_restore(models, gateway, kind, chunk, checked):
     P1, P2 = prompt(300), prompt(200, base=501)
     res, log = run_engine(models, kind, gateway, [
         {"op": "engine", "connector": False},
@@ -39,7 +46,7 @@ def test_step_saves_store_restore(models, gateway, kind, chunk):
         {"op": "generate", "name": "store", "prompts": [{"tokens": P1}, {"tokens": P2}]},
         {"op": "engine"},
         {"op": "generate", "name": "restore", "prompts": [{"tokens": P1}, {"tokens": P2}]},
-    ], extra={"chunk_size": chunk, "save_mode": "step"})
+    ], extra={"chunk_size": chunk, "save_mode": "step", "verify_checksums": checked})
     r = {x["name"]: x for x in res["runs"]}
     assert r["store"]["cached"] == [0, 0]
     assert r["restore"]["cached"] == [256, 192]
@@ -50,10 +57,11 @@ def test_step_saves_store_restore(models, gateway, kind, chunk):
         for runs in zip(r["ref"]["tokens"], r["store"]["tokens"], r["restore"]["tokens"],
                         strict=True):
             assert len({t[0] for t in runs}) == 1, runs
-    _check(res, log)
+    _check(res, log, checked)
 
 
-def test_step_saves_sliding_window(gateway):
+@pytest.mark.parametrize("checked", [False, True])
+def test_step_saves_sliding_window(gateway, checked):
     from tiny_models import ensure_model
 
     models = {"gemma3": str(ensure_model("gemma3"))}
@@ -66,7 +74,7 @@ def test_step_saves_sliding_window(gateway):
         {"op": "generate", "name": "store", **lp, "prompts": [{"tokens": P1}, {"tokens": S}]},
         {"op": "engine"},
         {"op": "generate", "name": "restore", **lp, "prompts": [{"tokens": P1}, {"tokens": S}]},
-    ], extra={"chunk_size": 32, "save_mode": "step"})
+    ], extra={"chunk_size": 32, "save_mode": "step", "verify_checksums": checked})
     r = {x["name"]: x for x in res["runs"]}
     assert "g0[sliding_window]" in log and "g2[attention]" in log
     assert r["restore"]["cached"] == [288, 32]
@@ -78,4 +86,4 @@ def test_step_saves_sliding_window(gateway):
     # full attention 1 block x 2 layers per chunk, each window group its window's blocks
     saved = sum(2 + 2 * 2 * min(c + 1, 2) for p in (P1, S) for c in range((len(p) - 1) // 32))
     assert r["store"]["saves_checked_after"] == saved
-    _check(res, log)
+    _check(res, log, checked)
