@@ -108,8 +108,9 @@ def test_ineligible_model_restores_as_before_with_one_warning(fake_gateway, llam
 class _Gateway:
     """What WorkerSide asks of the gateway client; the card is identical on every rank."""
 
-    def __init__(self, card: bytearray, epoch: int):
+    def __init__(self, card: bytearray, epoch: int, reports: list | None = None):
         self._card, self.epoch = card, epoch
+        self.reports = [] if reports is None else reports  # CORRUPT: the keys reported
 
     def register_layout(self, namespace, fingerprint, num_shards, shard_bytes, **kw):
         return type("Info", (), {"layout_id": 1, "epoch": self.epoch})()
@@ -121,7 +122,7 @@ class _Gateway:
         return 0
 
     def report_corrupt(self, layout_id, shard, refs):  # CORRUPT (background thread)
-        pass
+        self.reports += [r.key for r in refs]
 
     def close(self):
         pass
@@ -151,14 +152,15 @@ def _card_and_meta(words: bool = False):
     return card, meta, slot_of
 
 
-def _worker_side(card, rank, world, restorer_factory=None, epoch=EPOCH):
+def _worker_side(card, rank, world, restorer_factory=None, epoch=EPOCH, reports=None):
     from xkv.connector.registry import CacheGroup, build_registry
     from xkv.connector.worker import WorkerSide
 
     reg = build_registry([CacheGroup(0, "mla", LAYERS, BLOCK, BB, "MLAAttentionSpec")],
                          tp_size=world, pp_size=1, chunk_size=K * BLOCK)
     ws = WorkerSide(reg, ["fp"], namespace="t", tp_rank=rank,
-                    gateway_factory=lambda: _Gateway(bytearray(card.numpy().tobytes()), epoch),
+                    gateway_factory=lambda: _Gateway(bytearray(card.numpy().tobytes()), epoch,
+                                                     reports),
                     fanout_factory=restorer_factory)
     caches = {n: torch.full((NUM_BLOCKS, BLOCK, WIDTH), 0, dtype=torch.bfloat16) for n in LAYERS}
     for c in caches.values():
@@ -243,8 +245,10 @@ def _verified_cases(rank, world, factory, ref, q):
     }
     for name, (mode, order, c) in cases.items():
         made: list = []
-        ws, caches = _worker_side(c, rank, world, factory(mode, 0, made))
+        reports: list = []
+        ws, caches = _worker_side(c, rank, world, factory(mode, 0, made), reports=reports)
         errors = _step(ws, meta, order)
+        ws.outcomes.wait_reports(10.0)
         st = ws.stats.reduce()
         want_err = bad_blocks if name == "verified_corrupt" else set()
         same = all(torch.equal(caches[n].view(torch.uint8)[sorted(set(gt.block_ids) - want_err)],
@@ -253,7 +257,8 @@ def _verified_cases(rank, world, factory, ref, q):
         unverified = len(gt.block_ids) if name == "verified_no_hooks" else 0
         ok = (errors == want_err and same and st.get("blocks_unverified", 0) == unverified
               and st.get("checksum_mismatches", 0) == (1 if want_err else 0)
-              and made[0].stats["batches"] == 1)
+              and made[0].stats["batches"] == 1
+              and reports == ([gt.chunks[bad_chunk].key] if want_err else []))
         ws.shutdown()
         q.put((rank, name, ok, made[0].stats["bytes_copied"], made[0].stats["batches"],
                CHUNKS * K * BB * len(LAYERS)))

@@ -185,8 +185,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         one whose ``cudagraph_runtime_mode`` is ``FULL`` (V1's full-graph step) means no
         ``wait_for_layer_load`` will come: every layer's sync load is fenced now, before the
         forward can read a page (async loads complete on their own). Full graphs run only with
-        ``full_cuda_graphs`` (:meth:`requires_piecewise_for_cudagraph`) or a user's explicit
-        ``cudagraph_mode``. ``None`` (tests driving the hooks by hand) fences nothing."""
+        ``full_cuda_graphs`` (:meth:`requires_piecewise_for_cudagraph`: otherwise vLLM turns any
+        full ``cudagraph_mode`` into PIECEWISE). ``None`` (tests driving the hooks by hand)
+        fences nothing."""
         assert self._worker is not None
         self._worker.start_load_kv()
         self._worker.start_async_loads()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from xkv.connector.checksums import restore_checks
+from xkv.connector.group_copies import WordsReadback
 from xkv.connector.loads import PendingCheck, verified
 from xkv.connector.metadata import GroupTransfer
 from xkv.connector.registry import Registry
@@ -143,7 +144,7 @@ class FanoutLoads:
                     self.stats.add("blocks_unverified",
                                    sum(len(gt.block_ids) for gt in pc.transfers))
             elif self._on_checks is not None:
-                self._on_checks(dataclasses.replace(pc, flags=_Flags(ph.checks)))
+                self._on_checks(dataclasses.replace(pc, flags=WordsReadback(ph, ph.checks.shape[0])))
         self._pending = []
         dev = self.restorer.device
         if dev.type == "cuda":
@@ -155,13 +156,3 @@ class FanoutLoads:
         except Exception:
             log.debug("xkv: fan-out close failed", exc_info=True)
 
-
-class _Flags:
-    """A fanned-out group's mismatch flags: bool ``[C]`` copied to the host on the current
-    stream when built; :meth:`get` once that stream reached it (``finish`` synchronises it)."""
-
-    def __init__(self, checks: Any) -> None:
-        self._host = checks.readback()
-
-    def get(self) -> Any:
-        return self._host.numpy()
