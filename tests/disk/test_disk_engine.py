@@ -42,12 +42,15 @@ def test_restore_from_disk_after_eviction_and_restart(models, tmp_path):
     logs = [open(tmp_path / f"gateway{i}.log", "wb") for i in (1, 2)]  # noqa: SIM115
     proc, port = spawn_gateway(CARD, extra_args=args, stderr=logs[0])
     procs = [proc]
-    go = str(tmp_path / "go")
+    go, stored = str(tmp_path / "go"), str(tmp_path / "stored")
     steps = [
         {"op": "engine", "connector": False},
         {"op": "generate", "name": "ref", "prompts": [{"tokens": P1}]},
         {"op": "engine", "extra": {"xkv_gateway_port": port}},
         {"op": "generate", "name": "store", "prompts": [{"tokens": P1}]},
+        # P1 committed and on disk before the fill: an object stays pinned until written, and a
+        # fill that races a slow disk (seen on a CI box) is refused instead of evicting P1
+        {"op": "wait_file", "path": stored},
         {"op": "generate", "name": "fill", "prompts": [{"tokens": P2}, {"tokens": P3}]},
         {"op": "wait_file", "path": go},
         {"op": "engine", "extra": {"xkv_gateway_port": port}},  # a fresh engine: nothing local
@@ -64,10 +67,20 @@ def test_restore_from_disk_after_eviction_and_restart(models, tmp_path):
 
     th = threading.Thread(target=drive, daemon=True)
     th.start()
-    try:
-        while not os.path.exists(go + ".waiting"):
+    def reached(path):
+        while not os.path.exists(path + ".waiting"):
             assert th.is_alive(), out.get("error")
             time.sleep(0.1)
+
+    try:
+        reached(stored)
+        deadline = time.monotonic() + 30
+        while not ((s0 := stats(port))["disk_written"] >= 3
+                   and s0["disk_write_backlog_bytes"] == 0):
+            assert time.monotonic() < deadline, s0
+            time.sleep(0.05)
+        open(stored, "w").close()
+        reached(go)
         deadline = time.monotonic() + 30
         while (s1 := stats(port))["disk_write_backlog_bytes"]:  # every write done
             assert time.monotonic() < deadline, s1
@@ -94,6 +107,7 @@ def test_restore_from_disk_after_eviction_and_restart(models, tmp_path):
     r = {x["name"]: x for x in out["res"]["runs"]}
     ref = r["ref"]["tokens"]
     assert r["store"]["cached"] == [0] and r["store"]["tokens"] == ref
+    assert s0["committed"] == s0["disk_written"] == 3 and s0["evicted"] == 0
     # the card evicted P1's chunks; what it stored was written behind it (P2 and P3 together
     # need 6 slots of a card of 4 whose objects stay pinned until written: some were refused)
     assert s1["evicted"] >= 3 and s1["disk_written"] >= 3 and s1["disk_write_dropped"] == 0
