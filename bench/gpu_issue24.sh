@@ -13,6 +13,9 @@
 #   gputests        pytest -m gpu of the tail fence and the CUDA transfer handler
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs   bench/e2e_ttft.py, every connector and the
 #                   correctness checks (logprobs vs no connector, verify child, gateway kill)
+#   cpu_edges       no GPU: the gateway benches of issues 26 and 27 on this machine's quiet cores
+#                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
+#                   against dd on the same directory; bench/gateway_edges.py reserve and replay)
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
 # Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
 set -u
@@ -59,6 +62,15 @@ for spec in "$@"; do
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
+    cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
+      timeout $((secs / 2)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
+        --threads 4,4 --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
+      echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
+      rm -rf /var/tmp/xkv26
+      timeout $((secs / 4)) python3 bench/gateway_edges.py reserve --cards 1,4 --json "$d/reserve.json" > "$d/reserve.txt" 2>&1
+      echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"
+      timeout $((secs / 4)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
+      echo "=== $step replay: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/replay.txt" >> "$OUT/summary.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   (cd "$OUT" && tar cJf "$step.tar.xz" "$step" && rm -rf "$step")
