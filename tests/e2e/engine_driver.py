@@ -15,7 +15,9 @@ each test gets a clean environment). Steps:
   ``{"op": "restart_gateway"}`` — SIGKILL the gateway, start a new one on the same port (an
   empty card, a new epoch; stopped when the driver ends); ``{"op": "sleep", "s": t}``;
   ``{"op": "log_stats"}`` — print vLLM's periodic stats line now; ``{"op": "corrupt_card",
-  "stride": k}`` — flip one bit in every k-th byte of the gateway's card (verified restores).
+  "stride": k}`` — flip one bit in every k-th byte of the gateway's card (verified restores);
+  ``{"op": "fault", "kind": K, "object": i}`` — damage one committed object (``card_faults.py``,
+  which the scenario imports; recorded in ``faults``).
 * ``{"op": "wait_file", "path": P}`` — create ``P.waiting``, then wait until the test creates
   ``P`` (the test changes the world between steps: kills or restarts a process).
 * ``{"op": "expect_error", "extra": {...}, "env": {...}}`` — building an engine must raise;
@@ -377,6 +379,17 @@ def main(scenario_path: str, result_path: str) -> None:
                 mv = c.map_card()
                 card = np.frombuffer(mv, dtype=np.uint8)
                 card[:: step.get("stride", 509)] ^= 1
+                del card
+                mv.release()
+        elif op == "fault":  # damage recorded objects (card_faults.py, in the scenario's imports)
+            import card_faults
+
+            from xkv.gateway.client import GatewayClient
+
+            with GatewayClient("127.0.0.1", sc["port"], timeout_s=2.0) as c:
+                mv = c.map_card()
+                card = np.frombuffer(mv, dtype=np.uint8)
+                res.setdefault("faults", []).append(card_faults.apply(step, card))
                 del card
                 mv.release()
         elif op == "sleep":  # let wall-clock time pass (the connector's re-probe back-off)
