@@ -33,6 +33,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import e2e_kinds  # bench/, beside this file
+
 HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
          "bind_connector_metadata", "clear_connector_metadata", "get_num_new_matched_tokens",
          "update_state_after_alloc", "build_connector_meta", "update_connector_output",
@@ -47,7 +49,8 @@ def _args(argv=None):
     ap.add_argument("--modes", default="eager,graphs")
     ap.add_argument("--kinds", default="none,xkv,offload",
                     help="none, xkv, offload; xkv@MODE: xkv with save_mode MODE (layer, step), so "
-                         "one call compares store modes")
+                         "one call compares store modes; xkv@KEY=VALUE[+KEY=VALUE]: other options "
+                         "(bench/e2e_kinds.py)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--chunk-size", type=int, default=256)
@@ -154,7 +157,10 @@ def _engine(a, kind, mode, max_len):
     if a.backend:
         kw["attention_backend"] = a.backend
     if kind.split("@")[0] == "xkv":
-        save = {"save_mode": kind.split("@")[1]} if "@" in kind else {}
+        variant = kind.split("@", 1)[1] if "@" in kind else ""
+        # xkv@MODE: save_mode MODE (layer, step); xkv@KEY=VALUE[+...]: e2e_kinds' options
+        save = (e2e_kinds.options(kind) if "=" in variant
+                else {"save_mode": variant} if variant else {})
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
