@@ -1,7 +1,9 @@
 """Variant kinds of ``bench/e2e_ttft.py``: ``xkv@KEY=VALUE[+KEY=VALUE...]`` is an xkv engine with
 those ``kv_connector_extra_config`` options, measured in the same call as the plain kinds (e.g.
 ``--kinds none,xkv,xkv@save_mode=step,xkv@verify_checksums=on,offload``), so a setting's cost
-is a same-call comparison. ``on``/``off``/``true``/``false`` are booleans, digits integers."""
+is a same-call comparison. ``on``/``off``/``true``/``false`` are booleans, digits integers.
+A key that starts with ``XKV_`` is an environment variable of that kind's engine instead (e.g.
+``xkv@XKV_MAX_PROGRAMS=16``: the copy kernels' SM budget), its value passed as written."""
 
 from __future__ import annotations
 
@@ -13,19 +15,29 @@ def base(kind: str) -> str:
     return kind.split("@", 1)[0]
 
 
-def options(kind: str) -> dict:
-    """The connector options of a variant kind ({} for a plain one); SystemExit names a bad one."""
+def _pairs(kind: str) -> list[tuple[str, str]]:
     if "@" not in kind:
-        return {}
+        return []
     if base(kind) != "xkv":
         raise SystemExit(f"kind {kind!r}: only xkv takes options (xkv@KEY=VALUE[+KEY=VALUE])")
-    out = {}
+    out = []
     for kv in kind.split("@", 1)[1].split("+"):
         k, sep, v = kv.partition("=")
         if not sep or not k or not v:
             raise SystemExit(f"kind {kind!r}: expected xkv@KEY=VALUE[+KEY=VALUE], got {kv!r}")
-        out[k] = _BOOL.get(v.lower(), int(v) if v.isdigit() else v)
+        out.append((k, v))
     return out
+
+
+def options(kind: str) -> dict:
+    """The connector options of a variant kind ({} for a plain one); SystemExit names a bad one."""
+    return {k: _BOOL.get(v.lower(), int(v) if v.isdigit() else v)
+            for k, v in _pairs(kind) if not k.startswith("XKV_")}
+
+
+def env(kind: str) -> dict[str, str]:
+    """The environment variables (``XKV_*`` keys) a variant kind sets for its engine."""
+    return {k: v for k, v in _pairs(kind) if k.startswith("XKV_")}
 
 
 def check(kinds: list[str], known: tuple[str, ...]) -> None:

@@ -329,8 +329,8 @@ def _parent(a):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
         if gw is not None:
             cmd += ["--gateway-pid", str(gw.pid)]
-        env = _runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),
-                          a.runner)
+        env = _runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
+                               **e2e_kinds.env(kind)), a.runner)
         t = time.perf_counter()
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(a.child_timeout, p.kill)  # a hung child prints nothing

@@ -360,7 +360,8 @@ def _parent(a):
 
                 gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=200.0)
             env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       XKV_GATEWAY_HOSTNAME="127.0.0.1", XKV_TIMING="1")
+                       XKV_GATEWAY_HOSTNAME="127.0.0.1", XKV_TIMING="1",
+                       **(e2e_kinds.env(kind) if "=" in kind else {}))
             env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
             if a.runner != "default":
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
