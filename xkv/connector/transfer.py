@@ -56,6 +56,7 @@ from xkv.connector.group_copies import (
     restore_all,
     save_all,
 )
+from xkv.connector.load_timing import LoadTiming
 from xkv.connector.page_verify import PageVerifier
 
 log = logging.getLogger("xkv.connector")
@@ -277,10 +278,7 @@ class CudaTransferHandler(TransferHandler):
     the stream its copies run on, so issuing never waits for the GPU (a device index tensor would
     be read back by validation, a synchronisation that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
-    ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line: bytes, GPU time of the
-    load stream from the first copy to the last (events), host time spent issuing them, of it the
-    time to plan (validate, upload) the copies, host time of the before-forward (tail) launches
-    and the step's launches (those aside).
+    ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line (``load_timing``).
     A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
     groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
     """
@@ -296,9 +294,8 @@ class CudaTransferHandler(TransferHandler):
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
-        self._timing = os.environ.get("XKV_TIMING", "0") == "1"
-        # [start ev, host start, host end of issue, bytes, plan s, launches, tail host s, end ev]
-        self._t: list = []
+        self._timing = LoadTiming(os.environ.get("XKV_TIMING", "0") == "1",
+                                  lambda: torch.cuda.Event(enable_timing=True))
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 
@@ -307,10 +304,7 @@ class CudaTransferHandler(TransferHandler):
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if self._timing:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.load_stream)
-            self._t = [ev, time.perf_counter(), 0.0, 0, 0.0, 0, 0.0, None]
+        self._timing.begin(self.load_stream)
 
     def load_group(self, names, card, offsets, pools, block_ids, checks=None):
         """Restore a group's ``L`` layers on the load stream (``offsets`` int64 ``[L, n]``, host):
@@ -337,8 +331,7 @@ class CudaTransferHandler(TransferHandler):
                 prep = kernels.prepare_restore(card, offsets, pools, block_ids,
                                                engine=self.load_engine, layer_groups=groups,
                                                checks=checks)
-            if self._t:
-                self._t[4] += time.perf_counter() - t0
+            self._timing.planned(time.perf_counter() - t0)
             for g, idx in enumerate(groups):
                 prep.launch(g)
                 ev = torch.cuda.Event()
@@ -355,12 +348,9 @@ class CudaTransferHandler(TransferHandler):
             else:
                 flags = WordsReadback(prep, len(pools)) if checks is not None else None
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
-        if self._t:  # end of the copies (not of the step: sync_loads comes after the forward)
-            self._t[2] = time.perf_counter()
-            self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
-            self._t[5] += len(groups)
-            self._t[7] = torch.cuda.Event(enable_timing=True)
-            self._t[7].record(self.load_stream)
+        # the end of the copies (not of the step: sync_loads comes after the forward)
+        self._timing.issued(int(block_ids.numel()) * sum(p.block_bytes for p in pools),
+                            len(groups), self.load_stream)
         return flags
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
@@ -377,9 +367,8 @@ class CudaTransferHandler(TransferHandler):
         torch.cuda.current_stream(self.device).wait_event(ev)
         if self.verifier is not None:
             self.verifier.check_tail(names)
-        if self._t:
-            self._t[3] += int(block_ids.numel()) * sum(p.block_bytes for p in pools)
-            self._t[6] += time.perf_counter() - t0
+        self._timing.tail(int(block_ids.numel()) * sum(p.block_bytes for p in pools),
+                          time.perf_counter() - t0)
 
     def wait_layer(self, name: str) -> None:
         ev = self._events.pop(name, None)
@@ -404,17 +393,12 @@ class CudaTransferHandler(TransferHandler):
         self._events.clear()
 
     def sync_loads(self) -> None:
-        end = self._t[7] if self._t else None
         self.load_stream.synchronize()
         self._events.clear()
         self._preps.clear()
-        if end is not None:
-            start, h0, h1, nbytes, plan_s, launches, tail_s, _ = self._t
-            ms = start.elapsed_time(end)
-            log.info("XKV_TIMING restore bytes=%d copy_ms=%.2f issue_ms=%.2f plan_ms=%.2f "
-                     "tail_ms=%.2f launches=%d GBps=%.1f", nbytes, ms, (h1 - h0) * 1e3,
-                     plan_s * 1e3, tail_s * 1e3, launches, nbytes / ms / 1e6 if ms else 0.0)
-            self._t = []
+        line = self._timing.report()
+        if line is not None:
+            log.info("%s", line)
         if self.verifier is not None:
             self.verifier.check("restore")
             torch.cuda.current_stream(self.device).synchronize()

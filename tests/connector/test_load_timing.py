@@ -1,0 +1,77 @@
+"""``XKV_TIMING``'s restore line (xkv/connector/load_timing.py) with fake timing events: the
+fields bench/ reads, and nothing recorded or logged when off or when no group was issued."""
+
+import re
+
+import pytest
+
+from xkv.connector.load_timing import LoadTiming
+
+LINE = re.compile(r"^XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+) issue_ms=([\d.]+) "
+                  r"plan_ms=([\d.]+) tail_ms=([\d.]+) launches=(\d+) GBps=([\d.]+)$")
+
+
+class FakeEvent:
+    """Records on a stream at a fake GPU time (ms); ``elapsed_time`` is the difference."""
+
+    clock = 0.0
+    made: list = []
+
+    def __init__(self):
+        self.at = None
+        FakeEvent.made.append(self)
+
+    def record(self, stream):
+        assert stream == "load"
+        self.at = FakeEvent.clock
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    FakeEvent.clock, FakeEvent.made = 0.0, []
+
+
+def test_one_step_line():
+    t = LoadTiming(True, FakeEvent)
+    t.begin("load")
+    t.planned(0.0015)
+    FakeEvent.clock = 4.0
+    t.issued(200_000_000, 4, "load")
+    t.tail(1_000_000, 0.0007)
+    t.planned(0.0005)
+    FakeEvent.clock = 8.0
+    t.issued(68_000_000, 2, "load")  # a second group: the end moves, bytes and launches add
+    m = LINE.match(t.report())
+    assert m, t.report
+    nbytes, copy_ms, issue_ms, plan_ms, tail_ms, launches, gbps = m.groups()
+    assert int(nbytes) == 269_000_000 and float(copy_ms) == 8.0 and int(launches) == 6
+    assert float(plan_ms) == 2.0 and float(tail_ms) == 0.7
+    assert float(issue_ms) >= 0 and float(gbps) == pytest.approx(269_000_000 / 8.0 / 1e6, abs=0.05)
+    assert t.report() is None  # closed: one line per step
+
+
+def test_off_records_nothing():
+    t = LoadTiming(False, FakeEvent)
+    t.begin("load")
+    t.planned(1.0)
+    t.issued(10, 1, "load")
+    t.tail(10, 1.0)
+    assert t.report() is None and FakeEvent.made == []
+
+
+def test_no_group_issued_gives_no_line():
+    t = LoadTiming(True, FakeEvent)
+    t.issued(10, 1, "load")  # before any begin: ignored
+    assert t.report() is None
+    t.begin("load")
+    t.tail(4096, 0.001)  # a tail alone has no end event: no copy time to report
+    assert t.report() is None
+    t.begin("load")  # the next step starts from zero
+    FakeEvent.clock = 2.0
+    t.issued(2_000_000, 1, "load")
+    m = LINE.match(t.report())
+    assert m and int(m.group(1)) == 2_000_000 and float(m.group(2)) == 2.0
+    assert float(m.group(5)) == 0.0

@@ -1,0 +1,72 @@
+"""``XKV_TIMING=1``: what one step's restores cost, as one ``XKV_TIMING restore`` log line per step
+with loads (:class:`~xkv.connector.transfer.CudaTransferHandler`; bench/ reads the line).
+
+Fields: ``bytes`` restored (the before-forward tail's included); ``copy_ms``, GPU time of the load
+stream from :meth:`LoadTiming.begin` (after the compute stream's work queued before the loads) to
+the end of the last group's copies (two timing events); ``issue_ms``, host time from ``begin`` to
+the last launch issued; of it ``plan_ms``, validating and uploading the copies; ``tail_ms``, host
+time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
+aside); ``GBps`` = bytes / copy_ms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class LoadTiming:
+    """One step's restore timing; every method does nothing when ``enabled`` is False or no
+    :meth:`begin` opened the step. ``event``: makes a timing event with ``record(stream)`` and
+    ``elapsed_time(other)`` in ms (``torch.cuda.Event(enable_timing=True)``)."""
+
+    def __init__(self, enabled: bool, event: Callable[[], Any]) -> None:
+        self.enabled, self._event = enabled, event
+        self._open = False
+
+    def begin(self, stream) -> None:
+        """A step's loads start on ``stream``."""
+        if not self.enabled:
+            return
+        self._start = self._event()
+        self._start.record(stream)
+        self._end = None
+        self._host0 = self._host1 = time.perf_counter()
+        self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
+        self._open = True
+
+    def planned(self, seconds: float) -> None:
+        """Host time spent validating and uploading a group's copies."""
+        if self._open:
+            self.plan_s += seconds
+
+    def issued(self, nbytes: int, launches: int, stream) -> None:
+        """A group's copies are issued on ``stream``: ``nbytes``, in ``launches`` launches."""
+        if not self._open:
+            return
+        self._host1 = time.perf_counter()
+        self.nbytes += nbytes
+        self.launches += launches
+        self._end = self._event()
+        self._end.record(stream)
+
+    def tail(self, nbytes: int, seconds: float) -> None:
+        """A before-forward (tail) copy of ``nbytes`` that took ``seconds`` of host time."""
+        if self._open:
+            self.nbytes += nbytes
+            self.tail_s += seconds
+
+    def report(self) -> str | None:
+        """The step's line once its copies finished (the caller synchronised the stream), or
+        None (off, or no group issued); closes the step."""
+        if not self._open:
+            return None
+        self._open = False
+        if self._end is None:
+            return None
+        ms = self._start.elapsed_time(self._end)
+        return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
+                f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
+                f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "
+                f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}")
