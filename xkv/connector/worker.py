@@ -37,6 +37,7 @@ import torch
 from xkv import kernels
 from xkv.connector import card_pin, light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
+from xkv.connector.cache_pools import cache_pools
 from xkv.connector.checksums import check_words, session_words, unverified_reason
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
@@ -49,20 +50,12 @@ from xkv.connector.setup import worker_parts
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler, TransferHandler
 from xkv.connector.turnoff import OffPath, record_fences
-from xkv.layout import PagePool, describe_cache, kinds
+from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
 
 TURNED_OFF_LINE = "External KV cache turned off on this rank"
 REATTACHED_LINE = "External KV cache re-attached on this rank"
-
-
-def _pool_kind(kind: str, replicated: bool = False) -> str | None:
-    """The label a registry kind gives its page pools (messages only): a sliding window's
-    pages are an MLA latent or attention heads."""
-    if kind == kinds.SLIDING_WINDOW:
-        return "mla" if replicated else "attention"
-    return "mla" if kind in kinds.REPLICATED else kind
 
 
 def _register_card(card: torch.Tensor) -> torch.Tensor:
@@ -188,32 +181,8 @@ class WorkerSide:
         """Byte-page views of every cache; HELLO per group; map the card. Returns log lines
         (the façade logs them on TP rank 0). ``hooks``: layer -> (its class calls the per-layer
         hooks, class name), from ``compat.layer_hooks``; a layer not in it is fenced in bulk."""
-        expected = {n: (p.group.index, i) for p in self.registry.groups
-                    for i, n in enumerate(p.group.layer_names)}
-        unknown = sorted(set(kv_caches) - set(expected))
-        if unknown:
-            raise ValueError(
-                f"xkv: KV cache tensors {unknown} belong to no KV cache group: nobody would "
-                "write them, refusing to start"
-            )
-        missing = sorted(set(expected) - set(kv_caches))
-        if missing:
-            raise ValueError(f"xkv: KV cache group layers {missing} have no registered tensor")
-        pools: dict[str, PagePool] = {}
-        for plan in self.registry.groups:
-            for i, name in enumerate(plan.group.layer_names):
-                # layout: the name vLLM resolved for attention pages; describe_cache checks
-                # their strides against it. A state page's tensors (a Mamba2 SSM state is
-                # [B, heads, head_dim, state]) are not [B, H, N, C] views: no layout applies.
-                pool = describe_cache(kv_caches[name], num_blocks=num_blocks,
-                                      layout=None if plan.is_state else layout,
-                                      kind=_pool_kind(plan.group.kind, plan.group.replicated))
-                if pool.block_bytes != plan.group.bytes_of(i):
-                    raise ValueError(
-                        f"xkv: layer {name}: {pool.block_bytes} bytes per block in memory, "
-                        f"{plan.group.bytes_of(i)} expected from the KV cache spec"
-                    )
-                pools[name] = pool
+        pools, expected = cache_pools(self.registry, kv_caches, num_blocks=num_blocks,
+                                      layout=layout)
         device = next(iter(pools.values())).base.device if pools else torch.device("cpu")
         # collective over the TP group: every rank calls it, whatever happens to its gateway
         restorer = (self._fanout_factory(kv_caches, device)
