@@ -5,7 +5,8 @@ Against the one-pass checked restore (``prepare_restore(checks=...)``) on the sa
 both engines (torch, and Triton interpreted): the same bytes written (poisoned destinations,
 hash-only blocks untouched), the same residuals, so the same objects flagged: none on clean
 bytes, exactly the object of one flipped card bit, whether the bit lies in a written or in a
-hash-only fragment. Bad arguments are refused before anything runs."""
+hash-only fragment; the same with the copy in layer groups and every layer hashed by one launch
+after the last copy (``checksum_pass`` "end"). Bad arguments are refused before anything runs."""
 
 from __future__ import annotations
 
@@ -27,15 +28,32 @@ def poisoned_like(c) -> list[PagePool]:
                      c["nblocks"], c["bb"], c["stride"], c["runs"]) for _ in range(c["L"])]
 
 
-def run_two_pass(c, card, checks, engine):
+def run_two_pass(c, card, checks, engine, groups=None):
+    """Per layer: copy then hash each layer; ``groups`` (a partition of the layers into runs):
+    the copy by those groups, then one hash launch over every layer."""
     dst = poisoned_like(c)
+    whole = None if groups is None else [list(range(c["L"]))]
     prep = K.prepare_hashed_restore(card, c["offs"], dst, c["ids"], checks, engine=engine,
-                                    max_programs=3, hash_programs=2)
-    assert len(prep) == c["L"]
-    for li in range(c["L"]):
-        prep.launch(li)
-        prep.launch_check(li)
+                                    max_programs=3, hash_programs=2, layer_groups=groups,
+                                    hash_groups=whole)
+    if groups is None:
+        assert len(prep) == c["L"]
+        for li in range(c["L"]):
+            prep.launch(li)
+            prep.launch_check(li)
+    else:
+        assert len(prep) == len(groups) and len(prep.check) == 1
+        for g in range(len(groups)):
+            prep.launch(g)
+        prep.launch_checks()
     return dst, prep.checks
+
+
+def partition(data, L):
+    """Consecutive runs covering range(L), drawn."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, L - 1), max_size=L - 1))) if L > 1 else []
+    bounds = [0, *cuts, L]
+    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def run_one_pass(c, card, checks, engine):
@@ -61,7 +79,8 @@ def test_two_passes_write_and_flag_what_one_pass_does(engine, c, data):
         li = data.draw(st.integers(0, c["L"] - 1))
         at = int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))
         card[at] ^= 1 << data.draw(st.integers(0, 7))
-    two, w2 = run_two_pass(c, card, checks, engine)
+    groups = partition(data, c["L"]) if data.draw(st.booleans()) else None
+    two, w2 = run_two_pass(c, card, checks, engine, groups)
     one, w1 = run_one_pass(c, card, checks, "reference")
     for a, b in zip(two, one, strict=True):
         assert torch.equal(a.base, b.base)  # same bytes written, hash-only blocks still poison

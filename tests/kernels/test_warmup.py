@@ -257,3 +257,31 @@ def test_hash_launches_use_warmed_variants():
         _, budget = check_engine(job, "triton", None)
         for launch in _launch.launches(job, budget, groups=[[0], [1]]):
             assert launch.key in keys, n
+
+
+@pytest.mark.parametrize("L", [2, 16, 32])
+def test_whole_hash_after_warmup_compiles_nothing_new(L, monkeypatch):
+    """``checksum_pass`` "end" hashes every layer of a group in one launch at its own budget
+    (``WHOLE_HASH_PROGRAMS``): ``hash_groups`` warms those variants, per-layer hashes do not."""
+    g = Geometry(40, 4096, ((0, 4096),))
+    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
+    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    every, budget = [list(range(L))], _launch.WHOLE_HASH_PROGRAMS
+    keys = K.warmup(pools, card, engine="triton", checks=True, hashes=True, hash_groups=every,
+                    hash_programs=budget)
+    per_layer = K.warmup(pools, card, engine="triton", checks=True, hashes=True)
+    seen = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
+    for n in (1, 3, 16, 40):
+        ids = np.arange(n)[::-1].copy()
+        slot = np.arange(n, dtype=np.int64) * 4096
+        offs = np.stack([k * n * 4096 + slot for k in range(L)])
+        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
+                          expected=np.zeros((L, 1), np.uint32))
+        prep = K.prepare_hashed_restore(card, offs, pools, ids, checks, engine="triton",
+                                        hash_programs=budget, hash_groups=every)
+        prep.launch_checks()
+    assert seen and set(seen) <= keys
+    assert not set(seen) <= per_layer

@@ -32,6 +32,7 @@ from xkv.layout import PagePool
 
 __all__ = [
     "DEFAULT_PROGRAMS",
+    "WHOLE_HASH_PROGRAMS",
     "Launch",
     "LaunchConfig",
     "LaunchPlan",
@@ -53,6 +54,11 @@ DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs wh
 #: (2026-12-03): 4 programs reach 0.46-0.63 x the unverified restore, 16 reach 0.74-0.93 (>= 16 KiB
 #: fragments: 0.87-0.93). Checked saves hash what they read from HBM: 4 programs suffice (0.99-1.0).
 VERIFIED_RESTORE_PROGRAMS = 16
+#: The hash of every restored layer at once, after the last copy (the connector's ``checksum_pass``
+#: "end"): nothing else copies then, and a light step's forward has one layer left, so it may take
+#: about one program per SM of an H200 (132) and read at HBM rate, where the per-layer hash at 16
+#: programs read 238-516 GB/s (bench/RESULTS.md, stop 32). Not yet measured end to end.
+WHOLE_HASH_PROGRAMS = 128
 READ_TILE_BYTES = 128 * 1024  # bytes a program loads per step when the flat side is read (restore)
 WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side written (save, pack)
 MAX_COL_BYTES = 4096  # widest tile row

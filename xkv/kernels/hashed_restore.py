@@ -5,7 +5,8 @@ rate on the H200 even at 16 programs (bench/RESULTS.md, stop 31). Here the copy 
 prepared restore, and a second prepared job hashes the pages once they are in the cache
 (:func:`xkv.kernels.hashing.build_hash_job`: reads at HBM rate, writes nothing) into residuals
 against the expected words, on a stream of the caller's choosing, so layer ``l``'s hash can run
-beside layer ``l + 1``'s copy.
+beside layer ``l + 1``'s copy, or (``hash_groups``) layers are hashed together by one launch,
+e.g. every layer at once after the last copy (the connector's ``checksum_pass`` "end").
 
 ``checks.hash_only`` fragments (pages of an object that this copy does not write: the step's
 forward writes them, or another call restores them) are not in the cache when the hash runs, so
@@ -19,12 +20,16 @@ terms of the hash-only pages read from the flat buffer``, 0 exactly where layer 
 
 :func:`prepare_hashed_restore` returns a :class:`HashedRestore`: ``launch(l)`` issues layer
 ``l``'s copy (the prepare stream), ``launch_check(l, stream)`` its hash (and its hash-only
-pages), ``checks`` the shared :class:`~xkv.kernels.verify.CheckWords`. Shapes as in
-:mod:`xkv.kernels.prepared`; everything is validated before anything is issued.
+pages), ``checks`` the shared :class:`~xkv.kernels.verify.CheckWords`; with ``layer_groups`` /
+``hash_groups`` (partitions of the layers into runs, as ``prepare_restore``'s ``layer_groups``)
+the indices are those of the copy's / the hash's groups, and :meth:`HashedRestore.launch_checks`
+issues every hash. Shapes as in :mod:`xkv.kernels.prepared`; everything is validated before
+anything is issued.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +52,12 @@ class PageHash:
     tail: PreparedCopy | None  # per layer: the hash-only fragments hashed from the flat buffer
     checks: CheckWords  # residuals [L, C], shared by hash and tail
 
+    def __len__(self) -> int:
+        return len(self.hash)
+
     def launch(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Layer ``layer``'s hash, once its pages are in the cache: the caller orders ``stream``
-        after what wrote them; None: the prepare stream."""
+        """Layer ``layer``'s hash (with ``hash_groups``: group ``layer``'s), once its pages are in
+        the cache: the caller orders ``stream`` after what wrote them; None: the prepare stream."""
         self.hash.launch(layer, stream)
         if self.tail is not None:
             self.tail.launch(layer, stream)
@@ -74,26 +82,35 @@ class HashedRestore:
         self.copy.launch(layer, stream)
 
     def launch_check(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Layer ``layer``'s hash, after its copy landed: the caller orders ``stream`` after the
-        copy (an event recorded after :meth:`launch`); None: the prepare stream."""
+        """Layer ``layer``'s hash (with ``hash_groups``: group ``layer``'s), after its copy
+        landed: the caller orders ``stream`` after the copy (an event recorded after
+        :meth:`launch`); None: the prepare stream."""
         self.check.launch(layer, stream)
+
+    def launch_checks(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Every hash (group), after every copy landed (``stream`` as :meth:`launch_check`)."""
+        for g in range(len(self.check)):
+            self.check.launch(g, stream)
 
 
 def prepare_hashed_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: list[PagePool],
                            block_ids: IndexLike, checks: Checks, *, engine: str = "auto",
                            max_programs: int | None = None,
-                           hash_programs: int | None = None) -> HashedRestore:
+                           hash_programs: int | None = None,
+                           layer_groups: Sequence[Sequence[int]] | None = None,
+                           hash_groups: Sequence[Sequence[int]] | None = None) -> HashedRestore:
     """Prepare :func:`~xkv.kernels.prepare_restore` of the fragments ``checks.hash_only`` does
-    not mark (unchecked, ``engine``, ``max_programs``) and their verification (module
-    docstring; ``hash_programs``: the hash's SM budget, default a checked save's).
+    not mark (unchecked, ``engine``, ``max_programs``, ``layer_groups``) and their verification
+    (module docstring; ``hash_programs``: the hash's SM budget, default a checked save's;
+    ``hash_groups``: the layers one hash launch covers, default one launch per layer).
     ``ValueError`` before anything is issued: bad arguments, ``checks`` without ``expected``, or
     a page listed both as written and as hash-only."""
     v = _validated(src_offsets, dsts, block_ids, checks)
     copy = prepare_restore(src, v.offs[:, v.written], v.dsts, v.ids[v.written], engine=engine,
-                           max_programs=max_programs)
+                           max_programs=max_programs, layer_groups=layer_groups)
     # the hash follows the copy's engine where it can (copy_engine / staged do not hash: auto)
     he = engine if engine in HASH_ENGINES else "auto"
-    return HashedRestore(copy, _page_hash(src, v, checks, he, engine, hash_programs))
+    return HashedRestore(copy, _page_hash(src, v, checks, he, engine, hash_programs, hash_groups))
 
 
 def prepare_page_hash(src: torch.Tensor, src_offsets: IndexLike, dsts: list[PagePool],
@@ -151,9 +168,11 @@ def _validated(src_offsets, dsts, block_ids, checks) -> _Args:
 
 
 def _page_hash(src: torch.Tensor, v: _Args, checks: Checks, engine: str, tail_engine: str,
-               hash_programs: int | None) -> PageHash:
+               hash_programs: int | None,
+               groups: Sequence[Sequence[int]] | None = None) -> PageHash:
     """``engine``: the in-cache hash's (``hashing.hash_engine``); ``tail_engine``: the hash-only
-    fragments' checked restore kernel's (checked restores' own budget and engine rule)."""
+    fragments' checked restore kernel's (checked restores' own budget and engine rule);
+    ``groups``: layers hashed by one launch (both halves), None: per layer."""
     w, h, L = v.written, v.hashed_only, len(v.dsts)
     hjob = build_hash_job(v.dsts, v.ids[w], Checks(v.objects[w], v.pages[w], checks.num_objects,
                                                    expected=checks.expected))
@@ -166,6 +185,6 @@ def _page_hash(src: torch.Tensor, v: _Args, checks: Checks, engine: str, tail_en
                                        expected=checks.expected,
                                        hash_only=np.ones(h.size, dtype=bool)))
         tjob.checks.buf = words  # adds its terms into the same residuals (-expected once)
-        tail = _prepare(tjob, tail_engine, None)
-    hash_prep = _prepare(hjob, hash_engine(engine, v.dsts[0].device), hash_programs)
+        tail = _prepare(tjob, tail_engine, None, groups)
+    hash_prep = _prepare(hjob, hash_engine(engine, v.dsts[0].device), hash_programs, groups)
     return PageHash(hash_prep, tail, words)

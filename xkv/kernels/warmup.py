@@ -33,7 +33,8 @@ __all__ = ["warmup"]
 
 
 def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
-             budget: int, check: bool = False, store: bool = True) -> list:
+             budget: int, check: bool = False, store: bool = True,
+             has_flat_off: bool = True) -> list:
     """Plans of copies of ``pools`` (one launch: one layer, or a layer group of one geometry)
     for block counts that reach every ``ROWS`` value.
 
@@ -48,7 +49,7 @@ def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
         r *= 2
     try:
         return [
-            _launch.plan(list(pools), flat, n=n, has_flat_off=True, flat_off_gcd=gcd,
+            _launch.plan(list(pools), flat, n=n, has_flat_off=has_flat_off, flat_off_gcd=gcd,
                          flat_base=0, save=save, sliced=False, lo=0,
                          hi=n * pools[0].block_bytes, max_programs=budget, check=check,
                          store=store)
@@ -65,7 +66,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            engine: str = "auto",
            restore_groups: Sequence[Sequence[int]] = (),
            save_groups: Sequence[Sequence[int]] = (), checks: bool = False,
-           hashes: bool = False) -> set[tuple]:
+           hashes: bool = False, hash_groups: Sequence[Sequence[int]] = (),
+           hash_programs: int | None = None) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -87,6 +89,10 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             only where every address can be 4-byte aligned).
         hashes: also the store-free checked variants that hash pages in the cache
             (``hash_pages``, the two-pass verified restore of ``checksum_pass`` "hbm").
+        hash_groups: lists of indices into ``pools`` hashed in the cache by one launch at the
+            budget ``hash_programs`` (``prepare_hashed_restore``'s ``hash_groups``: every layer of
+            a group at once, ``checksum_pass`` "end"); a list whose pools differ in geometry
+            is skipped.
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -133,6 +139,15 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
                 for p in _samples([pool], null_flat(dev), True, g, budget(True, True), True,
                                   store=False):
                     warmed.setdefault(p.key, p)
+    for idx in hash_groups:  # store-free checked launches of one geometry at their own budget
+        grp = [pools[i] for i in idx]
+        if not grp or len(_launch.geometry_groups(grp)) != 1:
+            continue
+        # one launch over a whole hash job: its null flat side needs no offset table
+        for p in _samples(grp, null_flat(dev), True, 0,
+                          _launch.copy_programs(hash_programs, save=True, check=True), True,
+                          store=False, has_flat_off=False):
+            warmed.setdefault(p.key, p)
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
         grp = [pools[i] for i in idx]
