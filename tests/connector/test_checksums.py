@@ -82,7 +82,7 @@ def test_commits_carry_the_words_of_the_card_bytes(fake_gateway, llama_dir, mla,
         assert got == _card_words(fake_gateway, lid, key, CHUNK // bs * page, len(c1))
 
 
-@pytest.mark.parametrize("checksum_pass", ["copy", "hbm"])
+@pytest.mark.parametrize("checksum_pass", ["copy", "hbm", "end"])
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
 def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir, mla,
                                                          checksum_pass):
@@ -103,7 +103,8 @@ def test_clean_restores_verify_every_block_and_flag_none(fake_gateway, llama_dir
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
 @pytest.mark.parametrize(("victim", "save_mode", "checksum_pass"),
                          [(0, "layer", "copy"), (1, "layer", "copy"), (3, "layer", "copy"),
-                          (1, "step", "copy"), (0, "step", "hbm"), (3, "layer", "hbm")])
+                          (1, "step", "copy"), (0, "step", "hbm"), (3, "layer", "hbm"),
+                          (2, "step", "end"), (0, "layer", "end")])
 def test_a_flipped_bit_fails_exactly_its_object_and_reports_it(fake_gateway, llama_dir, mla,
                                                                victim, save_mode, checksum_pass):
     s1, w1, c1, bs = _engine(llama_dir, mla=mla, extra={"save_mode": save_mode})
@@ -327,7 +328,9 @@ def test_checksum_pass_setting_and_refusals():
     env = {"PYTHONHASHSEED": "0"}
     assert ConnectorConfig.from_extra({}, env=env).checksum_pass == "copy"
     assert ConnectorConfig.from_extra({"checksum_pass": "hbm"}, env=env).checksum_pass == "hbm"
-    with pytest.raises(ConfigError, match=r"checksum_pass='gpu': expected one of 'copy', 'hbm'"):
+    assert ConnectorConfig.from_extra({"checksum_pass": "end"}, env=env).checksum_pass == "end"
+    with pytest.raises(ConfigError,
+                       match=r"checksum_pass='gpu': expected one of 'copy', 'hbm', 'end'"):
         ConnectorConfig.from_extra({"checksum_pass": "gpu"}, env=env)
     h = SyncTransferHandler()
     assert h.checksum_pass == "copy"

@@ -9,9 +9,10 @@ corrupted copy as mismatches (so the check can fail).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xkv.connector import transfer
@@ -373,3 +374,70 @@ def test_verified_loads_and_saves_through_the_handler(device, light):
         if flip is not None:
             want[objs[flip]] = True
         np.testing.assert_array_equal(flags.get(), want)
+
+
+# ---------------------------------------------------------------- verified group loads
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cpass", ["copy", "hbm", "end"])
+@pytest.mark.parametrize("light", [False, True], ids=["step", "light"])
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_verified_load_group_every_checksum_pass(device, cpass, light, data):
+    """A checked save's words, then a verified restore of the same fragments through the handler
+    with each ``checksum_pass`` (a light step too: halving layer groups on CUDA): the written
+    blocks equal the card, hash-only fragments stay poisoned, no object flagged on clean bytes,
+    and one flipped card bit flags exactly its object."""
+    from xkv import kernels
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L = data.draw(st.integers(1, 5), label="layers")
+    n = data.draw(st.integers(1, B), label="blocks")
+    ids = torch.tensor(data.draw(st.permutations(range(B)))[:n], dtype=torch.int64)
+    src = [_cache(device) for _ in range(L)]
+    g = torch.Generator().manual_seed(L * 100 + n)
+    for c in src:
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape,
+                                                dtype=torch.uint8, generator=g).to(device))
+    pools = [describe_cache(c, num_blocks=B, layout="NHD") for c in src]
+    bb = pools[0].block_bytes
+    slots = torch.tensor(data.draw(st.permutations(range(B)))[:n], dtype=torch.int64)
+    offs = torch.stack([4096 + (i * B + slots) * bb for i in range(L)])
+    objects, pages = (slots % 2).numpy(), (slots // 2).numpy()
+    card = torch.zeros(4096 + L * B * bb, dtype=torch.uint8)
+    card = card.pin_memory() if device == "cuda" else card
+    h = _handler(device)
+    h.set_checksum_pass(cpass)
+    prep = h.prepare_saves(pools, ids, card, offs, checks=kernels.Checks(objects, pages, 2))
+    names = [f"l{i}" for i in range(L)]
+    for i in range(L):
+        h.save_prepared(prep, i, names[i], pools[i], ids, card, offs[i])
+    words = h.save_words(prep, L)
+    h.flush_saves()
+    expected = words.get()
+    flagged = np.zeros(2, dtype=bool)
+    if data.draw(st.booleans(), label="flip"):
+        j, i = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, L - 1))
+        card[int(offs[i, j]) + data.draw(st.integers(0, bb - 1))] ^= 1 << data.draw(
+            st.integers(0, 7))
+        flagged[objects[j]] = True
+    ho = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    dst = [_cache(device) for _ in range(L)]
+    for c in dst:
+        c.view(torch.uint8).fill_(0xA5)
+    dpools = [describe_cache(c, num_blocks=B, layout="NHD") for c in dst]
+    h.set_light_step(light)
+    h.begin_loads()
+    got = h.load_group(names, card, offs, dpools, ids,
+                       checks=kernels.Checks(objects, pages, 2, expected=expected, hash_only=ho))
+    for name in names:
+        h.wait_layer(name)
+    h.sync_loads()
+    np.testing.assert_array_equal(got.get(), flagged)
+    for i, pool in enumerate(dpools):
+        for j, b in enumerate(ids.tolist()):
+            page = pool.block(b).cpu()
+            if ho[j]:
+                assert bool((page == 0xA5).all())  # hashed from the card, never written
+            else:
+                assert torch.equal(page, card[offs[i, j]: offs[i, j] + bb].cpu())

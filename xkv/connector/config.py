@@ -36,7 +36,7 @@ LOAD_MODES = ("sync", "async", "auto")
 SAVE_MODES = ("step", "layer")
 
 #: Values of ``checksum_pass`` (``xkv.connector.group_copies``); the first is the default.
-CHECKSUM_PASSES = ("copy", "hbm")
+CHECKSUM_PASSES = ("copy", "hbm", "end")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -68,7 +68,7 @@ OPTIONS: dict[str, Option] = {
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
     "full_cuda_graphs": Option(False, (bool,), "let vLLM keep full CUDA graphs for decode-only batches (a restore in such a step is fenced before the forward); off: piecewise graphs only"),
-    "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy') or the pages in GPU memory after it ('hbm')"),
+    "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy'), each layer's pages in GPU memory after its copy ('hbm'), or every layer's at once after the last copy ('end')"),
     "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
     "xkv_gateway_curve_client_key": Option(None, (str,), "this client's secret certificate file"),
@@ -167,7 +167,9 @@ class ConnectorConfig:
             raise ConfigError(
                 f"checksum_pass={self.checksum_pass!r}: expected one of "
                 f"{', '.join(map(repr, CHECKSUM_PASSES))} ('copy': restores hash what they copy, "
-                "the default; 'hbm': copy unchecked, then hash the pages in GPU memory)")
+                "the default; 'hbm': copy unchecked, then hash each layer's pages in GPU memory; 'end': "
+                "copy unchecked, then hash every layer's pages in GPU memory at once after the "
+                "last copy)")
         for name in ("lookup_timeout_ms", "gateway_timeout_ms"):
             v = getattr(self, name)
             if not 0 < v <= 60_000:

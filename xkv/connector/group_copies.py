@@ -22,7 +22,8 @@ __all__ = ["CHECKSUM_PASSES", "WordsReadback", "prepare_by_size", "prepare_group
            "record_loads", "restore_all", "save_all", "written"]
 
 # checksum_pass: "copy" hashes inside the restore kernel as it copies; "hbm" copies unchecked,
-# then hashes the pages in the cache (kernels.prepare_hashed_restore)
+# then hashes each layer's pages in the cache after its copy (kernels.prepare_hashed_restore);
+# "end" copies unchecked, then hashes every layer's pages by one launch after the last copy
 
 
 class _BySize:
@@ -42,6 +43,11 @@ class _BySize:
         """A two-pass verified restore's hash of ``layer`` (``HashedRestore.launch_check``)."""
         prep, j = self._where[layer]
         prep.launch_check(j, stream)
+
+    def launch_checks(self, stream=None) -> None:
+        """Every size's hashes (``HashedRestore.launch_checks``)."""
+        for _, prep in self.parts:
+            prep.launch_checks(stream)
 
 
 def _sub_checks(checks, idx: list[int] | None):
@@ -103,13 +109,24 @@ def written(block_ids: torch.Tensor, checks) -> torch.Tensor | None:
 
 
 def prepare_group_restore(card, offsets, pools, block_ids, checks=None, *, engine: str = "auto",
-                          checksum_pass: str = "copy"):
+                          checksum_pass: str = "copy", layer_groups=None):
     """A group's restore prepared (per page size): one pass (verified while copying when
     ``checks`` is given), or, with ``checks`` and ``checksum_pass`` ``"hbm"``, the two-pass
-    verified restore whose ``launch_check(l, stream)`` follows each layer's ``launch(l)``."""
-    if checks is not None and checksum_pass == "hbm":
+    verified restore whose ``launch_check(l, stream)`` follows each layer's ``launch(l)``, or
+    with ``"end"`` the two-pass restore whose ``launch_checks()`` hashes every layer (one launch
+    per page size) after the last ``launch``. ``layer_groups`` (one page size only: the light
+    step's halving groups): ``launch(g)`` copies group ``g``; not with ``"hbm"``."""
+    if checks is not None and checksum_pass in ("hbm", "end"):
+        whole = checksum_pass == "end"
+        if layer_groups is not None and not whole:
+            raise ValueError("checksum_pass 'hbm' hashes layer by layer: no layer_groups")
         return prepare_by_size(lambda ps, offs, ck: kernels.prepare_hashed_restore(
-            card, offs, ps, block_ids, ck, engine=engine), pools, offsets, checks)
+            card, offs, ps, block_ids, ck, engine=engine, layer_groups=layer_groups,
+            hash_groups=[list(range(len(ps)))] if whole else None,
+            hash_programs=kernels.WHOLE_HASH_PROGRAMS if whole else None), pools, offsets, checks)
+    if layer_groups is not None:
+        return kernels.prepare_restore(card, offsets, pools, block_ids, engine=engine,
+                                       layer_groups=layer_groups, checks=checks)
     return prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
         card, offs, ps, block_ids, engine=engine, checks=ck), pools, offsets, checks)
 

@@ -205,6 +205,8 @@ class SyncTransferHandler(TransferHandler):
             prep.launch(i)
             if hashed:
                 prep.launch_check(i)
+        if checks is not None and self.checksum_pass == "end":
+            prep.launch_checks()
         self._pending.update(names)
         return WordsReadback(prep, len(pools)) if checks is not None else None
 
@@ -313,24 +315,23 @@ class CudaTransferHandler(TransferHandler):
         restore step). A light step of one page size: one launch and event per layer group.
         ``checks``: the flags' readback is queued on the load stream after the last launch;
         ``checksum_pass`` "hbm": each layer's hash runs on :attr:`check_stream` after its copy's
-        event, the readback after the last hash, and the load stream waits for it."""
+        event, the readback after the last hash, and the load stream waits for it; "end": one
+        hash of every layer on the load stream after the last copy (the layers' events come
+        before it: the forward never waits for the hash), then the readback."""
         t0, groups = time.perf_counter(), None
-        hashed = checks is not None and self.checksum_pass == "hbm"
+        checked = checks is not None
+        hashed = checked and self.checksum_pass == "hbm"
         if (self.light_step and self.grouped and not hashed
                 and len({p.block_bytes for p in pools}) == 1):
             groups = light_steps.load_layer_groups(len(pools))
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)
-            if groups is None:
-                prep = prepare_group_restore(card, offsets, pools, block_ids, checks,
-                                             engine=self.load_engine,
-                                             checksum_pass=self.checksum_pass)
-                groups = [[i] for i in range(len(pools))]
-            else:  # every layer of a group waits on the group's event
-                prep = kernels.prepare_restore(card, offsets, pools, block_ids,
-                                               engine=self.load_engine, layer_groups=groups,
-                                               checks=checks)
+            # with groups, every layer of a group waits on the group's event
+            prep = prepare_group_restore(card, offsets, pools, block_ids, checks,
+                                         engine=self.load_engine,
+                                         checksum_pass=self.checksum_pass, layer_groups=groups)
+            groups = groups or [[i] for i in range(len(pools))]
             self._timing.planned(time.perf_counter() - t0)
             for g, idx in enumerate(groups):
                 prep.launch(g)
@@ -346,7 +347,9 @@ class CudaTransferHandler(TransferHandler):
                     flags = WordsReadback(prep, len(pools))
                 self.load_stream.wait_stream(self.check_stream)
             else:
-                flags = WordsReadback(prep, len(pools)) if checks is not None else None
+                if checked and self.checksum_pass == "end":
+                    prep.launch_checks()  # after every copy and its event, on the load stream
+                flags = WordsReadback(prep, len(pools)) if checked else None
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         # the end of the copies (not of the step: sync_loads comes after the forward)
         self._timing.issued(int(block_ids.numel()) * sum(p.block_bytes for p in pools),

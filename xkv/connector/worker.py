@@ -215,10 +215,15 @@ class WorkerSide:
             log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer "
                      "groups)", len(self.pools), len(groups), len(saves))
             checks = any(self.session.check_words)
+            cpass = self.handler.checksum_pass if checks else None
+            # checksum_pass "end": one hash launch per group over all its layers
+            whole = (light_steps.warm_groups(self.registry, list(self.pools), grouped=False)
+                     if cpass == "end" else [])
             variants = kernels.warmup(list(self.pools.values()), self.session.card,
                                       offset_alignment=max(1, align), restore_groups=groups,
-                                      save_groups=saves, checks=checks,
-                                      hashes=checks and self.handler.checksum_pass == "hbm")
+                                      save_groups=saves, checks=checks, hashes=cpass == "hbm",
+                                      hash_groups=whole,
+                                      hash_programs=kernels.WHOLE_HASH_PROGRAMS)
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]

@@ -16,14 +16,15 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
-* ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``).
+* ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
+  ``WHOLE_HASH_PROGRAMS`` (the budget of one hash over every restored layer).
 
 Inside: ``jobs`` validates, ``_launch`` + ``_triton`` are the Triton engine, ``_torch`` the torch
 engine, ``copy_engine`` and ``staged`` the DMA engines. Importing this package does not import
 Triton; the first GPU (or interpreted) launch does.
 """
 
-from xkv.kernels._launch import LaunchConfig, default_programs, launch_config
+from xkv.kernels._launch import WHOLE_HASH_PROGRAMS, LaunchConfig, default_programs, launch_config
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
 from xkv.kernels.hashed_restore import (
     HashedRestore,
@@ -54,6 +55,7 @@ __all__ = [
     "PageHash",
     "ENGINES",
     "LaunchConfig",
+    "WHOLE_HASH_PROGRAMS",
     "PreparedCopy",
     "calibrate",
     "calibration",
