@@ -12,7 +12,8 @@
 #   stores_llama / stores_mla   profile_steps.py with kinds none, xkv@layer, xkv@step (save_mode,
 #                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
 #                   LENS (default 4096,16384)
-#   gputests        pytest -m gpu of the tail fence and the CUDA transfer handler
+#   gputests        pytest -m gpu of the tail fence, the CUDA transfer handler (every checksum pass),
+#                   prepared copies, warmup, the two-pass restore and the card in pieces
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs / e2e_qwen_graphs   bench/e2e_ttft.py,
 #                   every connector and the correctness checks (logprobs vs no connector, verify
 #                   child, gateway kill); qwen: bench/models/qwen3_8b (36 layers, 8 KV heads),
@@ -63,7 +64,8 @@ for spec in "$@"; do
     stores_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
     gputests) mkdir -p "$OUT/$step"
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
-        tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py > "$OUT/$step/pytest.txt" 2>&1
+        tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py \
+        tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
