@@ -15,6 +15,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from checksum_cases import cases, oracle_words
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,35 +26,6 @@ from xkv.layout import PagePool
 
 ENGINES = ["reference", "triton"]
 POISON = 0xA5
-
-
-@st.composite
-def cases(draw, max_layers=3):
-    """L layer pools (4-byte multiple pages, odd word counts, sometimes two runs with a gap,
-    sometimes 8-byte aligned), C objects (0 allowed) of k pages each, block ids in a random
-    order; the card a save would fill: offset(l, c, j) = c * slot + (l * k + j) * bb."""
-    L = draw(st.integers(1, max_layers))
-    unit = draw(st.sampled_from([4, 8]))
-    r0 = unit * draw(st.integers(1, 40))
-    two = draw(st.booleans())
-    r1 = unit * draw(st.integers(1, 9)) if two else 0
-    gap = unit * draw(st.integers(0, 2))
-    runs = ((0, r0),) + (((r0 + gap, r1),) if two else ())
-    stride = r0 + gap + r1 + unit * draw(st.integers(0, 2))
-    bb = r0 + r1
-    Cn, k = draw(st.integers(0, 3)), draw(st.integers(1, 3))
-    n = Cn * k
-    nblocks = n + draw(st.integers(1, 3))
-    order = draw(st.permutations(range(n)))
-    ids = np.array(draw(st.permutations(range(nblocks)))[:n], dtype=np.int64)
-    slot = L * k * bb
-    obj = np.array([o // k for o in order], dtype=np.int64)
-    page = np.array([o % k for o in order], dtype=np.int64)
-    offs = np.array([[c * slot + (li * k + j) * bb for c, j in zip(obj, page, strict=True)]
-                     for li in range(L)], dtype=np.int64).reshape(L, n)
-    return dict(L=L, runs=runs, stride=stride, bb=bb, C=max(Cn, 1), k=k, n=n, nblocks=nblocks,
-                ids=ids, obj=obj, page=page, offs=offs, slot=slot, card_bytes=max(Cn, 1) * slot,
-                seed=draw(st.integers(0, 2**31)))
 
 
 def make_pools(c, device="cpu"):
@@ -78,15 +50,6 @@ def save_words(c, pools, engine="reference") -> tuple[np.ndarray, torch.Tensor]:
     if card.is_pinned():
         torch.cuda.synchronize()
     return w.host_words(), card
-
-
-def oracle_words(card: torch.Tensor, c) -> np.ndarray:
-    if c["n"] == 0:  # no object: the card holds no page, every word is the empty word 0
-        return np.zeros((c["L"], c["C"]), np.uint32)
-    kb = c["k"] * c["bb"]
-    b = card.cpu().numpy().tobytes()
-    return np.array([[C.words_numpy(b[o * c["slot"] + li * kb:o * c["slot"] + (li + 1) * kb])
-                      for o in range(c["C"])] for li in range(c["L"])], np.uint32)
 
 
 @contextlib.contextmanager

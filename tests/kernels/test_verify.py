@@ -6,9 +6,11 @@ arguments are refused before anything moves."""
 
 from __future__ import annotations
 
+import checksum_cases
 import numpy as np
 import pytest
 import torch
+from checksum_cases import oracle_words
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,33 +22,10 @@ ENGINES = ["reference", "triton"]
 POISON = 0xA5
 
 
-@st.composite
-def cases(draw, max_layers=3):
-    """L layer pools (4-byte aligned runs, sometimes two runs, sometimes 8-byte words), C objects
-    of k pages each, stored layer-major in slots of a card: offset(li, c, j) = slot_c + (li*k+j)*bb.
-    Fragments in a random order. Returns a dict."""
-    L = draw(st.integers(1, max_layers))
-    unit = draw(st.sampled_from([4, 8]))
-    r0 = unit * draw(st.integers(1, 12))
-    two = draw(st.booleans())
-    r1 = unit * draw(st.integers(1, 6)) if two else 0
-    gap = unit * draw(st.integers(0, 2))
-    runs = ((0, r0),) + (((r0 + gap, r1),) if two else ())
-    stride = r0 + gap + r1 + unit * draw(st.integers(0, 2))
-    bb = r0 + r1
-    Cn, k = draw(st.integers(1, 4)), draw(st.integers(1, 3))
-    n = Cn * k
-    nblocks = n + draw(st.integers(0, 3))
-    order = draw(st.permutations(range(n)))
-    ids = np.array(draw(st.permutations(range(nblocks)))[:n], dtype=np.int64)
-    slot = -(-(L * k * bb) // 16) * 16 + 16 * draw(st.integers(0, 2))
-    frag_obj = np.array([o // k for o in order], dtype=np.int64)
-    frag_page = np.array([o % k for o in order], dtype=np.int64)
-    offs = np.array([[c * slot + (li * k + j) * bb for c, j in zip(frag_obj, frag_page, strict=True)]
-                     for li in range(L)], dtype=np.int64).reshape(L, n)
-    return dict(L=L, runs=runs, stride=stride, bb=bb, C=Cn, k=k, n=n, nblocks=nblocks, ids=ids,
-                obj=frag_obj, page=frag_page, offs=offs, card_bytes=Cn * slot + 16, slot=slot,
-                seed=draw(st.integers(0, 2**31)))
+def cases(max_layers=3):
+    """Small pages (12 / 6 words at most), 1-4 objects, 16-byte padded slots."""
+    return checksum_cases.cases(max_layers, max_r0=12, max_r1=6, objects=(1, 4), spare=(0, 3),
+                                padded=True)
 
 
 def make_pools(c, seed):
@@ -58,19 +37,6 @@ def make_pools(c, seed):
         raws.append(raw)
         pools.append(PagePool(raw, c["nblocks"], c["bb"], c["stride"], c["runs"]))
     return pools, raws
-
-
-def oracle_words(card: torch.Tensor, c) -> np.ndarray:
-    """uint32 [L, C] from the card bytes by the numpy definition (layer li of object c is
-    k * bb contiguous bytes)."""
-    kb = c["k"] * c["bb"]
-    out = np.zeros((c["L"], c["C"]), np.uint32)
-    b = card.numpy().tobytes()
-    for li in range(c["L"]):
-        for o in range(c["C"]):
-            at = o * c["slot"] + li * kb
-            out[li, o] = C.words_numpy(b[at:at + kb])
-    return out
 
 
 def checks_for(c, expected=None, hash_only=None):
