@@ -45,7 +45,8 @@ def metrics(log: str) -> dict[str, float]:
     return out
 
 
-def test_every_fault_class_is_recomputed_never_decoded(models, gateway):
+@pytest.mark.parametrize("checksum_pass", ["copy", "end"])  # copy: the default
+def test_every_fault_class_is_recomputed_never_decoded(models, gateway, checksum_pass):
     res, log = run_engine(models, "llama", gateway, [
         {"op": "engine", "connector": False},
         {"op": "generate", "name": "ref1", "prompts": [{"tokens": P1}]},
@@ -58,7 +59,7 @@ def test_every_fault_class_is_recomputed_never_decoded(models, gateway):
         {"op": "generate", "name": "restore1", "prompts": [{"tokens": P1}]},
         {"op": "generate", "name": "restore2", "prompts": [{"tokens": P2}]},
         {"op": "log_stats"},
-    ], extra={"chunk_size": 64}, imports=["card_faults"])
+    ], extra={"chunk_size": 64, "checksum_pass": checksum_pass}, imports=["card_faults"])
     runs = {r["name"]: r for r in res["runs"]}
     assert runs["store1"]["tokens"] == runs["ref1"]["tokens"]
     assert runs["store2"]["tokens"] == runs["ref2"]["tokens"]
