@@ -133,12 +133,13 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
              layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     L = len(job.pools)
     groups = None if layer_groups is None else _check_groups(layer_groups, L)
-    layers = [job.layer(k) for k in range(L)]  # built once: planning is host time per step
-    chosen = [check_engine(layer, engine, max_programs) for layer in layers]  # may raise
+    chosen = [check_engine(job.layer(k), engine, max_programs) for k in range(L)]  # may raise
     if not L:
         check_engine(job, engine, max_programs)
     if job.checks is not None:  # one word buffer for every layer, on the prepare stream
         job.checks.bind(job.pools[0].device if L else job.flat.device, job.save)
+    # after bind: a layer's checks take the bound word buffer (built before it, they would not)
+    layers = [job.layer(k) for k in range(L)]
     stream = None
     if L and job.pools[0].device.type == "cuda":
         stream = torch.cuda.current_stream(job.pools[0].device)
