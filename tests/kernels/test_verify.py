@@ -307,3 +307,29 @@ def test_unaligned_verified_copies_run_the_torch_engine(engine):
     res = K.restore(card, [6, 14], dst, [0, 2], engine=engine,
                     checks=K.Checks([0, 0], [0, 1], 1, expected=np.array([[want]], np.uint32)))
     assert res.mismatched().tolist() == [True]
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_layer_checks_taken_before_the_bind_share_its_buffer(whole_first):
+    """A layer's (or a chunk's) checks taken from a job before its word buffer is bound add
+    their terms into the job's one buffer, whichever binds first: a copy built before the bind
+    is still verified (a part with a buffer of its own would leave the job's at -expected, or
+    its terms nowhere)."""
+    from xkv.kernels.jobs import build_job, offsets_arg
+
+    pools = [PagePool(torch.zeros(4 * 64, dtype=torch.uint8), 4, 64, 64, ((0, 64),))
+             for _ in range(2)]
+    card = torch.zeros(1024, dtype=torch.uint8)
+    checks = K.Checks(np.array([0, 1]), np.array([0, 0]), 2,
+                      expected=np.zeros((2, 2), np.uint32))
+    job = build_job(pools, np.array([0, 1]), card,
+                    offsets_arg(np.array([[0, 64], [128, 192]]), 2, "o"), save=False,
+                    checks=checks)
+    parts = [job.layer(1).checks, job.checks.select([0], 0, 1)]
+    if whole_first:
+        whole = job.checks.bind(torch.device("cpu"), False)
+        assert all(p.bind(torch.device("cpu"), False) is whole for p in parts)
+    else:
+        first = parts[0].bind(torch.device("cpu"), False)
+        assert job.checks.bind(torch.device("cpu"), False) is first
+        assert parts[1].bind(torch.device("cpu"), False) is first

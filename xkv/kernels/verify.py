@@ -28,7 +28,7 @@ from the flat buffer; saves: the pages it packs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -97,7 +97,9 @@ class CheckWords:
 class JobChecks:
     """Validated checks of one job: per fragment its object column, page index, whether it is
     written (``store``) and hashed (``hashed``: False for a repeated (object, page)); ``rows[l]``: the buffer row of job layer ``l``; ``buf``: bound by the
-    launcher (:meth:`bind`)."""
+    launcher (:meth:`bind`). A part (:meth:`layer`, :meth:`select`) shares its whole's buffer
+    whichever of them binds first (``parent``): taken before the bind, it still adds its terms
+    into the one buffer the whole reads."""
 
     objects: np.ndarray  # int64 [n]
     pages: np.ndarray  # int64 [n]
@@ -108,16 +110,18 @@ class JobChecks:
     rows: list[int]
     buf: CheckWords | None = None
     aligned: bool = True  # every address, stride, run and offset a multiple of 4 (Triton can hash)
+    parent: JobChecks | None = field(default=None, repr=False, compare=False)
 
     def bind(self, device: torch.device, save: bool) -> CheckWords:
         if self.buf is None:
-            self.buf = CheckWords(self.init, device, save)
+            self.buf = (self.parent.bind(device, save) if self.parent is not None
+                        else CheckWords(self.init, device, save))
         return self.buf
 
     def layer(self, k: int) -> JobChecks:
         """The checks of job layer ``k`` alone (same buffer, its row)."""
         return JobChecks(self.objects, self.pages, self.store, self.hashed, self.num_objects,
-                         self.init, [self.rows[k]], self.buf, self.aligned)
+                         self.init, [self.rows[k]], self.buf, self.aligned, self)
 
     def select(self, layers: list[int], i0: int, i1: int) -> JobChecks:
         """The checks of fragments ``[i0, i1)`` of job layers ``layers`` (same buffer): a
@@ -125,7 +129,7 @@ class JobChecks:
         s = slice(i0, i1)
         return JobChecks(self.objects[s], self.pages[s], self.store[s], self.hashed[s],
                          self.num_objects, self.init, [self.rows[k] for k in layers], self.buf,
-                         self.aligned)
+                         self.aligned, self)
 
     def table(self) -> np.ndarray:
         """int64 ``[3, n]``: object column, page index, flags (1: written, 2: hashed; the
