@@ -164,17 +164,30 @@ def test_restore_groups_are_warmed(L, n, align, budget, data):
     assert p.key in keys
 
 
+def _layers(L: int):
+    """L layer pools of one 4 KiB-page geometry (40 blocks) and a 4096-aligned card for them."""
+    g = Geometry(40, 4096, ((0, 4096),))
+    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
+    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
+    return pools, card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+
+
+def _steps(L: int):
+    """(n, block ids, [L, n] card offsets) of chunk objects of n blocks (layer-major), for block
+    counts that reach different tile shapes."""
+    for n in (1, 3, 16, 40):
+        slot = np.arange(n, dtype=np.int64) * 4096
+        yield n, np.arange(n)[::-1].copy(), np.stack([k * n * 4096 + slot for k in range(L)])
+
+
 @pytest.mark.parametrize("L", [5, 16, 32])
 def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monkeypatch):
     """What the connector launches for a light step (halving layer groups) and for a partly
     restored last block (every layer in one launch) uses variants the worker's warmup ran."""
     from xkv.connector.light_steps import load_layer_groups
 
-    g = Geometry(40, 4096, ((0, 4096),))
-    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
-    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
-    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
-    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    pools, card = _layers(L)
     groups = load_layer_groups(L)
     keys = K.warmup(pools, card, engine="triton", restore_groups=groups + [list(range(L))])
     seen = []
@@ -194,20 +207,13 @@ def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monk
 def test_all_layer_saves_after_warmup_compile_nothing_new(L, monkeypatch):
     """``save_mode`` step saves every layer of a group in one launch (``save_layers``): its
     variants are warmed by ``save_groups``, and only by it (restore groups do not cover them)."""
-    g = Geometry(40, 4096, ((0, 4096),))
-    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
-    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
-    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
-    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    pools, card = _layers(L)
     every = [list(range(L))]
     keys = K.warmup(pools, card, engine="triton", save_groups=every)
     without = K.warmup(pools, card, engine="triton", restore_groups=every)
     seen = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
-    for n in (1, 3, 16, 40):
-        ids = np.arange(n)[::-1].copy()
-        slot = np.arange(n, dtype=np.int64) * 4096
-        offs = np.stack([k * n * 4096 + slot for k in range(L)])
+    for _, ids, offs in _steps(L):
         K.save_layers(pools, ids, card, offs, engine="triton")
     assert seen and set(seen) <= keys
     assert not set(seen) <= without
@@ -263,21 +269,14 @@ def test_hash_launches_use_warmed_variants():
 def test_whole_hash_after_warmup_compiles_nothing_new(L, monkeypatch):
     """``checksum_pass`` "end" hashes every layer of a group in one launch at its own budget
     (``WHOLE_HASH_PROGRAMS``): ``hash_groups`` warms those variants, per-layer hashes do not."""
-    g = Geometry(40, 4096, ((0, 4096),))
-    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
-    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
-    card = torch.zeros(4096 * (40 * L + 2), dtype=torch.uint8)
-    card = card[-card.data_ptr() % 4096 :][: 4096 * 40 * L]
+    pools, card = _layers(L)
     every, budget = [list(range(L))], _launch.WHOLE_HASH_PROGRAMS
     keys = K.warmup(pools, card, engine="triton", checks=True, hashes=True, hash_groups=every,
                     hash_programs=budget)
     per_layer = K.warmup(pools, card, engine="triton", checks=True, hashes=True)
     seen = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
-    for n in (1, 3, 16, 40):
-        ids = np.arange(n)[::-1].copy()
-        slot = np.arange(n, dtype=np.int64) * 4096
-        offs = np.stack([k * n * 4096 + slot for k in range(L)])
+    for n, ids, offs in _steps(L):
         checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
                           expected=np.zeros((L, 1), np.uint32))
         prep = K.prepare_hashed_restore(card, offs, pools, ids, checks, engine="triton",
