@@ -78,6 +78,9 @@ def _args(argv=None):
     ap.add_argument("--load-mode", choices=("sync", "async", "auto"), default="sync",
                     help="xkv's load_mode (restores in the step, or parked; docs/architecture.md)")
     ap.add_argument("--card-gib", type=float, default=40.0)
+    ap.add_argument("--gateway-args", default="",
+                    help="more xkv-gateway flags, e.g. --gateway-args=--prefault (the card's pages touched at "
+                         "the gateway's start, not when each engine registers the card)")
     ap.add_argument("--offload-gib", type=float, default=24.0)
     ap.add_argument("--port", type=int, default=5599)
     ap.add_argument("--multi", type=int, default=8, help="concurrent 16k restores (0: skip)")
@@ -313,7 +316,8 @@ def _start_gateway(a, log):
 
     cap = f"{int(a.card_gib * 1024)}M"
     t = time.perf_counter()
-    gw, port = spawn_gateway(cap, a.port, timeout_s=300.0, stderr=log)
+    gw, port = spawn_gateway(cap, a.port, timeout_s=300.0, stderr=log,
+                             extra_args=a.gateway_args.split())
     print(f"[gateway] {cap} card up in {time.perf_counter() - t:.1f} s on port {port}", flush=True)
     return gw
 
