@@ -3,7 +3,8 @@ with loads (:class:`~xkv.connector.transfer.CudaTransferHandler`; bench/ reads t
 
 Fields: ``bytes`` restored (the before-forward tail's included); ``copy_ms``, GPU time of the load
 stream from :meth:`LoadTiming.begin` (after the compute stream's work queued before the loads) to
-the end of the last group's copies (two timing events); ``issue_ms``, host time from ``begin`` to
+the end of the last group's copies (two timing events; with ``checksum_pass`` "hbm" or "end"
+the hashes the load stream waits for are inside it); ``issue_ms``, host time from ``begin`` to
 the last launch issued; of it ``plan_ms``, validating and uploading the copies; ``tail_ms``, host
 time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
 aside); ``GBps`` = bytes / copy_ms.
