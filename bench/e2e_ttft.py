@@ -477,6 +477,9 @@ def _report(res, out):
     none = ref.get("none", {})
     checks = [("xkv", "cold", "cold"), ("xkv", "restored", "hit"), ("xkv", "gateway_killed", "cold"),
               ("verify", "restored", "hit")]
+    # every variant kind's engine too: a setting that changes graphs or passes must keep the tokens
+    checks += [(k, key, base) for k in sorted(ref) if "@" in k
+               for key, base in (("cold", "cold"), ("restored", "hit"))]
     for kind, key, base in checks:
         x, b = ref.get(kind, {}).get(key), none.get(base)
         if x and b:
