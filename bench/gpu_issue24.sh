@@ -20,7 +20,10 @@
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
 #   cpu_edges       no GPU: the gateway benches of issues 26 and 27 on this machine's quiet cores
 #                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
-#                   against dd on the same directory; bench/gateway_edges.py reserve and replay)
+#                   against dd on the same directory; bench/gateway_edges.py reserve and replay);
+#                   shares of SECONDS 30 / 55 / 15 %: the reserve bench fills a 1 and a 4 GiB
+#                   index twice (one-page objects) and needs ~150 s (stop 34: 42 s cut it), so
+#                   give the step >= 280
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
 # Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
 set -u
@@ -72,13 +75,13 @@ for spec in "$@"; do
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
-      timeout $((secs / 2)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
+      timeout $((secs * 3 / 10)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
         --threads 4,4 --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
       echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
       rm -rf /var/tmp/xkv26
-      timeout $((secs / 4)) python3 bench/gateway_edges.py reserve --cards 1,4 --json "$d/reserve.json" > "$d/reserve.txt" 2>&1
+      timeout $((secs * 11 / 20)) python3 bench/gateway_edges.py reserve --cards 1,4 --json "$d/reserve.json" > "$d/reserve.txt" 2>&1
       echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"
-      timeout $((secs / 4)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
+      timeout $((secs * 3 / 20)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
       echo "=== $step replay: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/replay.txt" >> "$OUT/summary.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
