@@ -46,6 +46,22 @@ def test_warmup_touches_nothing_and_covers_both_directions():
     assert K.warmup(pools, None, engine="triton")  # a stand-in card
 
 
+def test_checked_warmup_reads_flags_back_once_per_direction(monkeypatch):
+    """checks=True also runs the torch ops that read a checked copy's words back (their CUDA
+    kernels load on first use); without checks nothing of the kind runs."""
+    from xkv.kernels import verify
+
+    seen = []
+    real = verify.CheckWords.readback
+    monkeypatch.setattr(verify.CheckWords, "readback", lambda self: seen.append(self.save) or real(self))
+    raws, pools = _caches(2)
+    card = random_bytes(1 << 16, 8)
+    K.warmup(pools[:1], card, engine="triton")
+    assert seen == []
+    K.warmup(pools[:1], card, engine="triton", checks=True)
+    assert sorted(seen) == [False, True]
+
+
 def test_warmup_auto_on_cpu_compiles_nothing_and_refusals():
     raws, pools = _caches(2)
     assert K.warmup(pools, random_bytes(64, 0)) == set()  # CPU copies use the torch engine

@@ -12,7 +12,8 @@ launch compiles exactly the variant a real one uses.
 
 Multi-layer restore and save launches (grouped prepared restores, ``restore_layers``,
 ``save_layers``) are warmed for the layer groups the caller names (``restore_groups``,
-``save_groups``); ``checks=True`` adds the checksum variants of all of them. Not covered:
+``save_groups``); ``checks=True`` adds the checksum variants of all of them and runs the
+torch ops that read a checked restore's flags back once. Not covered:
 slices, pack/unpack, the staged engine's ring (fan-out and calibrated large copies).
 """
 
@@ -27,6 +28,7 @@ from xkv.kernels import _launch
 from xkv.kernels.hashing import null_flat
 from xkv.kernels.jobs import build_job, pools_arg
 from xkv.kernels.page_copy import ENGINES, check_engine
+from xkv.kernels.verify import CheckWords
 from xkv.layout import PagePool
 
 __all__ = ["warmup"]
@@ -171,4 +173,11 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
                                    p.programs)
         check = (z32, z, z) if p.meta["CHECK"] else None
         _launch.Launch(empty, flat, z, z, z, check)()  # zero rows: every program returns at once
+    if checks:
+        # A checked restore's flags are read back by torch ops (ne, any, a pinned D2H copy) whose
+        # CUDA kernels load lazily on their first call. On the H200 (stop 34) only the first
+        # *checked* restore after start spent 26-48 ms issuing (unchecked ones: none); these ops
+        # are the checked path's only work that warmup did not run before. Run them once.
+        CheckWords(np.zeros((1, 1), np.uint32), dev, save=False).readback()
+        CheckWords(np.zeros((1, 1), np.uint32), dev, save=True).readback()
     return set(warmed)
