@@ -18,6 +18,8 @@
 #                   every connector and the correctness checks (logprobs vs no connector, verify
 #                   child, gateway kill); qwen: bench/models/qwen3_8b (36 layers, 8 KV heads),
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
+#   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
+#                   4-chunk ref prompt)
 #   cpu_edges       no GPU: the gateway benches of issues 26 and 27 on this machine's quiet cores
 #                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
 #                   against dd on the same directory; bench/gateway_edges.py reserve and replay);
@@ -39,6 +41,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XKV_TIMING=1
 LL=(--model bench/models/llama8b --backend FLASH_ATTN --chunk-size 256)
 MLA=(--model bench/models/dsv2_mla16 --backend TRITON_MLA --chunk-size 256)
 QW=(--model bench/models/qwen3_8b --backend TRITON_ATTN --chunk-size 128)
+HYB=(--model bench/models/nemotronh_small --chunk-size 0 --ref-chunks 4)
 prof() {  # name seconds args...
   local name=$1 secs=$2 d="$OUT/$1"; shift 2
   mkdir -p "$d"
@@ -74,6 +77,7 @@ for spec in "$@"; do
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
+    e2e_hybrid_graphs) e2e "$step" "$secs" "${HYB[@]}" --mode graphs ${E2E_ARGS:-} ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
       timeout $((secs * 3 / 10)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
         --threads "${DISK_THREADS:-4,8}" --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
