@@ -71,7 +71,8 @@ for spec in "$@"; do
     gputests) mkdir -p "$OUT/$step"
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
         tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py \
-        tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py > "$OUT/$step/pytest.txt" 2>&1
+        tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py tests/kernels/test_pinned.py \
+        > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;

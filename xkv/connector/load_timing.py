@@ -5,8 +5,9 @@ Fields: ``bytes`` restored (the before-forward tail's included); ``copy_ms``, GP
 stream from :meth:`LoadTiming.begin` (after the compute stream's work queued before the loads) to
 the end of the last group's copies (two timing events; with ``checksum_pass`` "hbm" or "end"
 the hashes the load stream waits for are inside it); ``issue_ms``, host time from ``begin`` to
-the last launch issued; of it ``plan_ms``, validating and uploading the copies; ``tail_ms``, host
-time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
+the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
+the launches and their events, ``readback_ms``, queueing the checksum flags' readback;
+``tail_ms``, host time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
 aside); ``GBps`` = bytes / copy_ms.
 """
 
@@ -35,12 +36,23 @@ class LoadTiming:
         self._end = None
         self._host0 = self._host1 = time.perf_counter()
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
+        self.launch_s = self.readback_s = 0.0
         self._open = True
 
     def planned(self, seconds: float) -> None:
         """Host time spent validating and uploading a group's copies."""
         if self._open:
             self.plan_s += seconds
+
+    def launched(self, seconds: float) -> None:
+        """Host time spent in a group's launches (and their events)."""
+        if self._open:
+            self.launch_s += seconds
+
+    def read_back(self, seconds: float) -> None:
+        """Host time spent queueing a group's flags readback."""
+        if self._open:
+            self.readback_s += seconds
 
     def issued(self, nbytes: int, launches: int, stream) -> None:
         """A group's copies are issued on ``stream``: ``nbytes``, in ``launches`` launches."""
@@ -69,5 +81,6 @@ class LoadTiming:
         ms = self._start.elapsed_time(self._end)
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
+                f"launch_ms={self.launch_s * 1e3:.2f} readback_ms={self.readback_s * 1e3:.2f} "
                 f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "
                 f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}")

@@ -332,7 +332,8 @@ class CudaTransferHandler(TransferHandler):
                                          engine=self.load_engine,
                                          checksum_pass=self.checksum_pass, layer_groups=groups)
             groups = groups or [[i] for i in range(len(pools))]
-            self._timing.planned(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._timing.planned(t1 - t0)
             for g, idx in enumerate(groups):
                 prep.launch(g)
                 ev = torch.cuda.Event()
@@ -342,14 +343,17 @@ class CudaTransferHandler(TransferHandler):
                 if hashed:  # layer g's hash beside layer g + 1's copy; the forward never waits
                     self.check_stream.wait_event(ev)
                     prep.launch_check(g, self.check_stream)
+            if checked and self.checksum_pass == "end":
+                prep.launch_checks()  # after every copy and its event, on the load stream
+            t2 = time.perf_counter()
+            self._timing.launched(t2 - t1)
             if hashed:  # the flags after the last hash; whoever waits for loads waits for them
                 with torch.cuda.stream(self.check_stream):
                     flags = WordsReadback(prep, len(pools))
                 self.load_stream.wait_stream(self.check_stream)
             else:
-                if checked and self.checksum_pass == "end":
-                    prep.launch_checks()  # after every copy and its event, on the load stream
                 flags = WordsReadback(prep, len(pools)) if checked else None
+            self._timing.read_back(time.perf_counter() - t2)
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         # the end of the copies (not of the step: sync_loads comes after the forward)
         self._timing.issued(int(block_ids.numel()) * sum(p.block_bytes for p in pools),

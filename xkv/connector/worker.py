@@ -226,6 +226,10 @@ class WorkerSide:
                                       hash_programs=kernels.WHOLE_HASH_PROGRAMS)
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
+            # page-locked staging for the copies' tables, words and flags, allocated now: an
+            # allocation inside a step would make the host wait for the copies queued before it
+            kernels.pinned.reserve_for(max(p.num_blocks for p in self.pools.values()),
+                                       len(self.pools))
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         lines += [self._save_line] if self._save_line else []
         return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()

@@ -16,6 +16,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
+* :mod:`~xkv.kernels.pinned`: the page-locked staging pool every copy step takes its tables,
+  words and readbacks from (``pinned.reserve_for`` at start: no allocation inside a step);
 * ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
   ``WHOLE_HASH_PROGRAMS`` (the budget of one hash over every restored layer).
 
@@ -24,6 +26,7 @@ engine, ``copy_engine`` and ``staged`` the DMA engines. Importing this package d
 Triton; the first GPU (or interpreted) launch does.
 """
 
+from xkv.kernels import pinned
 from xkv.kernels._launch import WHOLE_HASH_PROGRAMS, LaunchConfig, default_programs, launch_config
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
 from xkv.kernels.hashed_restore import (
@@ -64,6 +67,7 @@ __all__ = [
     "is_host_accessible",
     "launch_config",
     "pack",
+    "pinned",
     "prepare_hashed_restore",
     "prepare_page_hash",
     "prepare_restore",

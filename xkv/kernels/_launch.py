@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from xkv.kernels import pinned
 from xkv.kernels.jobs import Job
 from xkv.layout import PagePool
 
@@ -247,15 +248,22 @@ class Tables:
         return at
 
     def upload(self, dev: torch.device) -> torch.Tensor:
-        """One tensor on ``dev``; on CUDA a pinned staging copy and one non-blocking H2D copy on
-        the current stream (the caching host allocator keeps the staging alive until it ran)."""
-        host = torch.empty(max(self._size, 2), dtype=torch.int64,
-                           pin_memory=dev.type == "cuda")
+        """One tensor on ``dev``; on CUDA a staging buffer of the pinned pool (no allocation in
+        a copy step: :mod:`xkv.kernels.pinned`) and one non-blocking H2D copy on the current
+        stream, the staging given back with an event after it."""
+        n = max(self._size, 2)
+        cuda = dev.type == "cuda"
+        raw = pinned.pool().take(n * 8) if cuda else None
+        host = raw.view(torch.int64) if cuda else torch.empty(n, dtype=torch.int64)
         h, at = host.numpy(), 0
         for part in self._parts:  # straight into the (pinned) buffer: one host copy
             h[at : at + part.size] = part
             at += part.size
-        return host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        if not cuda:
+            return host
+        out = host.to(dev, non_blocking=True)
+        pinned.pool().give(raw, pinned.record_event())
+        return out
 
 
 class Launch:

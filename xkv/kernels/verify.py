@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from xkv.kernels import pinned
 from xkv.kernels.checksum import check_page_bytes
 
 __all__ = ["CheckWords", "Checks", "JobChecks", "validate_checks"]
@@ -58,11 +59,14 @@ class CheckWords:
     def __init__(self, init: np.ndarray, device: torch.device, save: bool) -> None:
         self.save = save
         host = torch.from_numpy(np.ascontiguousarray(init).view(np.int32))
-        if device.type == "cuda":
-            pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-            pinned.copy_(host)
-            host = pinned  # the caching host allocator keeps it until the upload ran
-        self.words = host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()
+        if device.type != "cuda":
+            self.words = host.clone()
+            return
+        raw = pinned.pool().take(host.numel() * 4)  # no pinned allocation in a copy step
+        staged = raw.view(torch.int32).view(host.shape)
+        staged.copy_(host)
+        self.words = staged.to(device, non_blocking=True)
+        pinned.pool().give(raw, pinned.record_event())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,12 +75,18 @@ class CheckWords:
     def readback(self) -> torch.Tensor:
         """Queue, on the current stream, the copy of what a caller needs to the host: restores a
         bool ``[C]`` (object mismatched in some layer), saves the int32 ``[L, C]`` words. Valid
-        once the stream reached it (CPU: at once)."""
+        once the stream reached it (CPU: at once). On CUDA it is a buffer of the pinned pool,
+        returned to it when this tensor is dropped: copy what you keep (numpy views of it do
+        not keep it)."""
         src = self.words.ne(0).any(0) if not self.save else self.words
         if src.device.type != "cuda":
             return src.clone()
-        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        # a buffer of the pinned pool (no allocation here: it would make the host wait for the
+        # copies just queued); back to the pool once the caller dropped the result
+        raw = pinned.pool().take(src.numel() * src.element_size())
+        out = raw.view(src.dtype).view(src.shape)
         out.copy_(src, non_blocking=True)
+        pinned.pool().give_when_collected(out, pinned.record_event())
         return out
 
     def mismatched(self) -> np.ndarray:
