@@ -6,7 +6,8 @@ stream from :meth:`LoadTiming.begin` (after the compute stream's work queued bef
 the end of the last group's copies (two timing events; with ``checksum_pass`` "hbm" or "end"
 the hashes the load stream waits for are inside it); ``issue_ms``, host time from ``begin`` to
 the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
-the launches and their events, ``readback_ms``, queueing the checksum flags' readback;
+the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
+the checksum flags' readback;
 ``tail_ms``, host time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
 aside); ``GBps`` = bytes / copy_ms.
 """
@@ -36,7 +37,7 @@ class LoadTiming:
         self._end = None
         self._host0 = self._host1 = time.perf_counter()
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
-        self.launch_s = self.readback_s = 0.0
+        self.launch_s = self.readback_s = self.launch_max_s = 0.0
         self._open = True
 
     def planned(self, seconds: float) -> None:
@@ -44,10 +45,11 @@ class LoadTiming:
         if self._open:
             self.plan_s += seconds
 
-    def launched(self, seconds: float) -> None:
-        """Host time spent in a group's launches (and their events)."""
+    def launched(self, seconds: float, longest: float = 0.0) -> None:
+        """Host time spent in a group's launches (and their events); ``longest``: of one."""
         if self._open:
             self.launch_s += seconds
+            self.launch_max_s = max(self.launch_max_s, longest)
 
     def read_back(self, seconds: float) -> None:
         """Host time spent queueing a group's flags readback."""
@@ -81,6 +83,7 @@ class LoadTiming:
         ms = self._start.elapsed_time(self._end)
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
-                f"launch_ms={self.launch_s * 1e3:.2f} readback_ms={self.readback_s * 1e3:.2f} "
+                f"launch_ms={self.launch_s * 1e3:.2f} launch_max_ms={self.launch_max_s * 1e3:.2f} "
+                f"readback_ms={self.readback_s * 1e3:.2f} "
                 f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "
                 f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}")

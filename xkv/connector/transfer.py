@@ -334,8 +334,11 @@ class CudaTransferHandler(TransferHandler):
             groups = groups or [[i] for i in range(len(pools))]
             t1 = time.perf_counter()
             self._timing.planned(t1 - t0)
+            longest = 0.0
             for g, idx in enumerate(groups):
+                ta = time.perf_counter()
                 prep.launch(g)
+                longest = max(longest, time.perf_counter() - ta)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
                 for i in idx:
@@ -346,7 +349,7 @@ class CudaTransferHandler(TransferHandler):
             if checked and self.checksum_pass == "end":
                 prep.launch_checks()  # after every copy and its event, on the load stream
             t2 = time.perf_counter()
-            self._timing.launched(t2 - t1)
+            self._timing.launched(t2 - t1, longest)
             if hashed:  # the flags after the last hash; whoever waits for loads waits for them
                 with torch.cuda.stream(self.check_stream):
                     flags = WordsReadback(prep, len(pools))
