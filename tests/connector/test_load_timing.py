@@ -85,3 +85,26 @@ def test_no_group_issued_gives_no_line():
     m = LINE.match(t.report())
     assert m and int(m.group(1)) == 2_000_000 and float(m.group(2)) == 2.0
     assert float(m.group(5)) == 0.0
+
+
+def test_timing_2_dumps_the_stacks_of_slow_launches(monkeypatch):
+    """XKV_TIMING=2: launches slower than WATCH_S write every thread's stack (faulthandler);
+    fast ones and XKV_TIMING=1 arm nothing that fires."""
+    import faulthandler
+
+    from xkv.connector import load_timing
+
+    armed = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later",
+                        lambda s, repeat, file: armed.append(("arm", s, repeat)))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: armed.append("off"))
+    t = LoadTiming(True, FakeEvent)
+    t.begin("load")
+    monkeypatch.setenv("XKV_TIMING", "1")
+    t.watch()
+    t.unwatch()
+    assert armed == []
+    monkeypatch.setenv("XKV_TIMING", "2")
+    t.watch()
+    t.unwatch()
+    assert armed == [("arm", load_timing.WATCH_S, False), "off"]

@@ -10,13 +10,22 @@ the launches and their events (``launch_max_ms``: the longest one), ``readback_m
 the checksum flags' readback;
 ``tail_ms``, host time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
 aside); ``GBps`` = bytes / copy_ms.
+
+``XKV_TIMING=2`` (:meth:`LoadTiming.watch`): also, when a step's launches take more than
+:data:`WATCH_S`, ``faulthandler`` writes every thread's Python stack to stderr (the engine log)
+while they still run: what the engine thread waits for, and what the other threads do then.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+WATCH_S = 0.1  # XKV_TIMING=2: launches slower than this dump every thread's stack
 
 
 class LoadTiming:
@@ -44,6 +53,15 @@ class LoadTiming:
         """Host time spent validating and uploading a group's copies."""
         if self._open:
             self.plan_s += seconds
+
+    def watch(self) -> None:
+        """``XKV_TIMING=2``: arm the stack dump for the launches about to be issued."""
+        if self._open and os.environ.get("XKV_TIMING") == "2":
+            faulthandler.dump_traceback_later(WATCH_S, repeat=False, file=sys.stderr)
+
+    def unwatch(self) -> None:
+        if self._open and os.environ.get("XKV_TIMING") == "2":
+            faulthandler.cancel_dump_traceback_later()
 
     def launched(self, seconds: float, longest: float = 0.0) -> None:
         """Host time spent in a group's launches (and their events); ``longest``: of one."""

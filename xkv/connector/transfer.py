@@ -280,7 +280,8 @@ class CudaTransferHandler(TransferHandler):
     the stream its copies run on, so issuing never waits for the GPU (a device index tensor would
     be read back by validation, a synchronisation that serialised issue and copy).
     ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` pick the kernels' engine (default ``auto``).
-    ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line (``load_timing``).
+    ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line (``load_timing``);
+    ``2`` also dumps every thread's stack when a step's launches take over 100 ms.
     A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
     groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
     """
@@ -296,7 +297,7 @@ class CudaTransferHandler(TransferHandler):
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
-        self._timing = LoadTiming(os.environ.get("XKV_TIMING", "0") == "1",
+        self._timing = LoadTiming(os.environ.get("XKV_TIMING", "0") in ("1", "2"),
                                   lambda: torch.cuda.Event(enable_timing=True))
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
@@ -335,6 +336,7 @@ class CudaTransferHandler(TransferHandler):
             t1 = time.perf_counter()
             self._timing.planned(t1 - t0)
             longest = 0.0
+            self._timing.watch()
             for g, idx in enumerate(groups):
                 ta = time.perf_counter()
                 prep.launch(g)
@@ -349,6 +351,7 @@ class CudaTransferHandler(TransferHandler):
             if checked and self.checksum_pass == "end":
                 prep.launch_checks()  # after every copy and its event, on the load stream
             t2 = time.perf_counter()
+            self._timing.unwatch()
             self._timing.launched(t2 - t1, longest)
             if hashed:  # the flags after the last hash; whoever waits for loads waits for them
                 with torch.cuda.stream(self.check_stream):
