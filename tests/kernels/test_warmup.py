@@ -136,25 +136,36 @@ def test_real_launches_use_warmed_variants(save):
 
 
 @pytest.mark.gpu
-def test_no_compile_after_warmup(monkeypatch):
-    """After warmup, restores and saves of any size on the registered caches compile nothing."""
+@pytest.mark.parametrize("runs", [1, 2])
+@pytest.mark.parametrize("checked", [False, True])
+def test_no_compile_after_warmup(runs, checked, monkeypatch):
+    """After warmup, restores and saves of any size on the registered caches compile nothing:
+    pages of one run, and K/V-first pages of two (Triton specialises n_runs == 1), checked or
+    not."""
     from xkv.kernels import _triton
+    from xkv.kernels.verify import Checks
 
     kernel = _triton.page_copy_kernel
     if not hasattr(kernel, "compile"):
         pytest.skip("this Triton has no per-kernel compile hook to count with")
-    g = Geometry(300, 4096, ((0, 4096),))
+    nb = 300
+    g = (Geometry(nb, 4096, ((0, 4096),)) if runs == 1
+         else Geometry(nb, 2048, ((0, 2048), (nb * 2048, 2048))))
     raw = torch.full((g.extent,), POISON, dtype=torch.uint8, device="cuda")
     pool = pool_over(raw, 0, g)
-    card = torch.empty(300 * 4096 + 4096, dtype=torch.uint8).pin_memory()
-    K.warmup([pool], card)
+    card = torch.empty(nb * 4096 + 4096, dtype=torch.uint8).pin_memory()
+    card = card[-card.data_ptr() % 4096:][: nb * 4096]
+    K.warmup([pool], card, checks=checked)
     compiled = []
     real = kernel.compile
     monkeypatch.setattr(kernel, "compile", lambda *a, **k: compiled.append(1) or real(*a, **k))
     for n in (1, 3, 8, 33, 100, 299):
         offs = np.arange(n, dtype=np.int64) * 4096
-        K.prepare_restore(card, offs[None], [pool], np.arange(n)).launch(0)
-        K.prepare_save([pool], np.arange(n), card, offs[None]).launch(0)
+        rchk = (Checks(np.zeros(n, np.int64), np.arange(n), 1,
+                       expected=np.zeros((1, 1), np.uint32)) if checked else None)
+        schk = Checks(np.zeros(n, np.int64), np.arange(n), 1) if checked else None
+        K.prepare_restore(card, offs[None], [pool], np.arange(n), checks=rchk).launch(0)
+        K.prepare_save([pool], np.arange(n), card, offs[None], checks=schk).launch(0)
         K.restore(card, offs, pool, np.arange(n))
     torch.cuda.synchronize()
     assert compiled == []
@@ -304,3 +315,43 @@ def test_whole_hash_after_warmup_compiles_nothing_new(L, monkeypatch):
         prep.launch_checks()
     assert seen and set(seen) <= keys
     assert not set(seen) <= per_layer
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_warmup_runs_the_specialisation_of_two_run_pages(checked, monkeypatch):
+    """K/V-first caches (FLASH_ATTN's ``[2, blocks, ...]`` per layer) have two runs per page:
+    the launches warmup actually runs must specialise ``n_runs`` as real copies do (Triton
+    compiles an int equal to 1 as a constant: a warmup run with 1 left the real variant to
+    compile mid-serving, ~1 s, on the H200's first per-layer checked restore). Keys include the
+    scalars' specialisation classes (``_launch.variant_key``)."""
+    from xkv.connector.light_steps import load_layer_groups
+    from xkv.kernels.verify import Checks
+
+    L, nb, run = 4, 40, 2048
+    g = Geometry(nb, run, ((0, run), (nb * run, run)))  # K of every block, then V
+    raw = torch.zeros(L * g.extent + 64, dtype=torch.uint8)
+    pools = [pool_over(raw, k * g.extent, g) for k in range(L)]
+    bb = g.block_bytes
+    card = torch.zeros(bb * (nb * L + 2), dtype=torch.uint8)
+    card = card[-card.data_ptr() % 4096:][: bb * nb * L]
+    groups = load_layer_groups(L)
+    ran = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: ran.append(self.key))
+    K.warmup(pools, card, engine="triton", checks=checked, restore_groups=groups)
+    warmed, ran[:] = set(ran), []
+    assert all(dict(k)["int:n_runs"] == "" for k in warmed)  # 2 runs: not the constant 1
+    for n in (1, 3, 17, 40):
+        ids = np.arange(n)[::-1].copy()
+        offs = np.stack([k * n * bb + np.arange(n, dtype=np.int64) * bb for k in range(L)])
+        chk = (Checks(np.zeros(n, np.int64), np.arange(n), 1, expected=np.zeros((L, 1), np.uint32))
+               if checked else None)
+        for lg in (None, groups):  # a step's per-layer launches, a light step's groups
+            prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=lg,
+                                     checks=chk)
+            for i in range(len(prep)):
+                prep.launch(i)
+        save_chk = Checks(np.zeros(n, np.int64), np.arange(n), 1) if checked else None
+        prep = K.prepare_save(pools, ids, card, offs, engine="triton", checks=save_chk)
+        for i in range(len(prep)):
+            prep.launch(i)
+    assert ran and set(ran) <= warmed, set(ran) - warmed

@@ -160,13 +160,32 @@ class LaunchPlan:
 
     @property
     def key(self) -> tuple:
-        return variant_key(self.meta)
+        return variant_key(self.meta, self.scalars)
 
 
-def variant_key(meta: dict) -> tuple:
-    """Identifies a compiled kernel variant: its constexprs and warps (the table pointers are
-    always 16-byte aligned, the pool and flat pointers fixed per buffer)."""
-    return tuple(sorted((k, str(v)) for k, v in meta.items()))
+#: The launch scalars (``LaunchPlan.scalars`` positions) Triton specialises: the geometry
+#: (``n_runs``, ``block_stride``, ``block_words``, ``max_run_words``; the others are in
+#: ``_triton.INT_ARGS``). An int equal to 1 becomes a constant, a multiple of 16 a divisibility
+#: hint: each class is another compiled variant.
+SPECIALISED_SCALARS = (("n_runs", 1), ("block_stride", 4), ("block_words", 5),
+                       ("max_run_words", 9))
+#: the position of the first launch scalar in ``Launch.args``
+_ARG_SCALARS = 9
+
+
+def int_class(v: int) -> str:
+    """Triton's specialisation class of an int argument: "1", "D" (multiple of 16) or ""."""
+    return "1" if v == 1 else ("D" if v % 16 == 0 else "")
+
+
+def variant_key(meta: dict, scalars: tuple = ()) -> tuple:
+    """Identifies a compiled kernel variant: its constexprs and warps, and (given the launch
+    ``scalars``) the specialisation class of each :data:`SPECIALISED_SCALARS` (the table pointers
+    are always 16-byte aligned, the pool and flat pointers fixed per buffer)."""
+    key = [(k, str(v)) for k, v in meta.items()]
+    if scalars:
+        key += [(f"int:{name}", int_class(int(scalars[i]))) for name, i in SPECIALISED_SCALARS]
+    return tuple(sorted(key))
 
 
 def plan(
@@ -287,7 +306,8 @@ class Launch:
 
     @property
     def key(self) -> tuple:
-        return variant_key(self.meta)
+        """The variant this launch runs: its constexprs and its scalars' specialisation."""
+        return variant_key(self.meta, self.args[_ARG_SCALARS:])
 
     def __call__(self) -> None:
         if self.dev.type == "cuda":

@@ -169,8 +169,11 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     z = t[zeros : zeros + 4]
     z32 = torch.zeros(4, dtype=torch.int32, device=dev)  # the word buffer's pointer type
     for p in warmed.values():
-        empty = _launch.LaunchPlan(p.pools, p.base, p.table, (0, 1, 0, 0, *p.scalars[4:]), p.meta,
-                                   p.programs)
+        # zero fragments, rows and row groups (never specialised: _triton.INT_ARGS); the
+        # geometry as it is: Triton specialises it (n_runs 1 is another variant than 2, the
+        # count of K/V-first layouts: the H200 compiled one mid-serving while this was 1)
+        empty = _launch.LaunchPlan(p.pools, p.base, p.table,
+                                   (0, p.scalars[1], 0, 0, *p.scalars[4:]), p.meta, p.programs)
         check = (z32, z, z) if p.meta["CHECK"] else None
         _launch.Launch(empty, flat, z, z, z, check)()  # zero rows: every program returns at once
     if checks:
