@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from xkv.kernels import pinned
+from xkv.kernels import _compile_watch, pinned
 from xkv.kernels.jobs import Job
 from xkv.layout import PagePool
 
@@ -312,7 +312,8 @@ class Launch:
     def __call__(self) -> None:
         if self.dev.type == "cuda":
             with torch.cuda.device(self.dev):
-                self.kernel[self.grid](*self.args, **self.meta)
+                _compile_watch.launch(self.kernel, self.grid, self.args, self.meta,
+                                      "save" if self.meta["SAVE"] else "restore")
         else:
             self.kernel[self.grid](*self.args, **self.meta)
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from xkv.kernels import _launch
+from xkv.kernels import _compile_watch, _launch
 from xkv.kernels.hashing import null_flat
 from xkv.kernels.jobs import build_job, pools_arg
 from xkv.kernels.page_copy import ENGINES, check_engine
@@ -187,4 +187,5 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         for shape in ((1, 1), (3, 5)):
             CheckWords(np.zeros(shape, np.uint32), dev, save=False).readback()
             CheckWords(np.zeros(shape, np.uint32), dev, save=True).readback()
+    _compile_watch.armed = True  # XKV_TIMING: a compile from now on is logged
     return set(warmed)
