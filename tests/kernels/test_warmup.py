@@ -355,3 +355,22 @@ def test_warmup_runs_the_specialisation_of_two_run_pages(checked, monkeypatch):
         for i in range(len(prep)):
             prep.launch(i)
     assert ran and set(ran) <= warmed, set(ran) - warmed
+
+
+def test_per_step_ints_are_typed_int64():
+    """The kernel's per-step int arguments are not specialised and are annotated ``tl.int64``:
+    Triton types an unannotated int i32 or i64 by its value, so a step whose ``hi`` (the job's
+    bytes, in words) passed 2**31 compiled a new variant mid-serving (the H200's 8 x 16k restore:
+    17.2 GB / 8-byte words > 2**31). The geometry ints stay specialised (and unannotated)."""
+    import inspect
+
+    import triton.language as tl
+
+    from xkv.kernels import _triton
+
+    fn = getattr(_triton.page_copy_kernel, "fn", _triton.page_copy_kernel)
+    params = inspect.signature(fn).parameters
+    for name in _triton.INT_ARGS:
+        assert params[name].annotation is tl.int64, name
+    for name in ("n_runs", "block_stride", "block_words", "max_run_words"):
+        assert params[name].annotation is inspect.Parameter.empty, name

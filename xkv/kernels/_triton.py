@@ -16,6 +16,9 @@ place (:mod:`xkv.kernels.hashing`) and never touches the flat buffer.
 The integer arguments that change from step to step (counts, ``flat_base``, ``lo``/``hi``) are
 not specialised (``do_not_specialize``): without it Triton compiles a new variant whenever a count
 happens to be 1 or a multiple of 16, so the first step of a new size would compile mid-serving.
+They are also typed ``tl.int64``: Triton otherwise types an int argument i32 or i64 by its value,
+another variant again (the H200's 8 x 16k restore, 2026-12-04: ``hi``, the job's bytes in words,
+passed 2**31 and the step compiled for ~1 s).
 The geometry of a cache (``n_runs``, ``block_stride``, ``block_words``, ``max_run_words``) is fixed
 per pool and stays specialised: its divisibility by 16 lets Triton prove aligned addresses (with
 every integer unspecialised, 4 KiB restores at 4 programs measured 0.61 of the copy engine on the
@@ -71,15 +74,15 @@ def page_copy_kernel(
     p_res,  # int32*: checksum words [L, C] (only if CHECK; xkv.kernels.verify)
     p_res_off,  # int64 [Lg]: element offset in p_res of this launch's layer rows (CHECK)
     p_chk,  # int64 [3, n]: object column, page index in object, flags (1 written, 2 hashed)
-    n_frag,
+    n_frag: tl.int64,
     n_runs,
-    n_rows,  # L * n * R
-    n_groups,  # cdiv(n_rows, ROWS)
+    n_rows: tl.int64,  # L * n * R
+    n_groups: tl.int64,  # cdiv(n_rows, ROWS)
     block_stride,
     block_words,
-    flat_base,
-    lo,
-    hi,
+    flat_base: tl.int64,
+    lo: tl.int64,
+    hi: tl.int64,
     max_run_words,
     WORD_T: tl.constexpr,
     WORD: tl.constexpr,  # bytes of WORD_T
