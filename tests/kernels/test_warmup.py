@@ -374,3 +374,37 @@ def test_per_step_ints_are_typed_int64():
         assert params[name].annotation is tl.int64, name
     for name in ("n_runs", "block_stride", "block_words", "max_run_words"):
         assert params[name].annotation is inspect.Parameter.empty, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checked", [False, True])
+def test_no_compile_when_a_step_passes_2_31_words(checked, monkeypatch):
+    """A restore of 16 GiB (32 layers x 512 pages of 1 MiB: 2**31 8-byte words, the H200's
+    8 x 16k case) after warmup compiles nothing: its ``hi`` would be typed i64 by value, the
+    warmed launches' i32, if the kernel did not type it int64 (16 GiB of GPU memory; every
+    layer reads the same 512 MiB of the card)."""
+    from xkv.kernels import _triton
+    from xkv.kernels.verify import Checks
+
+    kernel = _triton.page_copy_kernel
+    if not hasattr(kernel, "compile"):
+        pytest.skip("this Triton has no per-kernel compile hook to count with")
+    L, n, bb = 32, 512, 1 << 20
+    g = Geometry(n, bb, ((0, bb),))
+    raws = [torch.empty(g.extent, dtype=torch.uint8, device="cuda") for _ in range(L)]
+    pools = [pool_over(r, 0, g) for r in raws]
+    card = torch.empty(n * bb + 4096, dtype=torch.uint8).pin_memory()
+    card = card[-card.data_ptr() % 4096:][: n * bb]
+    K.warmup(pools, card, checks=checked)
+    compiled = []
+    real = kernel.compile
+    monkeypatch.setattr(kernel, "compile", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    offs = np.tile(np.arange(n, dtype=np.int64) * bb, (L, 1))
+    chk = (Checks(np.arange(n) // 16, np.arange(n) % 16, n // 16,
+                  expected=np.zeros((L, n // 16), np.uint32)) if checked else None)
+    prep = K.prepare_restore(card, offs, pools, np.arange(n), checks=chk)
+    assert L * n * bb // 8 >= 2**31
+    for k in range(L):
+        prep.launch(k)
+    torch.cuda.synchronize()
+    assert compiled == []
