@@ -2,6 +2,7 @@
 launch that grew Triton's variant cache is logged once with its specialisation; otherwise the
 launch just runs."""
 
+import importlib
 import logging
 from collections import defaultdict
 
@@ -67,3 +68,19 @@ def test_a_kernel_without_caches_still_launches(monkeypatch):
 
     cw.launch(Bare(), (2,), (), {}, "restore")
     assert calls == [(2,)]
+
+
+def test_warmup_disarms_while_it_runs_and_arms_after(monkeypatch):
+    import pytest
+
+    import xkv.kernels as K
+    W = importlib.import_module("xkv.kernels.warmup")  # the module (the package exports the function)
+
+    states = []
+    real = W.pools_arg
+    monkeypatch.setattr(W, "pools_arg", lambda *a: states.append(cw.armed) or real(*a))
+    monkeypatch.setattr(cw, "armed", True)
+    assert K.warmup([], None, engine="triton") == set()
+    with pytest.raises(ValueError):
+        K.warmup([], None, engine="copy_engine")  # refused: armed again after it too
+    assert states == [False, False] and cw.armed is True

@@ -19,6 +19,7 @@ slices, pack/unpack, the staged engine's ring (fan-out and calibrated large copi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,6 +64,20 @@ def _samples(pools: list[PagePool], flat: torch.Tensor, save: bool, gcd: int,
         return []
 
 
+def _watched(fn):
+    """``XKV_TIMING``'s compile watch (``_compile_watch``) is off while a warmup runs (its
+    compiles are the point) and on after it, however it ends."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _compile_watch.armed = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _compile_watch.armed = True
+    return run
+
+
+@_watched
 def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            offset_alignment: int = 4096, max_programs: int | None = None,
            engine: str = "auto",
@@ -187,5 +202,4 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         for shape in ((1, 1), (3, 5)):
             CheckWords(np.zeros(shape, np.uint32), dev, save=False).readback()
             CheckWords(np.zeros(shape, np.uint32), dev, save=True).readback()
-    _compile_watch.armed = True  # XKV_TIMING: a compile from now on is logged
     return set(warmed)
