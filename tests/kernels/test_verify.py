@@ -126,8 +126,10 @@ def test_prepared_restores_verify_per_layer_and_grouped(engine, c, data):
         want = np.zeros(c["C"], bool)
         if flagged is not None:
             want[flagged] = True
-        flags = prep.checks.readback()
-        np.testing.assert_array_equal(flags.numpy(), want)
+        resid = prep.checks.readback()  # [L, C] residuals; the flags are reduced on the host
+        assert tuple(resid.shape) == (c["L"], c["C"])
+        np.testing.assert_array_equal(K.mismatch_flags(resid.numpy()), want)
+        np.testing.assert_array_equal(prep.checks.mismatched(), want)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -333,3 +335,22 @@ def test_layer_checks_taken_before_the_bind_share_its_buffer(whole_first):
         first = parts[0].bind(torch.device("cpu"), False)
         assert job.checks.bind(torch.device("cpu"), False) is first
         assert parts[1].bind(torch.device("cpu"), False) is first
+
+
+def test_mismatch_flags_reduce_layers_on_the_host():
+    w = np.array([[0, 5, 0, 0], [0, 0, 0, 7], [0, 0, 0, 0]], dtype=np.int32)
+    assert K.mismatch_flags(w).tolist() == [False, True, False, True]
+    assert K.mismatch_flags(np.zeros((0, 3), np.int32)).tolist() == [False] * 3
+    with pytest.raises(ValueError, match=r"expected \[L, C\] words, got shape \(4,\)"):
+        K.mismatch_flags(np.zeros(4, np.int32))
+
+
+def test_readback_runs_no_kernel_on_the_words(monkeypatch):
+    """A restore's readback is the words themselves (a copy, no torch reduction whose CUDA
+    kernel would load on first use mid-step): on CPU, the same tensor values, not a reduction."""
+    from xkv.kernels.verify import CheckWords
+
+    cw = CheckWords(np.array([[1, 0], [0, 0]], np.uint32), torch.device("cpu"), save=False)
+    monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("reduced on device"))
+    out = cw.readback()
+    assert out.shape == (2, 2) and K.mismatch_flags(out.numpy()).tolist() == [True, False]

@@ -91,9 +91,9 @@ class WordsReadback:
 
     def get(self) -> np.ndarray:
         if not self.save:
-            # copies (np.stack, the reduction): the host buffers go back to the pinned pool
-            # when this readback is dropped
-            flags = [h.numpy() for _, h in self._host]
+            # new arrays (the reductions): the host buffers go back to the pinned pool when
+            # this readback is dropped
+            flags = [kernels.mismatch_flags(h.numpy()) for _, h in self._host]
             return np.logical_or.reduce(np.stack(flags)) if flags else np.zeros(0, bool)
         C = self._host[0][1].shape[1] if self._host else 0
         out = np.zeros((self._L, C), np.uint32)

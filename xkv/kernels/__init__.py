@@ -7,7 +7,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.prepared`: ``prepare_restore`` / ``prepare_save`` -> ``PreparedCopy`` (a step's
   copies validated and uploaded once, then launched per layer with no host work);
 * :mod:`~xkv.kernels.checksum` (the definition) and :mod:`~xkv.kernels.verify` (``Checks``,
-  ``CheckWords``): checksums computed inside the copies (``checks=`` on every launcher);
+  ``CheckWords``, ``mismatch_flags``): checksums computed inside the copies (``checks=`` on
+  every launcher);
 * :mod:`~xkv.kernels.hashing`: ``hash_pages`` (the words of pages already in the cache, or
   residuals against expected words, with nothing written: verify after an unchecked restore);
   :mod:`~xkv.kernels.hashed_restore`: ``prepare_hashed_restore`` (a verified restore in two
@@ -47,7 +48,7 @@ from xkv.kernels.page_copy import (
 )
 from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
 from xkv.kernels.staging import pack, unpack
-from xkv.kernels.verify import Checks, CheckWords
+from xkv.kernels.verify import Checks, CheckWords, mismatch_flags
 from xkv.kernels.warmup import warmup
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "hash_pages",
     "is_host_accessible",
     "launch_config",
+    "mismatch_flags",
     "pack",
     "pinned",
     "prepare_hashed_restore",

@@ -192,13 +192,9 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         check = (z32, z, z) if p.meta["CHECK"] else None
         _launch.Launch(empty, flat, z, z, z, check)()  # zero rows: every program returns at once
     if checks:
-        # A checked restore's flags are read back by torch ops (ne, any, a pinned D2H copy) whose
-        # CUDA kernels load lazily on their first call. On the H200 (stop 34) only the first
-        # *checked* restore after start spent 26-48 ms issuing (unchecked ones: none); these ops
-        # are the checked path's only work that warmup did not run before. Run them once.
-        # Shapes with more than one layer and object: reducing a dim of size 1 launches no
-        # reduction kernel, so [1, 1] left the real one to load on the first restore (the
-        # H200, 2026-12-04: that restore's readback took 17.7 ms, later ones 0.2-0.4 ms).
+        # A checked copy's words go up (the expected words' upload) and come back (a D2H copy
+        # into the pinned pool) in every step: run both once. No kernel is involved any more
+        # (the flags are reduced on the host: CheckWords.readback); a [1, 1] and a [3, 5] buffer.
         for shape in ((1, 1), (3, 5)):
             CheckWords(np.zeros(shape, np.uint32), dev, save=False).readback()
             CheckWords(np.zeros(shape, np.uint32), dev, save=True).readback()
