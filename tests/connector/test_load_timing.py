@@ -98,13 +98,16 @@ def test_timing_2_dumps_the_stacks_of_slow_launches(monkeypatch):
     monkeypatch.setattr(faulthandler, "dump_traceback_later",
                         lambda s, repeat, file: armed.append(("arm", s, repeat)))
     monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: armed.append("off"))
-    t = LoadTiming(True, FakeEvent)
-    t.begin("load")
-    monkeypatch.setenv("XKV_TIMING", "1")
-    t.watch()
-    t.unwatch()
+    for enabled, watch in ((True, False), (False, True)):  # XKV_TIMING=1; timing off
+        t = LoadTiming(enabled, FakeEvent, watch=watch)
+        t.begin("load")
+        t.watch()
+        t.unwatch()
     assert armed == []
-    monkeypatch.setenv("XKV_TIMING", "2")
+    t = LoadTiming(True, FakeEvent, watch=True)  # XKV_TIMING=2
+    t.watch()  # before begin: no step open
+    assert armed == []
+    t.begin("load")
     t.watch()
     t.unwatch()
     assert armed == [("arm", load_timing.WATCH_S, False), "off"]

@@ -122,8 +122,6 @@ def test_restore_of_a_new_size_allocates_no_pinned_memory():
     from xkv.kernels.verify import Checks
     from xkv.layout import PagePool
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     dev = torch.device("cuda")
     L, NB, bb = 4, 600, 512
     cache = [torch.zeros(NB * bb, dtype=torch.uint8, device=dev) for _ in range(L)]
@@ -146,3 +144,19 @@ def test_restore_of_a_new_size_allocates_no_pinned_memory():
         flags = kernels.mismatch_flags(words.numpy())
         assert flags.shape == (objs,) and bool(flags.all())  # zero words expected: all differ
     assert pinned.pool().allocations == before
+
+
+def test_upload_fills_a_pool_buffer_and_gives_it_back_with_its_event(monkeypatch):
+    """``pinned.upload`` (the tables' and words' staged upload): the fill writes a pool buffer,
+    the copy carries its values, and the buffer is free again under the copy's event (here CPU
+    stand-ins for the CUDA device and event)."""
+    p = PinnedPool(pin=False)
+    monkeypatch.setattr(pinned, "_POOL", p)
+    ev = Ev(False)
+    monkeypatch.setattr(pinned, "record_event", lambda: ev)
+    out = pinned.upload(5, torch.int32, torch.device("cpu"),
+                        lambda b: b[:5].copy_(torch.arange(5, dtype=torch.int32)))
+    assert out[:5].tolist() == [0, 1, 2, 3, 4] and p.allocations == 1
+    assert p.free_count() == 1 and p._free[0][1] is ev  # back, behind the copy's event
+    p.take(8)  # the event is pending: a second buffer
+    assert p.allocations == 2

@@ -60,10 +60,7 @@ def test_checked_warmup_reads_flags_back_once_per_direction(monkeypatch):
     K.warmup(pools[:1], card, engine="triton")
     assert seen == []
     K.warmup(pools[:1], card, engine="triton", checks=True)
-    assert {save for save, _ in seen} == {False, True}
-    # a restore's flags reduce over the layers: a shape with several layers and objects runs
-    # the reduction kernel itself (a dim of size 1 would not), in both directions
-    assert {save for save, (L, C) in seen if L > 1 and C > 1} == {False, True}
+    assert sorted(save for save, _ in seen) == [False, True]
 
 
 def test_warmup_auto_on_cpu_compiles_nothing_and_refusals():
@@ -146,8 +143,6 @@ def test_no_compile_after_warmup(runs, checked, monkeypatch):
     from xkv.kernels.verify import Checks
 
     kernel = _triton.page_copy_kernel
-    if not hasattr(kernel, "compile"):
-        pytest.skip("this Triton has no per-kernel compile hook to count with")
     nb = 300
     g = (Geometry(nb, 4096, ((0, 4096),)) if runs == 1
          else Geometry(nb, 2048, ((0, 2048), (nb * 2048, 2048))))
@@ -156,6 +151,8 @@ def test_no_compile_after_warmup(runs, checked, monkeypatch):
     card = torch.empty(nb * 4096 + 4096, dtype=torch.uint8).pin_memory()
     card = card[-card.data_ptr() % 4096:][: nb * 4096]
     K.warmup([pool], card, checks=checked)
+    # Triton sets the per-kernel compile hook when the kernel first runs on a device (warmup)
+    assert hasattr(kernel, "compile"), "no per-kernel compile hook to count compiles with"
     compiled = []
     real = kernel.compile
     monkeypatch.setattr(kernel, "compile", lambda *a, **k: compiled.append(1) or real(*a, **k))
@@ -387,8 +384,6 @@ def test_no_compile_when_a_step_passes_2_31_words(checked, monkeypatch):
     from xkv.kernels.verify import Checks
 
     kernel = _triton.page_copy_kernel
-    if not hasattr(kernel, "compile"):
-        pytest.skip("this Triton has no per-kernel compile hook to count with")
     L, n, bb = 32, 512, 1 << 20
     g = Geometry(n, bb, ((0, bb),))
     raws = [torch.empty(g.extent, dtype=torch.uint8, device="cuda") for _ in range(L)]
@@ -396,6 +391,7 @@ def test_no_compile_when_a_step_passes_2_31_words(checked, monkeypatch):
     card = torch.empty(n * bb + 4096, dtype=torch.uint8).pin_memory()
     card = card[-card.data_ptr() % 4096:][: n * bb]
     K.warmup(pools, card, checks=checked)
+    assert hasattr(kernel, "compile"), "no per-kernel compile hook to count compiles with"
     compiled = []
     real = kernel.compile
     monkeypatch.setattr(kernel, "compile", lambda *a, **k: compiled.append(1) or real(*a, **k))

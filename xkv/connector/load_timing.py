@@ -7,11 +7,10 @@ the end of the last group's copies (two timing events; with ``checksum_pass`` "h
 the hashes the load stream waits for are inside it); ``issue_ms``, host time from ``begin`` to
 the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
 the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
-the checksum flags' readback;
-``tail_ms``, host time of the before-forward (tail) launches; ``launches``, the step's load launches (the tail's
-aside); ``GBps`` = bytes / copy_ms.
+the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail) launches;
+``launches``, the step's load launches (the tail's aside); ``GBps`` = bytes / copy_ms.
 
-``XKV_TIMING=2`` (:meth:`LoadTiming.watch`): also, when a step's launches take more than
+``XKV_TIMING=2`` (``watch=True``, :meth:`LoadTiming.watch`): also, when a step's launches take more than
 :data:`WATCH_S`, ``faulthandler`` writes every thread's Python stack to stderr (the engine log)
 while they still run: what the engine thread waits for, and what the other threads do then.
 """
@@ -19,7 +18,6 @@ while they still run: what the engine thread waits for, and what the other threa
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,8 +31,8 @@ class LoadTiming:
     :meth:`begin` opened the step. ``event``: makes a timing event with ``record(stream)`` and
     ``elapsed_time(other)`` in ms (``torch.cuda.Event(enable_timing=True)``)."""
 
-    def __init__(self, enabled: bool, event: Callable[[], Any]) -> None:
-        self.enabled, self._event = enabled, event
+    def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False) -> None:
+        self.enabled, self._event, self._watch = enabled, event, enabled and watch
         self._open = False
 
     def begin(self, stream) -> None:
@@ -56,11 +54,11 @@ class LoadTiming:
 
     def watch(self) -> None:
         """``XKV_TIMING=2``: arm the stack dump for the launches about to be issued."""
-        if self._open and os.environ.get("XKV_TIMING") == "2":
+        if self._open and self._watch:
             faulthandler.dump_traceback_later(WATCH_S, repeat=False, file=sys.stderr)
 
     def unwatch(self) -> None:
-        if self._open and os.environ.get("XKV_TIMING") == "2":
+        if self._open and self._watch:
             faulthandler.cancel_dump_traceback_later()
 
     def launched(self, seconds: float, longest: float = 0.0) -> None:

@@ -297,8 +297,10 @@ class CudaTransferHandler(TransferHandler):
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
-        self._timing = LoadTiming(os.environ.get("XKV_TIMING", "0") in ("1", "2"),
-                                  lambda: torch.cuda.Event(enable_timing=True))
+        timing = os.environ.get("XKV_TIMING", "0")
+        self._timing = LoadTiming(timing in ("1", "2"),
+                                  lambda: torch.cuda.Event(enable_timing=True),
+                                  watch=timing == "2")
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 

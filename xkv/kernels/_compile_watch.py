@@ -1,8 +1,8 @@
 """A diagnostic: name every Triton variant compiled after warmup (``XKV_TIMING`` set).
 
 Warmup (:mod:`xkv.kernels.warmup`) compiles the variants it predicts; a copy that still compiles
-mid-serving costs the step 0.3-1 s (the H200's 8 x 16k checked restore, 2026-12-04, while a CPU
-emulation of every argument's specialisation found nothing missing). With ``XKV_TIMING`` set,
+mid-serving costs the step 0.3-1 s (the H200's 8 x 16k checked restore, 2026-12-04: an int
+argument that passed 2**31 and was typed i64, bench/RESULTS.md "stop 35"). With ``XKV_TIMING`` set,
 :func:`launch` compares the size of Triton's in-process cache of the kernel before and after
 each launch and, when it grew, logs the launch's specialisation (each argument's type and
 alignment class, the constexprs and options, as Triton's binder gives them) once per variant,

@@ -271,18 +271,17 @@ class Tables:
         a copy step: :mod:`xkv.kernels.pinned`) and one non-blocking H2D copy on the current
         stream, the staging given back with an event after it."""
         n = max(self._size, 2)
-        cuda = dev.type == "cuda"
-        raw = pinned.pool().take(n * 8) if cuda else None
-        host = raw.view(torch.int64) if cuda else torch.empty(n, dtype=torch.int64)
+        if dev.type == "cuda":
+            return pinned.upload(n, torch.int64, dev, self._fill)
+        host = torch.empty(n, dtype=torch.int64)
+        self._fill(host)
+        return host
+
+    def _fill(self, host: torch.Tensor) -> None:
         h, at = host.numpy(), 0
         for part in self._parts:  # straight into the (pinned) buffer: one host copy
             h[at : at + part.size] = part
             at += part.size
-        if not cuda:
-            return host
-        out = host.to(dev, non_blocking=True)
-        pinned.pool().give(raw, pinned.record_event())
-        return out
 
 
 class Launch:

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-__all__ = ["MIN_BYTES", "PinnedPool", "pool", "record_event"]
+__all__ = ["MIN_BYTES", "PinnedPool", "pool", "record_event", "upload"]
 
 MIN_BYTES = 64 * 1024  # smallest buffer allocated: small requests share a few buffers
 
@@ -120,6 +120,19 @@ def record_event() -> torch.cuda.Event:
     ev = torch.cuda.Event()
     ev.record()
     return ev
+
+
+def upload(numel: int, dtype: torch.dtype, device: torch.device, fill) -> torch.Tensor:
+    """A ``[numel]`` tensor of ``dtype`` on the CUDA ``device``: ``fill(host)`` writes a staging
+    buffer of the pool, one non-blocking H2D copy on the current stream moves it, and the buffer
+    goes back to the pool with an event after that copy (the one staged upload of the kernels'
+    tables and checksum words)."""
+    raw = pool().take(numel * torch.empty(0, dtype=dtype).element_size())
+    host = raw.view(dtype)
+    fill(host)
+    out = host.to(device, non_blocking=True)
+    pool().give(raw, record_event())
+    return out
 
 
 def reserve_for(num_blocks: int, num_layers: int, *, count: int = 4,

@@ -62,11 +62,9 @@ class CheckWords:
         if device.type != "cuda":
             self.words = host.clone()
             return
-        raw = pinned.pool().take(host.numel() * 4)  # no pinned allocation in a copy step
-        staged = raw.view(torch.int32).view(host.shape)
-        staged.copy_(host)
-        self.words = staged.to(device, non_blocking=True)
-        pinned.pool().give(raw, pinned.record_event())
+        # staged in the pinned pool: no page-locked allocation inside a copy step
+        self.words = pinned.upload(host.numel(), torch.int32, device,
+                                   lambda b: b.copy_(host.reshape(-1))).view(host.shape)
 
     @property
     def shape(self) -> tuple[int, int]:

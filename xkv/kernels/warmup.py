@@ -185,17 +185,16 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     z32 = torch.zeros(4, dtype=torch.int32, device=dev)  # the word buffer's pointer type
     for p in warmed.values():
         # zero fragments, rows and row groups (never specialised: _triton.INT_ARGS); the
-        # geometry as it is: Triton specialises it (n_runs 1 is another variant than 2, the
-        # count of K/V-first layouts: the H200 compiled one mid-serving while this was 1)
+        # geometry as it is: Triton specialises it (n_runs == 1 is compiled as a constant, so
+        # warming K/V-first pages, 2 runs, with 1 would leave their real variant uncompiled)
         empty = _launch.LaunchPlan(p.pools, p.base, p.table,
                                    (0, p.scalars[1], 0, 0, *p.scalars[4:]), p.meta, p.programs)
         check = (z32, z, z) if p.meta["CHECK"] else None
         _launch.Launch(empty, flat, z, z, z, check)()  # zero rows: every program returns at once
     if checks:
         # A checked copy's words go up (the expected words' upload) and come back (a D2H copy
-        # into the pinned pool) in every step: run both once. No kernel is involved any more
-        # (the flags are reduced on the host: CheckWords.readback); a [1, 1] and a [3, 5] buffer.
-        for shape in ((1, 1), (3, 5)):
-            CheckWords(np.zeros(shape, np.uint32), dev, save=False).readback()
-            CheckWords(np.zeros(shape, np.uint32), dev, save=True).readback()
+        # into the pinned pool) in every step: run both once per direction. No kernel is
+        # involved (the flags are reduced on the host: CheckWords.readback).
+        for save in (False, True):
+            CheckWords(np.zeros((3, 5), np.uint32), dev, save=save).readback()
     return set(warmed)
