@@ -12,6 +12,7 @@
 #   stores_llama / stores_mla   profile_steps.py with kinds none, xkv@layer, xkv@step (save_mode,
 #                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
 #                   LENS (default 4096,16384)
+#   checksums       bench/page_mover.py --checksums: Triton restore/save GB/s with vs without checksums at 4-32 programs
 #   gputests        pytest -m gpu of the tail fence, the CUDA transfer handler (every checksum pass),
 #                   prepared copies, warmup, the two-pass restore and the card in pieces
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs / e2e_qwen_graphs   bench/e2e_ttft.py,
@@ -72,8 +73,13 @@ for spec in "$@"; do
       timeout "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider tests/connector/test_tail_fence.py \
         tests/connector/test_transfer.py tests/kernels/test_prepared.py tests/kernels/test_warmup.py \
         tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py tests/kernels/test_pinned.py \
+        tests/kernels/test_hash_pages.py tests/kernels/test_verify.py tests/kernels/test_page_copy.py \
         > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
+    checksums) mkdir -p "$OUT/$step"
+      timeout "$secs" python3 bench/page_mover.py --checksums --connector-budget 4 --out "$OUT/$step" \
+        > "$OUT/$step/run.txt" 2>&1
+      echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; grep -v '^{' "$OUT/$step/run.txt" >> "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;

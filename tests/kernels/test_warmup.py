@@ -231,6 +231,37 @@ def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monk
     assert seen and set(seen) <= keys
 
 
+@pytest.mark.parametrize("L,light,whole", [(5, 64, False), (16, 64, False), (32, 7, False),
+                                           (32, 64, True)])
+def test_checked_light_step_restores_after_warmup_compile_nothing_new(L, light, whole,
+                                                                       monkeypatch):
+    """A light step's verified restore (halving layer groups at the light step's own SM budget,
+    which changes the tile's ``ROWS``) uses variants the worker's warmup ran with that budget.
+    ``whole``: one group of 32 layers, whose 1-block launch at 64 programs takes ``ROWS`` 1,
+    which no default-budget sample of that group reaches (32 rows / 16 programs)."""
+    from xkv.connector.light_steps import load_layer_groups
+
+    pools, card = _layers(L)
+    groups = [list(range(L))] if whole else load_layer_groups(L)
+    keys = K.warmup(pools, card, engine="triton", restore_groups=groups, checks=True,
+                    light_programs=light)
+    default = K.warmup(pools, card, engine="triton", restore_groups=groups, checks=True)
+    seen = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
+    for n, ids, offs in _steps(L):
+        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
+                          expected=np.zeros((L, 1), np.uint32))
+        prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups,
+                                 checks=checks, max_programs=light)
+        for i in range(len(prep)):
+            prep.launch(i)
+    assert seen and set(seen) <= keys
+    assert {dict(k)["CHECK"] for k in seen} == {"True"}
+    assert default <= keys  # the light budget adds variants, never takes any away
+    if whole:
+        assert not set(seen) <= default
+
+
 @pytest.mark.parametrize("L", [2, 16, 32])
 def test_all_layer_saves_after_warmup_compile_nothing_new(L, monkeypatch):
     """``save_mode`` step saves every layer of a group in one launch (``save_layers``): its

@@ -117,7 +117,8 @@ def prepare_group_restore(card, offsets, pools, block_ids, checks=None, *, engin
     verified restore whose ``launch_check(l, stream)`` follows each layer's ``launch(l)``, or
     with ``"end"`` the two-pass restore whose ``launch_checks()`` hashes every layer (one launch
     per page size) after the last ``launch``. ``layer_groups`` (one page size only: the light
-    step's halving groups): ``launch(g)`` copies group ``g``; not with ``"hbm"``."""
+    step's halving groups): ``launch(g)`` copies group ``g``, verified at the light step's SM
+    budget (``kernels.light_restore_programs``); not with ``"hbm"``."""
     if checks is not None and checksum_pass in ("hbm", "end"):
         whole = checksum_pass == "end"
         if layer_groups is not None and not whole:
@@ -126,9 +127,11 @@ def prepare_group_restore(card, offsets, pools, block_ids, checks=None, *, engin
             card, offs, ps, block_ids, ck, engine=engine, layer_groups=layer_groups,
             hash_groups=[list(range(len(ps)))] if whole else None,
             hash_programs=kernels.WHOLE_HASH_PROGRAMS if whole else None), pools, offsets, checks)
-    if layer_groups is not None:
-        return kernels.prepare_restore(card, offsets, pools, block_ids, engine=engine,
-                                       layer_groups=layer_groups, checks=checks)
+    if layer_groups is not None:  # a light step: its verified copy takes more SMs (see kernels)
+        return kernels.prepare_restore(
+            card, offsets, pools, block_ids, engine=engine, layer_groups=layer_groups,
+            checks=checks,
+            max_programs=None if checks is None else kernels.light_restore_programs())
     return prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
         card, offs, ps, block_ids, engine=engine, checks=ck), pools, offsets, checks)
 

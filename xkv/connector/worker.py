@@ -223,7 +223,8 @@ class WorkerSide:
                                       offset_alignment=max(1, align), restore_groups=groups,
                                       save_groups=saves, checks=checks, hashes=cpass == "hbm",
                                       hash_groups=whole,
-                                      hash_programs=kernels.WHOLE_HASH_PROGRAMS)
+                                      hash_programs=kernels.WHOLE_HASH_PROGRAMS,
+                                      light_programs=kernels.light_restore_programs())
             log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
                      time.perf_counter() - t0)
             # page-locked staging for the copies' tables, words and flags, allocated now: an

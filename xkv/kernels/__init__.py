@@ -20,7 +20,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.pinned`: the page-locked staging pool every copy step takes its tables,
   words and readbacks from (``pinned.reserve_for`` at start: no allocation inside a step);
 * ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
-  ``WHOLE_HASH_PROGRAMS`` (the budget of one hash over every restored layer).
+  ``WHOLE_HASH_PROGRAMS`` (the budget of one hash over every restored layer),
+  ``light_restore_programs`` (a light step's verified restore, ``XKV_LIGHT_PROGRAMS``).
 
 Inside: ``jobs`` validates, ``_launch`` + ``_triton`` are the Triton engine, ``_torch`` the torch
 engine, ``copy_engine`` and ``staged`` the DMA engines. Importing this package does not import
@@ -28,7 +29,13 @@ Triton; the first GPU (or interpreted) launch does.
 """
 
 from xkv.kernels import pinned
-from xkv.kernels._launch import WHOLE_HASH_PROGRAMS, LaunchConfig, default_programs, launch_config
+from xkv.kernels._launch import (
+    WHOLE_HASH_PROGRAMS,
+    LaunchConfig,
+    default_programs,
+    launch_config,
+    light_restore_programs,
+)
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
 from xkv.kernels.hashed_restore import (
     HashedRestore,
@@ -64,6 +71,7 @@ __all__ = [
     "calibrate",
     "calibration",
     "default_programs",
+    "light_restore_programs",
     "hash_pages",
     "is_host_accessible",
     "launch_config",

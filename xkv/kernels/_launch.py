@@ -41,6 +41,7 @@ __all__ = [
     "copy_programs",
     "default_programs",
     "geometry_groups",
+    "light_restore_programs",
     "launch_config",
     "launches",
     "plan",
@@ -55,6 +56,12 @@ DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs wh
 #: (2026-12-03): 4 programs reach 0.46-0.63 x the unverified restore, 16 reach 0.74-0.93 (>= 16 KiB
 #: fragments: 0.87-0.93). Checked saves hash what they read from HBM: 4 programs suffice (0.99-1.0).
 VERIFIED_RESTORE_PROGRAMS = 16
+#: A light step's verified restore (``xkv.connector.light_steps``: a full hit computes one token,
+#: so its forward leaves the SMs idle while the copy runs): more programs keep more host reads in
+#: flight while each hashes. H200, bench/page_mover.py --checksums (2026-12-04): at 32 programs
+#: 0.93-0.99 x the unverified restore for 16-256 KiB pages, at 16 programs 0.87-0.98.
+#: ``XKV_LIGHT_PROGRAMS`` overrides it (an A/B switch for bench/).
+LIGHT_VERIFIED_RESTORE_PROGRAMS = 64
 #: The hash of every restored layer at once, after the last copy (the connector's ``checksum_pass``
 #: "end"): nothing else copies then, and a light step's forward has one layer left, so it may take
 #: about one program per SM of an H200 (132) and read at HBM rate, where the per-layer hash at 16
@@ -85,6 +92,18 @@ def default_programs(verified_restore: bool = False) -> int:
     n = int(v)
     if n < 1:
         raise ValueError(f"XKV_MAX_PROGRAMS must be >= 1, got {v!r}")
+    return n
+
+
+def light_restore_programs() -> int:
+    """The SM budget of a light step's verified restore: env ``XKV_LIGHT_PROGRAMS``, else
+    :data:`LIGHT_VERIFIED_RESTORE_PROGRAMS`."""
+    v = os.environ.get("XKV_LIGHT_PROGRAMS")
+    if v is None:
+        return LIGHT_VERIFIED_RESTORE_PROGRAMS
+    n = int(v)
+    if n < 1:
+        raise ValueError(f"XKV_LIGHT_PROGRAMS must be >= 1, got {v!r}")
     return n
 
 

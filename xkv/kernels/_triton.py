@@ -37,10 +37,15 @@ M1 = tl.constexpr(0x85EBCA6B)
 M2 = tl.constexpr(0xC2B2AE35)
 
 
+G2 = tl.constexpr(0x3C6EF372)  # 2 * GOLDEN mod 2**32
+
+
 @triton.jit
-def _mix(x, p):
-    """``mix`` on uint32 tensors (uint32 arithmetic wraps mod 2**32)."""
-    h = x ^ ((p + 1) * GOLDEN)
+def _fmix(x, k):
+    """``mix(x, p)`` on uint32 tensors given ``k = (p + 1) * GOLDEN`` (uint32 arithmetic wraps
+    mod 2**32, so ``k`` is linear in ``p``: callers add a row and a column term, no product per
+    word)."""
+    h = x ^ k
     h ^= h >> 16
     h *= M1
     h ^= h >> 13
@@ -50,15 +55,32 @@ def _mix(x, p):
 
 
 @triton.jit
-def _terms(b_x, q, WORD: tl.constexpr):
-    """Checksum terms of a tile of ``WORD``-byte words (4 or 8) whose first 4-byte word is at
-    position ``q`` (int64, same shape): an 8-byte word is its two little-endian halves."""
+def _terms(b_x, k, WORD: tl.constexpr):
+    """Checksum terms of a tile of ``WORD``-byte words (4 or 8); ``k`` (uint32, same shape) is
+    ``(p + 1) * GOLDEN`` of each word's first 4-byte position ``p`` (:func:`_keys`): an 8-byte
+    word is its two little-endian halves, at ``p`` and ``p + 1``."""
     if WORD == 8:
-        lo = _mix(b_x.to(tl.uint32), (2 * q).to(tl.uint32))
-        hi = _mix((b_x >> 32).to(tl.uint32), (2 * q + 1).to(tl.uint32))
+        lo = _fmix(b_x.to(tl.uint32), k)
+        hi = _fmix((b_x >> 32).to(tl.uint32), k + GOLDEN)
         return lo + hi
     else:
-        return _mix(b_x.to(tl.uint32, bitcast=True), q.to(tl.uint32))
+        return _fmix(b_x.to(tl.uint32, bitcast=True), k)
+
+
+@triton.jit
+def _keys(o_q, c, o_cols, WORD: tl.constexpr):
+    """uint32 ``[ROWS, COLS]``: ``(p + 1) * GOLDEN`` for the tile whose row ``r`` starts at word
+    ``o_q[r] + c`` (WORD units, int64) and column ``j`` adds ``o_cols[j]``; ``p`` counts 4-byte
+    words. Only the low 32 bits of the positions matter (the products wrap), so the row term is
+    one product per row and the column term one per column, not one per word."""
+    if WORD == 8:
+        r = (o_q + c).to(tl.uint32) * G2 + GOLDEN
+        j = o_cols.to(tl.uint32) * G2
+    else:
+        r = (o_q + c).to(tl.uint32) * GOLDEN + GOLDEN
+        j = o_cols.to(tl.uint32) * GOLDEN
+    return r[:, None] + j[None, :]
+
 
 INT_ARGS = ("n_frag", "n_rows", "n_groups", "flat_base", "lo", "hi")  # per step; geometry stays
 
@@ -146,7 +168,9 @@ def page_copy_kernel(
             b_res = tl.load(p_res_off + i_l, mask=m_k, other=0) + b_col
             # position (in WORD units) of the row's first word in its object's layer range
             o_q = b_page * block_words + b_rcum
-            acc = tl.zeros([ROWS], dtype=tl.uint32)
+            # summed per word over the whole run and reduced across the tile once: a reduction
+            # per column step synchronises the program's warps between its loads
+            acc = tl.zeros([ROWS, COLS], dtype=tl.uint32)
         for c in range(0, max_run_words, COLS):
             o_c = c + o_cols
             if EVEN:
@@ -157,8 +181,8 @@ def page_copy_kernel(
                 )
             b_x = tl.load(p_src[:, None] + o_c[None, :], mask=m_t)  # [ROWS, COLS]
             if CHECK:
-                t = _terms(b_x, o_q[:, None] + o_c[None, :], WORD)
-                acc += tl.sum(tl.where(m_t & b_hash[:, None], t, 0), axis=1)
+                t = _terms(b_x, _keys(o_q, c, o_cols, WORD), WORD)
+                acc += tl.where(m_t, t, 0)
                 if STORE:
                     if SAVE:
                         tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
@@ -167,7 +191,8 @@ def page_copy_kernel(
             elif STORE:
                 tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
         if CHECK:
-            tl.atomic_add(p_res + b_res, acc.to(tl.int32, bitcast=True), mask=m_k)
+            b_sum = tl.where(b_hash, tl.sum(acc, axis=1), 0)
+            tl.atomic_add(p_res + b_res, b_sum.to(tl.int32, bitcast=True), mask=m_k)
 
 
 WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}

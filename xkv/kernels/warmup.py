@@ -84,7 +84,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
            restore_groups: Sequence[Sequence[int]] = (),
            save_groups: Sequence[Sequence[int]] = (), checks: bool = False,
            hashes: bool = False, hash_groups: Sequence[Sequence[int]] = (),
-           hash_programs: int | None = None) -> set[tuple]:
+           hash_programs: int | None = None,
+           light_programs: int | None = None) -> set[tuple]:
     """Launch every Triton variant one-layer copies between ``pools`` and ``flat`` can use.
 
     Args:
@@ -110,6 +111,10 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             budget ``hash_programs`` (``prepare_hashed_restore``'s ``hash_groups``: every layer of
             a group at once, ``checksum_pass`` "end"); a list whose pools differ in geometry
             is skipped.
+        light_programs: with ``checks``, the SM budget of verified restores of the
+            ``restore_groups`` (a light step's, ``light_restore_programs``); their variants are
+            warmed at it too, single-layer groups included (the tile's ``ROWS`` follows the
+            budget). None: at ``max_programs`` only.
 
     Returns the set of variant keys launched (:func:`xkv.kernels._launch.variant_key`). Runs on
     the current stream; every launch copies nothing.
@@ -168,17 +173,21 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     seen_groups = set()
     for save, idx in [(False, i) for i in restore_groups] + [(True, i) for i in save_groups]:
         grp = [pools[i] for i in idx]
-        if len(grp) < 2 or len(_launch.geometry_groups(grp)) != 1:
+        if not grp or len(_launch.geometry_groups(grp)) != 1:
             continue
+        # (check, budget) pairs; a single layer's at the default budgets are warmed above
+        runs = [(c, budget(save, c)) for c in variants] if len(grp) > 1 else []
+        if checks and not save and light_programs is not None:
+            runs.append((True, int(light_programs)))
         key = (save, len(grp), grp[0].block_stride, grp[0].runs,
                np.gcd.reduce([p.data_ptr - grp[0].data_ptr for p in grp] + [0]) & 15,
                grp[0].data_ptr % 16)
-        if key in seen_groups:
+        if not runs or key in seen_groups:
             continue
         seen_groups.add(key)
         for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
-            for check in variants:
-                for p in _samples(grp, flat, save, g, budget(save, check), check):
+            for check, b in runs:
+                for p in _samples(grp, flat, save, g, b, check):
                     warmed.setdefault(p.key, p)
     t = tables.upload(dev)
     z = t[zeros : zeros + 4]
