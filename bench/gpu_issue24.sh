@@ -77,7 +77,8 @@ for spec in "$@"; do
         > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     checksums) mkdir -p "$OUT/$step"
-      timeout "$secs" python3 bench/page_mover.py --checksums --connector-budget 4 --out "$OUT/$step" \
+      timeout "$secs" python3 bench/page_mover.py --checksums --connector-budget 4 \
+        --check-budgets "${CHECK_BUDGETS:-8,16,32}" --out "$OUT/$step" \
         > "$OUT/$step/run.txt" 2>&1
       echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; grep -v '^{' "$OUT/$step/run.txt" >> "$OUT/summary.txt" ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;

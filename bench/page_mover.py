@@ -374,6 +374,8 @@ def main() -> None:
     ap.add_argument("--skip-interference", action="store_true")
     ap.add_argument("--checksums", action="store_true",
                     help="only compare restore/save GB/s with and without checksums (issue 25)")
+    ap.add_argument("--check-budgets", default="8,16,32",
+                    help="--checksums: the SM budgets besides --connector-budget")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.cuda.init()
@@ -520,7 +522,7 @@ def _checked_jobs(frag: int, host: torch.Tensor, host_out: torch.Tensor, total: 
 def checksum_table(args) -> None:
     """``--checksums``: GB/s of the Triton restore and save with and without the checksum
     variant, at the connector's SM budget (``--connector-budget``, the default
-    ``XKV_MAX_PROGRAMS``) and at 8, 16 and 32 programs, for pages of 4..256 KiB (one prepared
+    ``XKV_MAX_PROGRAMS``) and at ``--check-budgets`` programs (default 8, 16, 32), for pages of 4..256 KiB (one prepared
     launch per layer, as serving issues them); the staged engine (which hashes its GPU staging
     slot) for pages of 64 KiB and more; and issue 25's plan: the unchecked restore followed by
     ``hash_pages`` of the restored pages in HBM at the same budget (``restore_hash``, its ratio
@@ -531,7 +533,7 @@ def checksum_table(args) -> None:
     host = torch.empty(total, dtype=torch.uint8).pin_memory()
     host.random_(0, 256)
     host_out = torch.empty(total, dtype=torch.uint8).pin_memory()
-    budgets = sorted({args.connector_budget, 8, 16, 32})
+    budgets = sorted({args.connector_budget, *map(int, args.check_budgets.split(","))})
     out = {"machine": machine_line(), "budgets": budgets, "rows": {}}
     print(json.dumps(out["machine"]))
     for frag in CHECK_SIZES:
