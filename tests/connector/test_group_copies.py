@@ -37,8 +37,8 @@ def test_unverified_light_step_keeps_the_default_budget(monkeypatch):
     assert calls[0]["max_programs"] is None and calls[0]["checks"] is None
 
 
-@pytest.mark.parametrize("bad", ["0", "-3"])
+@pytest.mark.parametrize("bad", ["0", "-3", "many"])
 def test_light_budget_refuses_a_bad_setting(bad, monkeypatch):
     monkeypatch.setenv("XKV_LIGHT_PROGRAMS", bad)
-    with pytest.raises(ValueError, match="XKV_LIGHT_PROGRAMS must be >= 1"):
+    with pytest.raises(ValueError, match="XKV_LIGHT_PROGRAMS must be an integer >= 1"):
         K.light_restore_programs()

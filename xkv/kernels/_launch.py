@@ -89,10 +89,7 @@ def default_programs(verified_restore: bool = False) -> int:
     v = os.environ.get("XKV_MAX_PROGRAMS")
     if v is None:
         return VERIFIED_RESTORE_PROGRAMS if verified_restore else DEFAULT_PROGRAMS
-    n = int(v)
-    if n < 1:
-        raise ValueError(f"XKV_MAX_PROGRAMS must be >= 1, got {v!r}")
-    return n
+    return _env_programs("XKV_MAX_PROGRAMS", v)
 
 
 def light_restore_programs() -> int:
@@ -101,9 +98,16 @@ def light_restore_programs() -> int:
     v = os.environ.get("XKV_LIGHT_PROGRAMS")
     if v is None:
         return LIGHT_VERIFIED_RESTORE_PROGRAMS
-    n = int(v)
+    return _env_programs("XKV_LIGHT_PROGRAMS", v)
+
+
+def _env_programs(name: str, v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise ValueError(f"XKV_LIGHT_PROGRAMS must be >= 1, got {v!r}")
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     return n
 
 
