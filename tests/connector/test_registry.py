@@ -1,5 +1,6 @@
 """The registry's decisions (shards, writers, refusals) and the stored-object layout."""
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -79,3 +80,34 @@ def test_card_offsets_tile_each_object_layer_major(layers, k, chunks, bb, state,
         assert [o for o, _, _ in ranges] == [start + i * bb for i in range(layers * per)]
         assert ranges[-1][0] + bb - start == plan.shard_bytes <= plan.registered_bytes
     assert plan.object_offset(layers - 1, per - 1) == plan.shard_bytes - bb
+
+
+@given(sizes=st.lists(st.sampled_from([576 * 32, 132 * 32, 1024, 4096]), min_size=1, max_size=5),
+       k=st.integers(1, 6), rank=st.integers(0, 3), data=st.data())
+def test_card_offsets_array_is_the_scalar_formula(sizes, k, rank, data):
+    """The vectorised offsets (the restore's host path) equal ``chunk offset + object_offset``
+    block by block, for every layer, uniform and mixed page sizes (an MLA latent and its
+    indexer in one group), several transfers, empty ones included."""
+    names = tuple(f"l{i}" for i in range(len(sizes)))
+    mixed = len(set(sizes)) > 1
+    g = CacheGroup(0, "mla" if mixed else "attention", names, 16, sizes[0],
+                   layer_bytes=tuple(sizes) if mixed else ())
+    plan = build_registry([g], tp_size=4, pp_size=1, chunk_size=16 * k).groups[0]
+    transfers = []
+    for _ in range(data.draw(st.integers(0, 3))):
+        nc = data.draw(st.integers(1, 4))
+        refs = tuple(ChunkRef(bytes([c]), tuple(data.draw(st.integers(0, 1 << 40))
+                                                for _ in range(plan.num_shards)),
+                              (0,) * plan.num_shards) for c in range(nc))
+        n = data.draw(st.integers(0, 12))
+        cs = data.draw(st.lists(st.integers(0, nc - 1), min_size=n, max_size=n))
+        js = data.draw(st.lists(st.integers(0, plan.blocks_per_object - 1), min_size=n, max_size=n))
+        transfers.append(GroupTransfer(0, tuple(range(n)), tuple(cs), tuple(js), refs))
+    shard = plan.shard_of(rank)
+    for layer in range(len(sizes)):
+        want = [gt.chunks[c].offsets[shard] + plan.object_offset(layer, j)
+                for gt in transfers for c, j in zip(gt.chunk_of, gt.block_in_chunk, strict=True)]
+        got = plan.card_offsets_array(rank, transfers, layer)
+        assert got.dtype == np.int64 and got.tolist() == want
+        assert plan.card_offsets(rank, transfers, layer) == want
+

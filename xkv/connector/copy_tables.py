@@ -33,5 +33,5 @@ def copy_table(plan, tp_rank: int, transfers) -> tuple[torch.Tensor, torch.Tenso
     ``[L, n]`` in this rank's shard (:func:`layer_offsets`). The one builder of restores
     (sync, async, fan-out) and saves."""
     blocks = torch.tensor([b for gt in transfers for b in gt.block_ids], dtype=torch.int64)
-    base = torch.tensor(plan.card_offsets(tp_rank, transfers), dtype=torch.int64)
+    base = torch.from_numpy(plan.card_offsets_array(tp_rank, transfers))
     return blocks, layer_offsets(plan, base, transfers)
