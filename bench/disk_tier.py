@@ -5,8 +5,9 @@ bandwidth, measured in the same run on the same directory.
 
 1. The disk: ``dd`` with O_DIRECT (oflag=direct conv=fdatasync / iflag=direct, 4 MiB blocks)
    writes and reads a file of ``--size`` bytes of random data (copied from /dev/shm) in ``--dir``,
-   before the gateway's turn and again right after it; the tier is compared with the mean of the
-   two (this virtual disk's speed drifts by tens of percent from one minute to the next), and
+   ``--dd-reps`` times (median) before the gateway's turn and again right after it; the tier is
+   compared with the mean of the two medians (this virtual disk's speed drifts by tens of
+   percent from one minute to the next), and
    /proc/loadavg is recorded at both ends (other users of the machine's CPUs and disk).
 2. Per ``--threads`` value, a gateway with ``--disk DIR`` and a card that holds every object:
    * write-behind: ``--size`` bytes of objects (``--shards`` x ``--shard-size``, random bytes)
@@ -63,23 +64,31 @@ def dd(args: list[str]) -> float:
     return float(m.group(1))
 
 
-def disk_bandwidth(d: str, size: int) -> dict:
+def disk_bandwidth(d: str, size: int, reps: int = 1) -> dict:
+    """dd's O_DIRECT write and read of ``size`` bytes in ``d``, ``reps`` times (a write, then
+    a read of what it wrote): the medians, and every sample (this disk's speed swings by tens of
+    percent from one run to the next)."""
     src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
     dst = os.path.join(d, "dd-test")
     count = size // (4 << 20)
+    ws, rs = [], []
     try:
         with open(src, "wb") as f:
             for _ in range(count):
                 f.write(os.urandom(4 << 20))
-        w = dd([f"if={src}", f"of={dst}", "bs=4M", f"count={count}", "oflag=direct",
-                "conv=fdatasync"])
-        r = dd([f"if={dst}", "of=/dev/null", "bs=4M", "iflag=direct"])
+        for _ in range(max(1, reps)):
+            ws.append(dd([f"if={src}", f"of={dst}", "bs=4M", f"count={count}", "oflag=direct",
+                          "conv=fdatasync"]))
+            rs.append(dd([f"if={dst}", "of=/dev/null", "bs=4M", "iflag=direct"]))
     finally:
         for p in (src, dst):
             if os.path.exists(p):
                 os.unlink(p)
     n = count * (4 << 20)
-    return {"bytes": n, "write_Bps": n / w, "read_Bps": n / r, "tool": "dd bs=4M O_DIRECT"}
+    return {"bytes": n, "write_Bps": n / statistics.median(ws),
+            "read_Bps": n / statistics.median(rs), "reps": len(rs),
+            "write_samples_Bps": [n / w for w in ws], "read_samples_Bps": [n / r for r in rs],
+            "tool": "dd bs=4M O_DIRECT"}
 
 
 class Prober:
@@ -275,6 +284,8 @@ def main():
     ap.add_argument("--crc", choices=["auto", "zlib"], default="auto",
                     help="the tier's CRC-32 code: libdeflate where present (auto) or zlib "
                          "(XKV_DISK_CRC=zlib), for an A/B")
+    ap.add_argument("--dd-reps", type=int, default=3,
+                    help="dd runs before and after each tier run (their median is the baseline)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.crc == "zlib":
@@ -297,10 +308,10 @@ def main():
     try:
         for t in [int(x) for x in args.threads.split(",")]:
             load0 = loadavg()
-            disk = disk_bandwidth(d, args.size)
+            disk = disk_bandwidth(d, args.size, args.dd_reps)
             shutil.rmtree(os.path.join(d, "xkv-disk-1"), ignore_errors=True)
             run = one(args, t, d, log)
-            after = disk_bandwidth(d, args.size)  # the disk again, right after the tier's turn
+            after = disk_bandwidth(d, args.size, args.dd_reps)  # again, right after the tier
             run["disk"], run["disk_after"] = disk, after
             run["loadavg_start"], run["loadavg_end"] = load0, loadavg()
             # against the mean of dd before and after: the disk's speed drifts minute to minute
