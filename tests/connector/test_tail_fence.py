@@ -10,6 +10,7 @@ whose tail copy the compute stream must wait for on the GPU.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from connector_fakes import written_part
@@ -77,8 +78,11 @@ class _Recorder:
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 2 * K * 3), tail=st.sampled_from([0, 1]), two=st.booleans(),
-       fence=st.booleans(), seed=st.integers(0, 2**16))
-def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, seed):
+       fence=st.booleans(), last=st.booleans(), seed=st.integers(0, 2**16))
+def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, last, seed):
+    """The tail's copy is issued before the group's per-layer copy, or after it for a handler
+    with ``tail_last`` (the CUDA one with ``XKV_TAIL_ORDER=last``); every byte is the card's
+    either way, and the forward's own write into a tail block survives."""
     kvs, pools, plan, card, obj = _setup("cpu", seed)
     ids = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).tolist()
     # one request's blocks [0, n) of chunks stored at shuffled card objects; maybe a second
@@ -88,11 +92,13 @@ def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, seed):
     if two and n < B:
         gts.insert(0, _transfer(ids[n:], 0, min(B - n, 2), objs[::-1], obj, 0))
     h = _Recorder(transfer.SyncTransferHandler(verify=True))
+    h.inner.tail_last = last
     got = loads.load_transfers(h, plan, 0, card, gts, pools, fence_tail=fence)
     assert got == sum(len(gt.block_ids) for gt in gts)
     tails = [gt.block_ids[-1] for gt in gts if gt.tail] if fence else []
     body = [b for gt in gts for b in gt.block_ids if b not in tails]
-    assert h.calls == ([("before", tails)] if tails else []) + ([("layers", body)] if body else [])
+    calls = [[("before", tails)] if tails else [], [("layers", body)] if body else []]
+    assert h.calls == (calls[1] + calls[0] if last else calls[0] + calls[1])
     for layer, kv in enumerate(kvs):
         flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1)
         for gt in gts:
@@ -109,6 +115,52 @@ def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, seed):
     assert v.checked["restore"] == len(NAMES) * got
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["tail_first", "tail_last"])
+@pytest.mark.parametrize("flip", [None, "tail", "body"])
+def test_verified_restore_with_a_tail_in_either_order(last, flip):
+    """A verified restore ending inside a block: the tail block is hash-only in the group's
+    copy and written by the tail copy, in either order; a clean card flags nothing and every
+    byte is the card's; a bit flipped in the tail block's page on the card, or in another
+    page, flags exactly its object."""
+    from dataclasses import replace
+
+    from xkv.kernels import checksum
+
+    kvs, pools, plan, card, obj = _setup("cpu", 7)
+    bb, L = plan.group.block_bytes, len(NAMES)
+    objs = [5, 2, 0, 4, 1, 3]
+    n = 2 * K + 1  # three chunks, the last one partly restored; its first block is the tail
+    gt = _transfer(list(range(n)), 0, n, objs, obj, 1)
+
+    def words(c):  # the object's words as stored (numpy definition)
+        o = objs[c] * obj
+        return np.array([checksum.words_numpy(card[o + li * K * bb:o + (li + 1) * K * bb]
+                                              .numpy().tobytes()) for li in range(L)], "<u4")
+
+    clean = {c: words(c) for c in range(3)}
+    bad = {None: None, "tail": 2, "body": 0}[flip]
+    if bad is not None:  # then one bit of layer 1 of the tail block (chunk 2) or of block 1
+        card[objs[bad] * obj + plan.object_offset(1, 0 if flip == "tail" else 1) + 5] ^= 0x10
+    gt = replace(gt, checks=tuple(clean[c].tobytes() for c in range(3)))
+    h = _Recorder(transfer.SyncTransferHandler())
+    h.inner.tail_last = last
+    pending = []
+    loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True, check_words=L,
+                         on_checks=pending.append)
+    assert [c[0] for c in h.calls] == (["layers", "before"] if last else ["before", "layers"])
+    assert h.calls[[c[0] for c in h.calls].index("before")][1] == [n - 1]
+    (pc,) = pending
+    flags = pc.flags.get()
+    want = np.zeros(3, bool)
+    if bad is not None:
+        want[bad] = True
+    np.testing.assert_array_equal(flags, want)
+    for layer, kv in enumerate(kvs):
+        flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1)
+        for i, b in enumerate(gt.block_ids):
+            assert torch.equal(flat[b], _expected(plan, card, gt, layer, i)), (layer, b)
+
+
 def test_without_tail_nothing_changes():
     """No tail (a hit that ends on a block boundary): one per-layer group load, as before."""
     kvs, pools, plan, card, obj = _setup("cpu", 1)
@@ -123,15 +175,31 @@ def test_tail_out_of_range_refused():
         _transfer([0], 0, 1, [0], 1, 2)
 
 
+def test_tail_order_setting(monkeypatch):
+    """``XKV_TAIL_ORDER``: ``first`` by default, ``last`` on request, anything else refused."""
+    monkeypatch.delenv("XKV_TAIL_ORDER", raising=False)
+    assert transfer._tail_order() == "first"
+    assert transfer.SyncTransferHandler().tail_last is False
+    monkeypatch.setenv("XKV_TAIL_ORDER", "last")
+    assert transfer._tail_order() == "last"
+    monkeypatch.setenv("XKV_TAIL_ORDER", "before")
+    with pytest.raises(ValueError, match="XKV_TAIL_ORDER='before'"):
+        transfer._tail_order()
+
+
 @pytest.mark.gpu
-def test_cuda_forward_write_after_tail_copy_wins():
+@pytest.mark.parametrize("order", ["first", "last"])
+def test_cuda_forward_write_after_tail_copy_wins(order, monkeypatch):
     """CUDA: the compute stream writes into the tail block right after ``load_transfers``
     (as vLLM writes a layer's new KV before it waits for that layer): the write must land after
-    the copy, for every layer, while the other blocks are still copied per layer."""
+    the copy, for every layer, while the other blocks are still copied per layer; the tail
+    copied first on the load stream or last on the tail stream (``XKV_TAIL_ORDER``)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    monkeypatch.setenv("XKV_TAIL_ORDER", order)
     kvs, pools, plan, card, obj = _setup("cuda", 3)
     h = transfer.CudaTransferHandler(torch.device("cuda"))
+    assert h.tail_last == (order == "last")
     n = 2 * K * 3 - 1
     gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 1)
     for _ in range(3):

@@ -77,6 +77,10 @@ class TransferHandler(abc.ABC):
 
     verifier: PageVerifier | None = None
     checksum_pass: str = "copy"  # verified restores: hashed in the copy, or after it in HBM
+    #: ``loads.load_transfers`` issues a group's before-forward tail after its layers' copy (the
+    #: handler copies the tail on a stream of its own, so the main copy starts without waiting
+    #: for the tail's host work), not before it
+    tail_last: bool = False
 
     def set_checksum_pass(self, mode: str) -> None:
         """``checksum_pass`` (``group_copies.CHECKSUM_PASSES``) for verified restores."""
@@ -263,6 +267,19 @@ class SyncTransferHandler(TransferHandler):
                 self.verifier.record("save", card, offsets[i], pool, block_ids)
 
 
+TAIL_ORDERS = ("first", "last")
+
+
+def _tail_order() -> str:
+    """``XKV_TAIL_ORDER``: ``first`` (default: the tail's copy is issued before the group's
+    layers, on the load stream) or ``last`` (after them, on a tail stream; an A/B switch until
+    measured on a GPU)."""
+    v = os.environ.get("XKV_TAIL_ORDER", "first")
+    if v not in TAIL_ORDERS:
+        raise ValueError(f"XKV_TAIL_ORDER={v!r}: expected one of {TAIL_ORDERS}")
+    return v
+
+
 def _engine(var: str) -> str:
     e = os.environ.get(var, "auto")
     if e not in kernels.ENGINES:
@@ -293,6 +310,8 @@ class CudaTransferHandler(TransferHandler):
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.check_stream = torch.cuda.Stream(device=device)  # checksum_pass "hbm": the hashes
+        self.tail_last = _tail_order() == "last"
+        self.tail_stream = torch.cuda.Stream(device=device)  # tail_last: the tail's copies
         self.load_engine = _engine("XKV_LOAD_ENGINE")
         self.save_engine = _engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
@@ -373,13 +392,19 @@ class CudaTransferHandler(TransferHandler):
         stream waits for it (on the GPU) before the forward, so the forward's own KV of these
         blocks lands after the copy. A few blocks: the wait is short."""
         t0 = time.perf_counter()
-        with torch.cuda.stream(self.load_stream):
+        compute = torch.cuda.current_stream(self.device)
+        stream = self.tail_stream if self.tail_last else self.load_stream
+        if self.tail_last:  # after the compute stream's work so far, as begin_loads orders loads
+            stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
             if self.verifier is not None:
                 self.verifier.record_tail(names, card, offsets, pools, block_ids)
             restore_all(card, offsets, pools, block_ids, self.load_engine)
             ev = torch.cuda.Event()
-            ev.record(self.load_stream)
-        torch.cuda.current_stream(self.device).wait_event(ev)
+            ev.record(stream)
+        compute.wait_event(ev)
+        if self.tail_last:  # load fences, sync_loads and the timing's end cover the tail too
+            self.load_stream.wait_event(ev)
         if self.verifier is not None:
             self.verifier.check_tail(names)
         self._timing.tail(int(block_ids.numel()) * sum(p.block_bytes for p in pools),
