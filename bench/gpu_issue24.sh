@@ -21,7 +21,8 @@
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
 #   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
 #                   4-chunk ref prompt)
-#   cpu_edges       no GPU: the gateway benches of issues 26 and 27 on this machine's quiet cores
+#   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
+#                   the gateway benches of issues 26 and 27 on this machine's quiet cores
 #                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
 #                   against dd on the same directory; bench/gateway_edges.py reserve and replay);
 #                   shares of SECONDS 30 / 55 / 15 %: the reserve bench fills a 1 and a 4 GiB
@@ -87,6 +88,9 @@ for spec in "$@"; do
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_hybrid_graphs) e2e "$step" "$secs" "${HYB[@]}" --mode graphs ${E2E_ARGS:-} ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
+      for nb in 1024 128; do timeout 60 python3 bench/host_issue.py --blocks $nb; done > "$d/host_issue.txt" 2>&1
+      cat "$d/host_issue.txt" >> "$OUT/summary.txt"
+      timeout 30 python3 bench/host_issue.py --blocks 1024 --profile > "$d/host_issue_profile.txt" 2>&1
       timeout $((secs * 3 / 10)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
         --threads "${DISK_THREADS:-4,8}" --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
       echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
