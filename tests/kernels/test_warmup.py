@@ -209,6 +209,20 @@ def _steps(L: int):
         yield n, np.arange(n)[::-1].copy(), np.stack([k * n * 4096 + slot for k in range(L)])
 
 
+def _checked_steps(L: int):
+    """:func:`_steps` with each step's ``Checks`` (one object, expected words zero)."""
+    for n, ids, offs in _steps(L):
+        yield n, ids, offs, K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
+                                     expected=np.zeros((L, 1), np.uint32))
+
+
+def _launched(monkeypatch) -> list:
+    """The variant keys of every launch from now on (nothing runs)."""
+    seen: list = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
+    return seen
+
+
 @pytest.mark.parametrize("L", [5, 16, 32])
 def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monkeypatch):
     """What the connector launches for a light step (halving layer groups) and for a partly
@@ -246,11 +260,8 @@ def test_checked_light_step_restores_after_warmup_compile_nothing_new(L, light, 
     keys = K.warmup(pools, card, engine="triton", restore_groups=groups, checks=True,
                     light_programs=light)
     default = K.warmup(pools, card, engine="triton", restore_groups=groups, checks=True)
-    seen = []
-    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
-    for n, ids, offs in _steps(L):
-        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
-                          expected=np.zeros((L, 1), np.uint32))
+    seen = _launched(monkeypatch)
+    for _, ids, offs, checks in _checked_steps(L):
         prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups,
                                  checks=checks, max_programs=light)
         for i in range(len(prep)):
@@ -333,11 +344,8 @@ def test_whole_hash_after_warmup_compiles_nothing_new(L, monkeypatch):
     keys = K.warmup(pools, card, engine="triton", checks=True, hashes=True, hash_groups=every,
                     hash_programs=budget)
     per_layer = K.warmup(pools, card, engine="triton", checks=True, hashes=True)
-    seen = []
-    monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
-    for n, ids, offs in _steps(L):
-        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
-                          expected=np.zeros((L, 1), np.uint32))
+    seen = _launched(monkeypatch)
+    for _, ids, offs, checks in _checked_steps(L):
         prep = K.prepare_hashed_restore(card, offs, pools, ids, checks, engine="triton",
                                         hash_programs=budget, hash_groups=every)
         prep.launch_checks()
