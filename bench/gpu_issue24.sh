@@ -21,6 +21,8 @@
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
 #   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
 #                   4-chunk ref prompt)
+#   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
+#                   hold them and spare the next session's engine starts?
 #   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
 #                   the gateway benches of issues 26 and 27 on this machine's quiet cores
 #                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
@@ -99,6 +101,9 @@ for spec in "$@"; do
       echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"
       timeout $((secs * 3 / 20)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
       echo "=== $step replay: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/replay.txt" >> "$OUT/summary.txt" ;;
+    caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)
+      du -sh ~/.cache/vllm/torch_compile_cache ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer \
+        2>&1 | tee "$d/sizes.txt" >> "$OUT/summary.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   (cd "$OUT" && tar cJf "$step.tar.xz" "$step" && rm -rf "$step")
