@@ -139,7 +139,8 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
     if job.checks is not None:  # one word buffer for every layer, on the prepare stream
         job.checks.bind(job.pools[0].device if L else job.flat.device, job.save)
     # after bind: a layer's checks take the bound word buffer (built before it, they would not)
-    layers = [job.layer(k) for k in range(L)]
+    # one-layer jobs only for the layers that run alone (Triton layers plan from ``job``)
+    layers = _Layers(job)
     stream = None
     if L and job.pools[0].device.type == "cuda":
         stream = torch.cuda.current_stream(job.pools[0].device)
@@ -165,11 +166,25 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
     return PreparedCopy(job, engines, calls, stream)
 
 
+class _Layers:
+    """``job.layer(k)`` on first use, kept (a 16k-token restore of 32 layers built all of them
+    for nothing when every layer is Triton's: host time before the copy starts)."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._got: dict[int, Job] = {}
+
+    def __getitem__(self, k: int) -> Job:
+        if k not in self._got:
+            self._got[k] = self._job.layer(k)
+        return self._got[k]
+
+
 def _bind(fn, *args) -> Callable[[], None]:
     return lambda: fn(*args)
 
 
-def _group_calls(job: Job, layers: list[Job], chosen: list, groups: list[list[int]]):
+def _group_calls(job: Job, layers: _Layers, chosen: list, groups: list[list[int]]):
     """One call per layer group: a single Triton launch for a group of one geometry whose layers
     all use Triton (every such group's tables in one upload), else the layers' own calls."""
     one = [g for g in groups
