@@ -17,7 +17,7 @@ from connector_fakes import written_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xkv.connector import light_steps, loads, transfer
+from xkv.connector import handler_settings, light_steps, loads, transfer
 from xkv.connector.metadata import ChunkRef, load_transfer
 from xkv.connector.registry import CacheGroup, build_registry
 from xkv.layout import describe_cache
@@ -178,13 +178,13 @@ def test_tail_out_of_range_refused():
 def test_tail_order_setting(monkeypatch):
     """``XKV_TAIL_ORDER``: ``first`` by default, ``last`` on request, anything else refused."""
     monkeypatch.delenv("XKV_TAIL_ORDER", raising=False)
-    assert transfer._tail_order() == "first"
+    assert handler_settings.tail_order() == "first"
     assert transfer.SyncTransferHandler().tail_last is False
     monkeypatch.setenv("XKV_TAIL_ORDER", "last")
-    assert transfer._tail_order() == "last"
+    assert handler_settings.tail_order() == "last"
     monkeypatch.setenv("XKV_TAIL_ORDER", "before")
     with pytest.raises(ValueError, match="XKV_TAIL_ORDER='before'"):
-        transfer._tail_order()
+        handler_settings.tail_order()
 
 
 @pytest.mark.gpu

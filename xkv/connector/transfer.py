@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from xkv import kernels
-from xkv.connector import light_steps
+from xkv.connector import handler_settings, light_steps
 from xkv.connector.copy_tables import copy_table, layer_offsets  # noqa: F401 (re-exported)
 from xkv.connector.group_copies import (
     CHECKSUM_PASSES,
@@ -267,26 +267,6 @@ class SyncTransferHandler(TransferHandler):
                 self.verifier.record("save", card, offsets[i], pool, block_ids)
 
 
-TAIL_ORDERS = ("first", "last")
-
-
-def _tail_order() -> str:
-    """``XKV_TAIL_ORDER``: ``first`` (default: the tail's copy is issued before the group's
-    layers, on the load stream) or ``last`` (after them, on a tail stream; an A/B switch until
-    measured on a GPU)."""
-    v = os.environ.get("XKV_TAIL_ORDER", "first")
-    if v not in TAIL_ORDERS:
-        raise ValueError(f"XKV_TAIL_ORDER={v!r}: expected one of {TAIL_ORDERS}")
-    return v
-
-
-def _engine(var: str) -> str:
-    e = os.environ.get(var, "auto")
-    if e not in kernels.ENGINES:
-        raise ValueError(f"{var}={e!r}: expected one of {kernels.ENGINES}")
-    return e
-
-
 class CudaTransferHandler(TransferHandler):
     """Loads on a side stream with one event per layer; saves on a save stream.
 
@@ -310,10 +290,10 @@ class CudaTransferHandler(TransferHandler):
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.check_stream = torch.cuda.Stream(device=device)  # checksum_pass "hbm": the hashes
-        self.tail_last = _tail_order() == "last"
+        self.tail_last = handler_settings.tail_order() == "last"
         self.tail_stream = torch.cuda.Stream(device=device)  # tail_last: the tail's copies
-        self.load_engine = _engine("XKV_LOAD_ENGINE")
-        self.save_engine = _engine("XKV_SAVE_ENGINE")
+        self.load_engine = handler_settings.engine("XKV_LOAD_ENGINE")
+        self.save_engine = handler_settings.engine("XKV_SAVE_ENGINE")
         self.verifier = _verifier(verify)
         self._events: dict[str, torch.cuda.Event] = {}
         timing = os.environ.get("XKV_TIMING", "0")
