@@ -82,31 +82,28 @@ def load_transfers(handler: TransferHandler, plan, tp_rank: int, card, transfers
     blocks, offsets = copy_table(plan, tp_rank, rc.transfers if rc is not None else transfers)
     names = plan.group.layer_names
     n = sum(len(gt.block_ids) for gt in transfers)
-    before = None  # the tail's (offsets, blocks), copied before the forward
-    rest = True  # blocks left for the per-layer copy (unverified: the tail's are not)
+    tail_copy = None  # (offsets, blocks) of the blocks the forward also writes
     if fence_tail and any(gt.tail for gt in transfers):
         tail = torch.zeros(int(blocks.numel()), dtype=torch.bool)
         at = 0
         for gt in transfers:
             at += len(gt.block_ids)
             tail[at - gt.tail:at] = True
-        before = (offsets[:, tail], blocks[tail])
-        if not handler.tail_last:
-            handler.load_before_forward(names, card, before[0], pools, before[1])
-            before = None
-        if rc is None:
+        tail_copy = (offsets[:, tail], blocks[tail])
+        if rc is None:  # the group's copy leaves them out; a verified one only hashes them
             blocks, offsets = blocks[~tail], offsets[:, ~tail]
-            rest = bool(blocks.numel())
         else:
             rc = rc.with_hash_only(tail.numpy())
-    if rest:
+    if tail_copy is not None and not handler.tail_last:
+        handler.load_before_forward(names, card, tail_copy[0], pools, tail_copy[1])
+    if tail_copy is None or rc is not None or blocks.numel():
         flags = handler.load_group(names, card, offsets, pools, blocks,
                                    checks=None if rc is None else rc.checks)
         if rc is not None and on_checks is not None and flags is not None:
             on_checks(PendingCheck(plan.group.index, plan.shard_of(tp_rank), tuple(transfers),
                                    rc.cols, flags))
-    if before is not None:  # tail_last: the group's copy is under way, the tail on its own stream
-        handler.load_before_forward(names, card, before[0], pools, before[1])
+    if tail_copy is not None and handler.tail_last:  # the group's copy is under way already
+        handler.load_before_forward(names, card, tail_copy[0], pools, tail_copy[1])
     return n
 
 
