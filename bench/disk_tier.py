@@ -9,7 +9,8 @@ bandwidth, measured in the same run on the same directory.
    compared with the mean of the two medians (this virtual disk's speed drifts by tens of
    percent from one minute to the next), and
    /proc/loadavg is recorded at both ends (other users of the machine's CPUs and disk).
-2. Per ``--threads`` value, a gateway with ``--disk DIR`` and a card that holds every object:
+2. Per ``--threads`` value and ``--read-depths`` value (``--disk-read-depth``: ``auto``, the
+   default, measures at start; the bench waits for that before timing anything), a gateway with ``--disk DIR`` and a card that holds every object:
    * write-behind: ``--size`` bytes of objects (``--shards`` x ``--shard-size``, random bytes)
      are reserved and filled, then committed in one burst; time from the first COMMIT until the
      disk tier reports every object written (fdatasync'd, renamed, directory synced);
@@ -152,25 +153,26 @@ def wait_stats(c, pred, timeout_s=600.0, poll_s=0.005) -> dict:
         time.sleep(poll_s)
 
 
-def gateway(card: int, d: str, threads: int, log, cold: bool = False) -> tuple:
+def gateway(card: int, d: str, threads: int, depth: str, log, cold: bool = False) -> tuple:
     """A gateway on ``d``; its card pre-faulted unless ``cold`` (a card whose pages were never
     touched makes every restore pay the page allocation: measured apart)."""
     prefault = [] if cold else ["--prefault"]
     return spawn_gateway(card, extra_args=["--disk", d, "--disk-threads", str(threads),
+                                           "--disk-read-depth", depth,
                                            "--disk-wait-ms", "60000", "--disk-backlog",
                                            str(2 * card), "--disk-capacity", str(4 * card),
                                            "--log-level", "INFO", *prefault,
                                            *GATEWAY_ARGS], stderr=log)
 
 
-def one(args, threads: int, d: str, log) -> dict:
+def one(args, threads: int, depth: str, d: str, log) -> dict:
     shards, sb = args.shards, args.shard_size
     obj = shards * sb
     n = args.size // obj + 2 * (1 + 4 + 16)  # --size for the bulk restore, + the single ones
     card = (n + 16) * obj + (64 << 20)
     keys = [os.urandom(32) for _ in range(n)]
     probe_keys = [b"probe-%d" % i for i in range(4)]
-    out = {"threads": threads, "gateway_args": GATEWAY_ARGS, "objects": n,
+    out = {"threads": threads, "read_depth_flag": depth, "gateway_args": GATEWAY_ARGS, "objects": n,
            "cold_card": args.cold_card, "object_bytes": obj,
            "file_bytes": file_bytes(shards, sb)}
     parent = os.path.dirname(os.path.abspath(d))
@@ -181,12 +183,13 @@ def one(args, threads: int, d: str, log) -> dict:
         c.commit(plid, 0, c.reserve(plid, probe_keys))
         wait_stats(c, lambda s: s["disk_write_backlog_bytes"] == 0)
 
-    proc, port = gateway(card, d, threads, log)
+    proc, port = gateway(card, d, threads, depth, log)
     c = GatewayClient("127.0.0.1", port, timeout_s=60)
     probe = None
     try:
         lid = c.register_layout("bench", "fp", shards, sb).layout_id
         view = c.map_card()
+        wait_stats(c, lambda s: not s["disk_depth_measuring"])  # its disk work is not timed
         probe_keys_stored(c)
         res = []
         for i in range(0, n, 256):
@@ -221,12 +224,14 @@ def one(args, threads: int, d: str, log) -> dict:
             probe.proc.kill()
         c.close()
         stop_gateway(proc)
-    proc, port = gateway(card, d, threads, log, cold=args.cold_card)
+    proc, port = gateway(card, d, threads, depth, log, cold=args.cold_card)
     c = GatewayClient("127.0.0.1", port, timeout_s=120)
     probe = None
     try:
         lid = c.register_layout("bench", "fp", shards, sb).layout_id
-        wait_stats(c, lambda s: s["disk_scanned"] == 1)
+        # the start-up measurement of reads in flight (auto) done before anything is timed
+        st0 = wait_stats(c, lambda s: s["disk_scanned"] == 1 and not s["disk_depth_measuring"])
+        out["read_depth"] = st0["disk_read_depth"]
         probe_keys_stored(c)  # card-resident chunks for the prober (stored anew)
         single = {}
         pos = args.size // obj  # keys[:pos]: the bulk restore; the rest: single lookups
@@ -277,6 +282,9 @@ def main():
     ap.add_argument("--shard-size", type=parse_size, default="2M")
     ap.add_argument("--batch", type=int, default=16, help="chunks per restore LOOKUP")
     ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--read-depths", default="auto",
+                    help="--disk-read-depth values run per thread count (e.g. 'auto,4'; a "
+                         "number above the thread count is skipped)")
     ap.add_argument("--cold-card", action="store_true",
                     help="restore into a card that was not pre-faulted (no --prefault)")
     ap.add_argument("--gateway-args", default="", help="more xkv-gateway flags, e.g. "
@@ -306,11 +314,13 @@ def main():
     log = open(log_path, "wb")  # noqa: SIM115
     ok = False
     try:
-        for t in [int(x) for x in args.threads.split(",")]:
+        runs = [(int(t), dp) for t in args.threads.split(",") for dp in
+                args.read_depths.split(",") if dp == "auto" or int(dp) <= int(t)]
+        for t, dp in runs:
             load0 = loadavg()
             disk = disk_bandwidth(d, args.size, args.dd_reps)
             shutil.rmtree(os.path.join(d, "xkv-disk-1"), ignore_errors=True)
-            run = one(args, t, d, log)
+            run = one(args, t, dp, d, log)
             after = disk_bandwidth(d, args.size, args.dd_reps)  # again, right after the tier
             run["disk"], run["disk_after"] = disk, after
             run["loadavg_start"], run["loadavg_end"] = load0, loadavg()
@@ -320,7 +330,8 @@ def main():
             run["write_vs_dd"] = run["write"]["Bps"] / dd_w
             run["restore_vs_dd"] = run["restore"]["Bps"] / dd_r
             result["runs"].append(run)
-            print(json.dumps({k: run[k] for k in ("threads", "write_vs_dd", "restore_vs_dd")}),
+            print(json.dumps({k: run[k] for k in ("threads", "read_depth_flag", "read_depth",
+                                                  "write_vs_dd", "restore_vs_dd")}),
                   f"dd w {disk['write_Bps'] / 1e6:.0f}/{after['write_Bps'] / 1e6:.0f} MB/s r "
                   f"{disk['read_Bps'] / 1e6:.0f}/{after['read_Bps'] / 1e6:.0f} MB/s (before/after);"
                   f" tier w {run['write']['Bps'] / 1e6:.0f} MB/s r "

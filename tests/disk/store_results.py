@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -16,3 +17,14 @@ def wait(store, kind, timeout_s=10.0):
             continue
         time.sleep(0.001)
     raise AssertionError(f"no {kind} result")
+
+
+def object_files(disk_dir: str) -> list[str]:
+    """Paths of the files in the object directories (``<root>/<digest>/<prefix>/``) of the
+    disk tier under ``disk_dir`` (the ``--disk`` directory), sorted: not the files at the
+    root, such as the start-up measurement's temporary file (disk_depth.py)."""
+    from xkv.gateway.disk_format import ROOT_NAME
+
+    root = os.path.join(disk_dir, ROOT_NAME)
+    return sorted(os.path.join(top, f) for top, _, fs in os.walk(root) for f in fs
+                  if os.path.relpath(top, root).count(os.sep) == 1)

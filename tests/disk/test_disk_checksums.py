@@ -15,14 +15,13 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from store_results import wait  # noqa: E402
+from store_results import object_files, wait  # noqa: E402
 
 from xkv.gateway.client import GatewayClient
 from xkv.gateway.disk_format import (
     BLOCK,
     HEAD,
     MAGIC,
-    ROOT_NAME,
     VERSION,
     check_header,
     checks_offset,
@@ -175,8 +174,7 @@ def test_restart_serves_restored_objects_with_their_words(tmp_path):
             _stats_when(c, lambda s: s["disk_written"] == 5 and not s["disk_write_backlog_bytes"])
     finally:
         stop_gateway(proc)
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
-                   for f in fs)
+    files = object_files(d)
     assert len(files) == 5
     victim = [f for f in files if os.path.basename(f) == keys[3].hex()][0]
     with open(victim, "r+b") as f:  # one word of chunk 3 damaged while the gateway was down
@@ -217,14 +215,11 @@ def test_corrupt_report_deletes_the_disk_copy(tmp_path):
             res = c.reserve(lid, keys)
             assert c.commit(lid, 0, res, checksums=[os.urandom(8) for _ in keys]) == 3
             _stats_when(c, lambda s: s["disk_written"] == 3 and not s["disk_write_backlog_bytes"])
-            files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
-                     for f in fs]
+            files = object_files(d)
             assert len(files) == 3
             assert c.report_corrupt(lid, 0, [res[1]]) == 1
             deadline = time.monotonic() + 10
-            while any(os.path.basename(f) == keys[1].hex() for f in
-                      (os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
-                       for f in fs)):
+            while any(os.path.basename(f) == keys[1].hex() for f in object_files(d)):
                 assert time.monotonic() < deadline, "the corrupt object's file stayed"
                 time.sleep(0.01)
             # evict nothing; the card lost keys[1]: a lookup stops there, the disk has no copy

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from store_results import object_files  # noqa: E402
 
 from xkv.gateway.client import GatewayClient
 from xkv.gateway.config import parse_args
@@ -104,8 +105,7 @@ def test_restart_serves_the_disk_and_damage_is_a_miss(tmp_path):
             stats_when(c, lambda s: s["disk_written"] == 6 and not s["disk_write_backlog_bytes"])
     finally:
         stop_gateway(proc)
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, ROOT_NAME))
-                   for f in fs)
+    files = object_files(d)
     assert len(files) == 6
     victim = [f for f in files if os.path.basename(f) == keys[4].hex()][0]
     with open(victim, "r+b") as f:  # damaged while the gateway was down
@@ -154,5 +154,5 @@ def test_disk_quota_in_a_real_gateway(tmp_path):
             assert s["disk_objects"] == (1 << 20) // fb + 12
     finally:
         stop_gateway(proc)
-    files = [f for r, _, fs in os.walk(os.path.join(d, ROOT_NAME)) for f in fs]
+    files = object_files(d)
     assert len(files) == (1 << 20) // fb + 12

@@ -73,6 +73,7 @@ class GatewayConfig:
     disk_path: str | None = None
     disk_capacity_bytes: int = 0  # 0: 90 % of the free space at start
     disk_threads: int = 4
+    disk_read_depth: int | str = "auto"  # O_DIRECT reads in flight: N or measured at start
     disk_wait_ms: float = 20.0
     disk_backlog_bytes: int = 256 << 20
     disk_direct: bool | None = None  # None: O_DIRECT where it works

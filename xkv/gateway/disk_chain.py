@@ -98,7 +98,7 @@ def start_tiers(gw) -> Tiers | None:
         try:
             store = DiskStore(cfg.disk_path, gw.card.arena, cfg.slot_alignment,
                               threads=cfg.disk_threads, direct=cfg.disk_direct,
-                              nice=cfg.disk_io_nice)
+                              nice=cfg.disk_io_nice, read_depth=cfg.disk_read_depth)
         except DiskError as e:
             if moon is not None:
                 moon.close()
@@ -111,9 +111,10 @@ def start_tiers(gw) -> Tiers | None:
                         capacity_bytes=capacity, wait_s=cfg.disk_wait_ms / 1000,
                         backlog_bytes=cfg.disk_backlog_bytes, quotas=cfg.disk_quotas,
                         default_quota_bytes=cfg.disk_namespace_quota_bytes)
-        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, wait %g ms, crc32 by %s",
-                 store.root, capacity, "O_DIRECT" if store.direct else "buffered",
-                 cfg.disk_threads, cfg.disk_wait_ms, store.crc_kind)
+        log.info("disk tier at %s: capacity %d B, %s I/O, %d threads, %d reads in flight (%s), "
+                 "wait %g ms, crc32 by %s", store.root, capacity,
+                 "O_DIRECT" if store.direct else "buffered", cfg.disk_threads, store.read_depth,
+                 store.depth_source, cfg.disk_wait_ms, store.crc_kind)
         shares = sum(cfg.disk_quotas.values())
         if shares > capacity:  # the shares kept from other namespaces cannot all be kept
             log.warning("disk tier: the --disk-quota values add up to %d B, more than the "

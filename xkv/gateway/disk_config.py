@@ -28,6 +28,11 @@ def add_disk_args(p: argparse.ArgumentParser, parse_size) -> None:
                         "(repeatable)")
     d.add_argument("--disk-threads", type=int, default=4, metavar="N",
                    help="I/O threads (default 4)")
+    d.add_argument("--disk-read-depth", type=_depth, default="auto", metavar="N|auto",
+                   help="O_DIRECT reads in flight at most, 1..--disk-threads (default auto: "
+                        "measured at each start with a temporary file of 32 MiB for 4 threads: "
+                        "some disks read fastest one request at a time, others want several; "
+                        "bench/RESULTS.md \"Disk tier: reads in flight\")")
     d.add_argument("--disk-wait-ms", type=float, default=20.0, metavar="MS",
                    help="longest a lookup waits for a restore from disk before it is answered "
                         "from the card (default 20; keep it below the connector's "
@@ -43,6 +48,17 @@ def add_disk_args(p: argparse.ArgumentParser, parse_size) -> None:
                    help="O_DIRECT I/O (default: when the file system accepts it and the slot "
                         "alignment is a multiple of 4096; --disk-direct makes it a requirement, "
                         "--no-disk-direct uses the page cache)")
+
+
+def _depth(text: str) -> int | str:
+    """``N`` or ``auto`` of --disk-read-depth."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid --disk-read-depth {text!r}: expected a "
+                                         "number of reads or 'auto'") from None
 
 
 def _quota(text: str, parse_size) -> tuple[str, int]:
@@ -67,6 +83,9 @@ def disk_options(args: argparse.Namespace) -> dict:
         raise SystemExit("xkv-gateway: --disk needs a directory")
     if not 1 <= args.disk_threads <= 64:
         raise SystemExit(f"xkv-gateway: --disk-threads must be 1..64, got {args.disk_threads}")
+    if args.disk_read_depth != "auto" and not 1 <= args.disk_read_depth <= args.disk_threads:
+        raise SystemExit(f"xkv-gateway: --disk-read-depth must be 1..--disk-threads "
+                         f"({args.disk_threads}) or auto, got {args.disk_read_depth}")
     if not 0 <= args.disk_io_nice <= 19:
         raise SystemExit(f"xkv-gateway: --disk-io-nice must be 0..19, got {args.disk_io_nice}")
     if args.disk_wait_ms < 0 or args.disk_backlog < 0:
@@ -83,7 +102,8 @@ def disk_options(args: argparse.Namespace) -> dict:
             raise SystemExit(f"xkv-gateway: {what} {size} is more than --disk-capacity "
                              f"{args.disk_capacity}")
     return dict(disk_path=args.disk_path, disk_capacity_bytes=args.disk_capacity,
-                disk_threads=args.disk_threads, disk_wait_ms=args.disk_wait_ms,
+                disk_threads=args.disk_threads, disk_read_depth=args.disk_read_depth,
+                disk_wait_ms=args.disk_wait_ms,
                 disk_backlog_bytes=args.disk_backlog, disk_direct=args.disk_direct,
                 disk_io_nice=args.disk_io_nice,
                 disk_namespace_quota_bytes=args.disk_namespace_quota, disk_quotas=quotas)

@@ -4,7 +4,9 @@ card and files, so the gateway's loop never touches the disk.
 Files and header: :mod:`xkv.gateway.disk_format`. Bytes move straight between the card's slots
 and the file (``preadv``/``pwritev`` with one iovec per shard; no bounce buffer): with O_DIRECT
 when the directory accepts it (probed at start, like vLLM's file tier does) and the card's slot
-alignment is a multiple of :data:`BLOCK`; buffered I/O otherwise. A thread pool, not io_uring:
+alignment is a multiple of :data:`BLOCK`; buffered I/O otherwise. O_DIRECT reads go in pieces of
+at most 4 MiB through a gate that bounds the reads in flight (``--disk-read-depth``, measured at
+start by default: :mod:`xkv.gateway.disk_depth`). A thread pool, not io_uring:
 the syscalls release the GIL, and io_uring (driven through its system calls,
 ``bench/disk_uring.py``) moved the tier's files no faster here: at 4 MiB per request the CPU goes
 to the checksum and the kernel's page pinning, which io_uring does not change (bench/RESULTS.md
@@ -44,6 +46,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 
+from xkv.gateway import disk_depth as depth
 from xkv.gateway.disk_crc import SlotCrc
 from xkv.gateway.disk_dir import DiskError, check_dir, sync_dir
 from xkv.gateway.disk_format import (
@@ -124,10 +127,15 @@ class _Read:
 class DiskStore:
     """Owns the tier's directory and I/O threads. ``card``: the card's arena (an mmap);
     ``alignment``: its slot alignment; ``direct``: None = O_DIRECT where the probe allows;
-    ``nice``: how much lower the I/O threads' CPU priority is than the gateway's (0: same)."""
+    ``nice``: how much lower the I/O threads' CPU priority is than the gateway's (0: same);
+    ``read_depth``: O_DIRECT reads in flight at most (None: one per thread; ``"auto"``: measured
+    after the scan, one per thread until then: :mod:`xkv.gateway.disk_depth`)."""
 
     def __init__(self, path: str, card: mmap.mmap, alignment: int, *, threads: int = 4,
-                 direct: bool | None = None, nice: int = 10):
+                 direct: bool | None = None, nice: int = 10,
+                 read_depth: int | str | None = None):
+        threads = max(threads, 1)
+        limit, depths = depth.plan(read_depth, threads)  # before anything is opened: a bad value
         self.root, can_direct = check_dir(path)
         self.direct = can_direct and alignment % BLOCK == 0 and direct is not False
         if direct and not self.direct:
@@ -146,8 +154,24 @@ class DiskStore:
         self._stop = False
         self._unlinking = 0  # delete jobs running: writes wait for them
         self._threads = [threading.Thread(target=self._main, name=f"xkv-disk-{i}", daemon=True)
-                         for i in range(max(threads, 1))]
+                         for i in range(threads)]
+        self._gate = depth.ReadGate(limit)
+        self.read_unit = depth.READ_UNIT  # bytes per read at most (tests cut objects finer)
+        #: how the depth was set: "fixed", "auto: measuring", "measured" or "auto, not
+        #: measured: <why>"; ``depth_rates``: the measurement (depth -> bytes/s samples)
+        self.depth_source = "fixed"
+        self.depth_rates: dict[int, list[float]] = {}
         self._reads.append(("scan",))
+        if depths and self.direct:
+            self.depth_source = "auto: measuring"
+            self._reads.append(("calibrate", depths))
+        elif depths:
+            self.depth_source = "auto, not measured: buffered I/O (the page cache serves reads)"
+
+    @property
+    def read_depth(self) -> int:
+        """O_DIRECT reads in flight at most (the gate's limit)."""
+        return self._gate.limit
 
     def start(self) -> None:
         for t in self._threads:
@@ -226,6 +250,8 @@ class DiskStore:
                             self._unlinking -= 1
                             self._cv.notify_all()  # writes held back for the room
                     self.done.put(("deleted", job[1]))
+                elif job[0] == "calibrate":
+                    self._calibrate(job[1])
                 else:
                     self.done.put(self._scan())
             except Exception:  # a bug must not kill a thread silently
@@ -273,6 +299,22 @@ class DiskStore:
                         "files; they are never read", skipped, self.root, self._uid)
         return ("scanned", found, skipped, removed)
 
+    def _calibrate(self, depths: list[int]) -> None:
+        """Measure the disk at each depth and set the gate (disk_depth.py); on any error the
+        depth stays one read per thread, and the log says why."""
+        try:
+            rates = depth.calibrate(self.root, depths)
+        except (OSError, ValueError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            self.depth_source = f"auto, not measured: {why}"
+            log.warning("disk tier: measuring reads in flight failed (%s): %d at most", why,
+                        self._gate.limit)
+            return
+        self._gate.set_limit(depth.choose_depth(rates))
+        self.depth_rates, self.depth_source = rates, "measured"
+        log.info("disk tier: %d O_DIRECT reads in flight at most (%s)", self._gate.limit,
+                 depth.describe(rates))
+
     # ------------------------------------------------------------------ read
 
     def _iov(self, it: DiskItem):
@@ -319,9 +361,14 @@ class DiskStore:
                 return "truncated"
             iov = self._iov(it)
             words = self._words_buffer(it)
-            if self.direct:
-                got = os.preadv(fd, [hdr, *iov, *words], 0)
-                want = it.nbytes
+            if self.direct:  # pieces of at most READ_UNIT, each through the gate
+                got, want = 0, it.nbytes
+                for bufs, at in depth.pieces([hdr, *iov, *words], self.read_unit):
+                    with self._gate.hold():
+                        n = os.preadv(fd, bufs, at)
+                    got += n
+                    if n != sum(len(b) for b in bufs):
+                        break
             else:
                 got = os.preadv(fd, [hdr], 0)
                 want = BLOCK + it.num_shards * it.shard_bytes + it.check_bytes
