@@ -295,3 +295,34 @@ def test_layer_groups_must_split_the_layers_in_order(groups):
         K.prepare_restore(random_bytes(96, 1), np.zeros((3, 1), np.int64), pools, [0],
                           engine="reference", layer_groups=groups)
     assert torch.equal(raw, torch.full_like(raw, POISON))
+
+
+def test_engine_checked_once_per_pool_geometry(monkeypatch):
+    """prepare asks check_engine once per distinct pool geometry (not once per layer), and
+    every layer gets the answer of its own geometry."""
+    ga, gb = Geometry(6, 40, ((0, 16), (24, 8))), Geometry(6, 24, ((0, 24),))
+    raw = torch.full((1200,), POISON, dtype=torch.uint8)
+    pa = [pool_over(raw, 0, ga), pool_over(raw, 240, ga), pool_over(raw, 480, ga)]
+    pb = [pool_over(raw, 720, gb), pool_over(raw, 900, gb)]
+    pools = [pa[0], pb[0], pa[1], pb[1], pa[2]]
+    flat = random_bytes(600, 7)
+    offs = np.array([[i * 100, i * 100 + 40] for i in range(5)])
+    asked, real = [], prepared.check_engine
+
+    def answer(job, engine, max_programs):
+        asked.append(job.pools[0].runs)
+        eng, budget = real(job, engine, max_programs)
+        return eng, budget + 1000 * len(job.pools[0].runs)  # tells the geometries apart
+
+    monkeypatch.setattr(prepared, "check_engine", answer)
+    prep = K.prepare_restore(flat, offs, pools, [5, 1], engine="reference")
+    assert sorted(asked) == sorted([ga.runs, gb.runs])  # once per geometry, not per layer
+    job = prep._job
+    assert prepared._engines(job, "reference", None) == [
+        answer(job.layer(k), "reference", None) for k in range(5)]
+    for k in range(5):
+        prep.launch(k)
+    expect = torch.full_like(raw, POISON)
+    oracle(expect, pools_over(expect, [ga, gb, ga, gb, ga], [0, 720, 240, 900, 480]), flat,
+           offs, np.array([5, 1]), save=False)
+    assert torch.equal(raw, expect)

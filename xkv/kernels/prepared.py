@@ -133,7 +133,7 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
              layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     L = len(job.pools)
     groups = None if layer_groups is None else _check_groups(layer_groups, L)
-    chosen = [check_engine(job.layer(k), engine, max_programs) for k in range(L)]  # may raise
+    chosen = _engines(job, engine, max_programs)  # may raise
     if not L:
         check_engine(job, engine, max_programs)
     if job.checks is not None:  # one word buffer for every layer, on the prepare stream
@@ -164,6 +164,21 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
         elif eng == "staged":
             calls[k] = _bind(staged.run, layers[k], budget)
     return PreparedCopy(job, engines, calls, stream)
+
+
+def _engines(job: Job, engine: str, max_programs: int | None) -> list[tuple[str, int]]:
+    """``check_engine`` of every one-layer job of ``job``, each distinct pool geometry checked
+    once: what it decides depends on the layer only through its pool (device, block bytes and
+    runs; the ids, direction and checks are the job's), and building 32 one-layer jobs (their
+    offsets and checks rows) to ask 32 times the same question was host time before the copy."""
+    seen: dict[tuple, tuple[str, int]] = {}
+    out = []
+    for k, p in enumerate(job.pools):
+        key = (p.device, p.block_bytes, p.runs)
+        if key not in seen:
+            seen[key] = check_engine(job.layer(k), engine, max_programs)
+        out.append(seen[key])
+    return out
 
 
 class _Layers:
