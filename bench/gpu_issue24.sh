@@ -29,7 +29,9 @@
 #                   against dd on the same directory; bench/gateway_edges.py reserve and replay);
 #                   shares of SECONDS 30 / 55 / 15 %: the reserve bench fills a 1 and a 4 GiB
 #                   index twice (one-page objects) and needs ~150 s (stop 34: 42 s cut it), so
-#                   give the step >= 280 (DISK_THREADS: the tier's I/O threads per round, "4,8")
+#                   give the step >= 280 (DISK_THREADS: the tier's I/O threads per round, "4";
+#                   DISK_DEPTHS: --disk-read-depth values per round, "auto,4"; then
+#                   bench/disk_reads.py: the disk's O_DIRECT rate by reads in flight)
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
 # Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
 set -u
@@ -94,7 +96,10 @@ for spec in "$@"; do
       cat "$d/host_issue.txt" >> "$OUT/summary.txt"
       timeout 30 python3 bench/host_issue.py --blocks 1024 --profile > "$d/host_issue_profile.txt" 2>&1
       timeout $((secs * 3 / 10)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
-        --threads "${DISK_THREADS:-4,8}" --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
+        --threads "${DISK_THREADS:-4}" --read-depths "${DISK_DEPTHS:-auto,4}" \
+        --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
+      timeout 30 python3 bench/disk_reads.py --dir /var/tmp/xkv26/r --json "$d/disk_reads.json" \
+        > "$d/disk_reads.txt" 2>&1
       echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
       rm -rf /var/tmp/xkv26
       timeout $((secs * 11 / 20)) python3 bench/gateway_edges.py reserve --cards 1,4 --json "$d/reserve.json" > "$d/reserve.txt" 2>&1

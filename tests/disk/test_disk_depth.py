@@ -308,9 +308,12 @@ def test_auto_depth_is_measured_after_the_scan(direct_dir, monkeypatch):
         card.close()
 
 
-def test_auto_depth_when_measuring_fails(direct_dir, monkeypatch):
+@pytest.mark.parametrize("error, why", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    (RuntimeError("a bug"), "a bug")])
+def test_auto_depth_when_measuring_fails(direct_dir, monkeypatch, error, why):
     def full(root, depths, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
     monkeypatch.setattr(dd, "calibrate", full)
     card = mmap.mmap(-1, 1 << 20)
@@ -319,7 +322,7 @@ def test_auto_depth_when_measuring_fails(direct_dir, monkeypatch):
         deadline = time.monotonic() + 10
         while s.depth_source.startswith("auto: measuring") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert s.depth_source == "auto, not measured: No space left on device"
+        assert s.depth_source == f"auto, not measured: {why}"
         assert s.read_depth == 3  # one read per thread, as before the option
     finally:
         s.close()

@@ -304,8 +304,8 @@ class DiskStore:
         depth stays one read per thread, and the log says why."""
         try:
             rates = depth.calibrate(self.root, depths)
-        except (OSError, ValueError) as e:
-            why = getattr(e, "strerror", None) or str(e)
+        except Exception as e:  # noqa: BLE001 - any failure: keep serving at the old depth
+            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
             self.depth_source = f"auto, not measured: {why}"
             log.warning("disk tier: measuring reads in flight failed (%s): %d at most", why,
                         self._gate.limit)
