@@ -18,6 +18,10 @@ bandwidth, measured in the same run on the same directory.
      and ``--size`` bytes of objects are looked up, ``--batch`` chunks per LOOKUP, one LOOKUP at a time; time
      of all lookups (each answered after its read and checksum); plus the latency of single
      LOOKUPs of 1, 4 and 16 chunks from disk (what a vLLM lookup waits for);
+   * paired (``--restore-reps`` N, default 3): the bulk restore N times in all, the later ones
+     each after a gateway restart (an empty card), every one between two ``dd`` reads of a file
+     of ``--size`` in the same directory; ``restore_vs_dd_paired`` = median tier / median dd
+     of those reads (the tier and the disk sampled in the same minutes);
    * meanwhile another client (its own process and connection) sends LOOKUPs that hit the
      card, back to back: their latency p50 / p99 / max with the gateway idle, while ``dd``
      (not the gateway) writes and reads the disk (the machine's own share), while the tier
@@ -269,7 +273,52 @@ def one(args, threads: int, depth: str, d: str, log) -> dict:
             probe.proc.kill()
         c.close()
         stop_gateway(proc)
+    if args.restore_reps > 1:
+        out["paired"] = paired(args, card, d, threads, depth, log, keys[:args.size // obj],
+                               out["file_bytes"], out["restore"]["Bps"])
     return out
+
+
+def paired(args, card: int, d: str, threads: int, depth: str, log, rest: list, fb: int,
+           first_Bps: float) -> dict:
+    """The bulk restore ``--restore-reps`` times in all (a gateway restarted on the same
+    directory before each: an empty card), each between two ``dd`` reads of a file of the same
+    size in the same directory: tier and disk sampled in the same minutes, so the ratio of
+    their medians does not depend on which minute the disk was fast in."""
+    size = args.size // (4 << 20) * (4 << 20)
+    ddf = os.path.join(d, "dd-paired")
+    src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
+    with open(src, "wb") as f:
+        for _ in range(size // (4 << 20)):
+            f.write(os.urandom(4 << 20))
+    tier, ddr = [first_Bps], []
+    try:
+        dd([f"if={src}", f"of={ddf}", "bs=4M", "oflag=direct", "conv=fdatasync"])
+        os.unlink(src)
+        read = ["if=" + ddf, "of=/dev/null", "bs=4M", "iflag=direct"]
+        for _ in range(args.restore_reps - 1):
+            ddr.append(size / dd(read))
+            proc, port = gateway(card, d, threads, depth, log)
+            try:
+                with GatewayClient("127.0.0.1", port, timeout_s=120) as c:
+                    lid = c.register_layout("bench", "fp", args.shards, args.shard_size).layout_id
+                    wait_stats(c, lambda s: s["disk_scanned"] == 1
+                               and not s["disk_depth_measuring"])
+                    t0 = time.perf_counter()
+                    for i in range(0, len(rest), args.batch):
+                        r = c.lookup([(lid, rest[i:i + args.batch])])
+                        assert r.num_chunks == len(rest[i:i + args.batch]), r.num_chunks
+                        c.release(r.lease_id)
+                    tier.append(len(rest) * fb / (time.perf_counter() - t0))
+            finally:
+                stop_gateway(proc)
+        ddr.append(size / dd(read))
+    finally:
+        for p in (src, ddf):
+            if os.path.exists(p):
+                os.unlink(p)
+    return {"tier_Bps": tier, "dd_read_Bps": ddr,
+            "ratio": statistics.median(tier) / statistics.median(ddr)}
 
 
 def main():
@@ -292,6 +341,10 @@ def main():
     ap.add_argument("--crc", choices=["auto", "zlib"], default="auto",
                     help="the tier's CRC-32 code: libdeflate where present (auto) or zlib "
                          "(XKV_DISK_CRC=zlib), for an A/B")
+    ap.add_argument("--restore-reps", type=int, default=3,
+                    help="bulk restores per run (the first after the single lookups, each "
+                         "later one after a gateway restart), each between two dd reads: "
+                         "restore_vs_dd_paired is the ratio of their medians")
     ap.add_argument("--dd-reps", type=int, default=3,
                     help="dd runs before and after each tier run (their median is the baseline)")
     ap.add_argument("--json")
@@ -329,9 +382,12 @@ def main():
             dd_r = (disk["read_Bps"] + after["read_Bps"]) / 2
             run["write_vs_dd"] = run["write"]["Bps"] / dd_w
             run["restore_vs_dd"] = run["restore"]["Bps"] / dd_r
+            if "paired" in run:
+                run["restore_vs_dd_paired"] = run["paired"]["ratio"]
             result["runs"].append(run)
-            print(json.dumps({k: run[k] for k in ("threads", "read_depth_flag", "read_depth",
-                                                  "write_vs_dd", "restore_vs_dd")}),
+            print(json.dumps({k: run.get(k) for k in (
+                      "threads", "read_depth_flag", "read_depth", "write_vs_dd", "restore_vs_dd",
+                      "restore_vs_dd_paired")}),
                   f"dd w {disk['write_Bps'] / 1e6:.0f}/{after['write_Bps'] / 1e6:.0f} MB/s r "
                   f"{disk['read_Bps'] / 1e6:.0f}/{after['read_Bps'] / 1e6:.0f} MB/s (before/after);"
                   f" tier w {run['write']['Bps'] / 1e6:.0f} MB/s r "
