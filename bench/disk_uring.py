@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from xkv.gateway.config import parse_size  # noqa: E402
+from xkv.gateway.disk_depth import timed_threads  # noqa: E402
 from xkv.gateway.disk_format import file_bytes  # noqa: E402
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -181,37 +182,26 @@ def uring_write(paths: list[str], nbytes: int, depth: int, bufs: list[mmap.mmap]
 
 
 def pool(paths: list[str], nbytes: int, threads: int, bufs: list[mmap.mmap], write: bool) -> float:
-    todo, lock, errors = list(paths), threading.Lock(), []
+    todo, lock = list(paths), threading.Lock()
     flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY) | os.O_DIRECT
 
     def work(buf):
-        try:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    path = todo.pop()
-                fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
-                try:
-                    got = os.pwritev(fd, [buf], 0) if write else os.preadv(fd, [buf], 0)
-                    if write:
-                        os.fdatasync(fd)
-                    if got != nbytes:
-                        raise OSError(5, f"short I/O {got}")
-                finally:
-                    os.close(fd)
-        except Exception as e:  # noqa: BLE001 - reported by the caller
-            errors.append(e)
+        while True:
+            with lock:
+                if not todo:
+                    return
+                path = todo.pop()
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+            try:
+                got = os.pwritev(fd, [buf], 0) if write else os.preadv(fd, [buf], 0)
+                if write:
+                    os.fdatasync(fd)
+                if got != nbytes:
+                    raise OSError(5, f"short I/O {got}")
+            finally:
+                os.close(fd)
 
-    ts = [threading.Thread(target=work, args=(bufs[i],)) for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0
+    return timed_threads(work, bufs[:threads])  # the tier's own thread timing (disk_depth.py)
 
 
 def dd(args: list[str]) -> float:

@@ -30,12 +30,13 @@ import secrets
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from xkv.gateway.disk_format import BLOCK, TMP_MARK
 
 __all__ = ["READ_UNIT", "ReadGate", "calibrate", "candidates", "choose_depth", "describe",
-           "pieces", "plan"]
+           "pieces", "plan", "timed_threads"]
 
 #: Bytes one read moves at most (a multiple of :data:`BLOCK`).
 READ_UNIT = 4 << 20
@@ -191,21 +192,31 @@ def _read_all(fd: int, bufs: list, unit: int, count: int) -> float:
     """Seconds to read units 0..count-1 of ``fd`` with len(bufs) threads, each its own buffer."""
     nxt = iter(range(count))
     lock = threading.Lock()
-    errors: list[BaseException] = []
 
     def work(buf) -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            if os.preadv(fd, [buf], i * unit) != unit:
+                raise OSError(5, "short read while measuring the disk")
+
+    return max(timed_threads(work, bufs), 1e-9)
+
+
+def timed_threads(work: Callable[[Any], None], args: Sequence) -> float:
+    """Seconds for one thread per item of ``args``, each running ``work(item)``, all started
+    together and joined; the first exception a thread raised is raised here."""
+    errors: list[BaseException] = []
+
+    def run(arg) -> None:
         try:
-            while True:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    return
-                if os.preadv(fd, [buf], i * unit) != unit:
-                    raise OSError(5, "short read while measuring the disk")
-        except BaseException as e:  # re-raised in the caller
+            work(arg)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller
             errors.append(e)
 
-    ts = [threading.Thread(target=work, args=(b,), daemon=True) for b in bufs]
+    ts = [threading.Thread(target=run, args=(a,), daemon=True) for a in args]
     t0 = time.perf_counter()
     for t in ts:
         t.start()
@@ -213,4 +224,4 @@ def _read_all(fd: int, bufs: list, unit: int, count: int) -> float:
         t.join()
     if errors:
         raise errors[0]
-    return max(time.perf_counter() - t0, 1e-9)
+    return time.perf_counter() - t0
