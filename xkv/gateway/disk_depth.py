@@ -154,7 +154,7 @@ def calibrate(root: str, depths: Sequence[int], *, unit: int = READ_UNIT, count:
               rounds: int = 3) -> dict[int, list[float]]:
     """Read rates (bytes/s) of O_DIRECT reads of ``unit`` bytes at each depth in ``depths``:
     a temporary file of ``count`` units (0: twice the largest depth, at least 8; for 4 threads
-    32 MiB, read 9 times in all, ~0.2 s at 1.5 GB/s) in ``root``, named as the start-up probe
+    32 MiB, read 9 times in all: 0.3-0.4 s on the dev box) in ``root``, named as the start-up probe
     (a crash's leftover is removed at the next start), written and made durable, then read
     whole at each depth ``rounds`` times, and removed. Raises OSError (disk full, ...)."""
     count = count or max(8, 2 * max(depths, default=1))
