@@ -10,7 +10,8 @@ bandwidth, measured in the same run on the same directory.
    percent from one minute to the next), and
    /proc/loadavg is recorded at both ends (other users of the machine's CPUs and disk).
 2. Per ``--threads`` value and ``--read-depths`` value (``--disk-read-depth``: ``auto``, the
-   default, measures at start; the bench waits for that before timing anything), a gateway with ``--disk DIR`` and a card that holds every object:
+   default, measures at start; the bench waits for that before timing anything), a gateway
+   with ``--disk DIR`` and a card that holds every object:
    * write-behind: ``--size`` bytes of objects (``--shards`` x ``--shard-size``, random bytes)
      are reserved and filled, then committed in one burst; time from the first COMMIT until the
      disk tier reports every object written (fdatasync'd, renamed, directory synced);
@@ -19,9 +20,10 @@ bandwidth, measured in the same run on the same directory.
      of all lookups (each answered after its read and checksum); plus the latency of single
      LOOKUPs of 1, 4 and 16 chunks from disk (what a vLLM lookup waits for);
    * paired (``--restore-reps`` N, default 3): the bulk restore N times in all, the later ones
-     each after a gateway restart (an empty card), every one between two ``dd`` reads of a file
-     of ``--size`` in the same directory; ``restore_vs_dd_paired`` = median tier / median dd
-     of those reads (the tier and the disk sampled in the same minutes);
+     each after a gateway restart (an empty card) and between two ``dd`` reads of a file of
+     ``--size`` in the same directory (the first: after the before-run ``dd`` samples);
+     ``restore_vs_dd_paired`` = median tier / median dd of those reads (the tier and the disk
+     sampled in the same minutes);
    * meanwhile another client (its own process and connection) sends LOOKUPs that hit the
      card, back to back: their latency p50 / p99 / max with the gateway idle, while ``dd``
      (not the gateway) writes and reads the disk (the machine's own share), while the tier
@@ -69,18 +71,34 @@ def dd(args: list[str]) -> float:
     return float(m.group(1))
 
 
+def random_source(size: int) -> str:
+    """A file of ``size`` random bytes (whole 4 MiB blocks) in /dev/shm for dd to copy from."""
+    src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
+    with open(src, "wb") as f:
+        for _ in range(size // (4 << 20)):
+            f.write(os.urandom(4 << 20))
+    return src
+
+
+def bulk_restore(c, lid: int, keys: list, batch: int) -> float:
+    """Seconds to look ``keys`` up (each restored from disk), ``batch`` per LOOKUP, one at a
+    time, every chunk a hit."""
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        r = c.lookup([(lid, keys[i:i + batch])])
+        assert r.num_chunks == len(keys[i:i + batch]), r.num_chunks
+        c.release(r.lease_id)
+    return time.perf_counter() - t0
+
+
 def disk_bandwidth(d: str, size: int, reps: int = 1) -> dict:
     """dd's O_DIRECT write and read of ``size`` bytes in ``d``, ``reps`` times (a write, then
     a read of what it wrote): the medians, and every sample (this disk's speed swings by tens of
     percent from one run to the next)."""
-    src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
-    dst = os.path.join(d, "dd-test")
+    src, dst = random_source(size), os.path.join(d, "dd-test")
     count = size // (4 << 20)
     ws, rs = [], []
     try:
-        with open(src, "wb") as f:
-            for _ in range(count):
-                f.write(os.urandom(4 << 20))
         for _ in range(max(1, reps)):
             ws.append(dd([f"if={src}", f"of={dst}", "bs=4M", f"count={count}", "oflag=direct",
                           "conv=fdatasync"]))
@@ -176,8 +194,8 @@ def one(args, threads: int, depth: str, d: str, log) -> dict:
     card = (n + 16) * obj + (64 << 20)
     keys = [os.urandom(32) for _ in range(n)]
     probe_keys = [b"probe-%d" % i for i in range(4)]
-    out = {"threads": threads, "read_depth_flag": depth, "gateway_args": GATEWAY_ARGS, "objects": n,
-           "cold_card": args.cold_card, "object_bytes": obj,
+    out = {"threads": threads, "read_depth_flag": depth, "gateway_args": GATEWAY_ARGS,
+           "objects": n, "cold_card": args.cold_card, "object_bytes": obj,
            "file_bytes": file_bytes(shards, sb)}
     parent = os.path.dirname(os.path.abspath(d))
     samples = os.path.join(parent, f"xkv-probe-{os.getpid()}.json")
@@ -254,12 +272,7 @@ def one(args, threads: int, depth: str, d: str, log) -> dict:
         probe = Prober(port, samples)
         s0 = c.stats()
         t0m = time.monotonic()
-        t0 = time.perf_counter()
-        for i in range(0, len(rest), args.batch):
-            r = c.lookup([(lid, rest[i:i + args.batch])])
-            assert r.num_chunks == len(rest[i:i + args.batch]), r.num_chunks
-            c.release(r.lease_id)
-        dt = time.perf_counter() - t0
+        dt = bulk_restore(c, lid, rest, args.batch)
         t1m = time.monotonic()
         probe.stop()
         s = c.stats()
@@ -287,10 +300,7 @@ def paired(args, card: int, d: str, threads: int, depth: str, log, rest: list, f
     their medians does not depend on which minute the disk was fast in."""
     size = args.size // (4 << 20) * (4 << 20)
     ddf = os.path.join(d, "dd-paired")
-    src = f"/dev/shm/xkv-bench-src-{os.getpid()}"
-    with open(src, "wb") as f:
-        for _ in range(size // (4 << 20)):
-            f.write(os.urandom(4 << 20))
+    src = random_source(size)
     tier, ddr = [first_Bps], []
     try:
         dd([f"if={src}", f"of={ddf}", "bs=4M", "oflag=direct", "conv=fdatasync"])
@@ -304,12 +314,7 @@ def paired(args, card: int, d: str, threads: int, depth: str, log, rest: list, f
                     lid = c.register_layout("bench", "fp", args.shards, args.shard_size).layout_id
                     wait_stats(c, lambda s: s["disk_scanned"] == 1
                                and not s["disk_depth_measuring"])
-                    t0 = time.perf_counter()
-                    for i in range(0, len(rest), args.batch):
-                        r = c.lookup([(lid, rest[i:i + args.batch])])
-                        assert r.num_chunks == len(rest[i:i + args.batch]), r.num_chunks
-                        c.release(r.lease_id)
-                    tier.append(len(rest) * fb / (time.perf_counter() - t0))
+                    tier.append(len(rest) * fb / bulk_restore(c, lid, rest, args.batch))
             finally:
                 stop_gateway(proc)
         ddr.append(size / dd(read))

@@ -98,9 +98,10 @@ for spec in "$@"; do
       timeout $((secs * 3 / 10)) python3 bench/disk_tier.py --dir /var/tmp/xkv26/b --size 512M \
         --threads "${DISK_THREADS:-4}" --read-depths "${DISK_DEPTHS:-auto,4}" \
         --json "$d/disk_tier.json" > "$d/disk_tier.txt" 2>&1
+      echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
       timeout 30 python3 bench/disk_reads.py --dir /var/tmp/xkv26/r --json "$d/disk_reads.json" \
         > "$d/disk_reads.txt" 2>&1
-      echo "=== $step disk_tier: rc $?" | tee -a "$OUT/summary.txt"; tail -15 "$d/disk_tier.txt" >> "$OUT/summary.txt"
+      echo "=== $step disk_reads: rc $?" | tee -a "$OUT/summary.txt"; cat "$d/disk_reads.txt" >> "$OUT/summary.txt"
       rm -rf /var/tmp/xkv26
       timeout $((secs * 11 / 20)) python3 bench/gateway_edges.py reserve --cards 1,4 --json "$d/reserve.json" > "$d/reserve.txt" 2>&1
       echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"

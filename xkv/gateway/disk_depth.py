@@ -6,9 +6,10 @@ Why a number of its own, apart from ``--disk-threads``: the best depth depends o
 the threads do more than read (open, checks, the CRC of what was read, utime). Measured with
 O_DIRECT reads of 4 MiB (bench/RESULTS.md "Disk tier: reads in flight"): the dev machine's
 virtual disk (``/dev/vda``, reported rotational, one request per 4 MiB) reads 1.55-2.36 GB/s with
-one read in flight and 0.70-0.87 x that with 2-8 (one file per object or one big file alike);
-the device machine's disk restored faster with 8 threads than with 4; NVMe drives generally want
-several. So the depth is measured where the tier runs, not guessed: a temporary file of
+one read in flight and 0.70-0.87 x that with 2-8 (`bench/disk_reads.py`; one file per object
+reads as fast as one big file there: `bench/disk_layout.py`); the device machine's disk
+restored faster with 8 threads than with 4 (bench/RESULTS.md, stop 35); NVMe drives generally
+want several (not measured here). So the depth is measured where the tier runs, not guessed: a temporary file of
 ``count`` x ``unit`` random bytes is written and read at every candidate depth, ``rounds``
 times, the candidates' order rotated each round (a virtual disk's speed drifts by tens of percent
 from one minute to the next); the smallest depth within ``tolerance`` of the best median wins
@@ -23,6 +24,7 @@ splits one large request into ``max_sectors_kb`` parts, all in flight: 4 MiB on 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import random
@@ -36,7 +38,9 @@ from typing import Any
 from xkv.gateway.disk_format import BLOCK, TMP_MARK
 
 __all__ = ["READ_UNIT", "ReadGate", "calibrate", "candidates", "choose_depth", "describe",
-           "pieces", "plan", "timed_threads"]
+           "measure", "pieces", "plan", "timed_threads"]
+
+log = logging.getLogger("xkv.gateway")
 
 #: Bytes one read moves at most (a multiple of :data:`BLOCK`).
 READ_UNIT = 4 << 20
@@ -186,6 +190,22 @@ def calibrate(root: str, depths: Sequence[int], *, unit: int = READ_UNIT, count:
     finally:
         for b in bufs:
             b.close()
+
+
+def measure(root: str, depths: Sequence[int], gate: ReadGate) -> tuple[str, dict]:
+    """The start-up measurement (an I/O thread runs it): :func:`calibrate` ``root``'s disk,
+    set ``gate`` to :func:`choose_depth` and log it. Returns (how the depth was set, the rates);
+    any failure keeps the gate's limit and says why in the log and the first value."""
+    try:
+        rates = calibrate(root, depths)
+    except Exception as e:  # noqa: BLE001 - any failure: keep serving at the old depth
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        log.warning("disk tier: measuring reads in flight failed (%s): %d at most", why,
+                    gate.limit)
+        return f"auto, not measured: {why}", {}
+    gate.set_limit(choose_depth(rates))
+    log.info("disk tier: %d O_DIRECT reads in flight at most (%s)", gate.limit, describe(rates))
+    return "measured", rates
 
 
 def _read_all(fd: int, bufs: list, unit: int, count: int) -> float:

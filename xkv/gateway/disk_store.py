@@ -157,8 +157,7 @@ class DiskStore:
                          for i in range(threads)]
         self._gate = depth.ReadGate(limit)
         self.read_unit = depth.READ_UNIT  # bytes per read at most (tests cut objects finer)
-        #: how the depth was set: "fixed", "auto: measuring", "measured" or "auto, not
-        #: measured: <why>"; ``depth_rates``: the measurement (depth -> bytes/s samples)
+        #: "fixed", "auto: measuring", "measured" or "auto, not measured: <why>"; the rates
         self.depth_source = "fixed"
         self.depth_rates: dict[int, list[float]] = {}
         self._reads.append(("scan",))
@@ -172,6 +171,10 @@ class DiskStore:
     def read_depth(self) -> int:
         """O_DIRECT reads in flight at most (the gate's limit)."""
         return self._gate.limit
+
+    @property
+    def depth_measuring(self) -> bool:  # the start-up measurement still runs
+        return self.depth_source == "auto: measuring"
 
     def start(self) -> None:
         for t in self._threads:
@@ -251,7 +254,8 @@ class DiskStore:
                             self._cv.notify_all()  # writes held back for the room
                     self.done.put(("deleted", job[1]))
                 elif job[0] == "calibrate":
-                    self._calibrate(job[1])
+                    self.depth_source, self.depth_rates = depth.measure(self.root, job[1],
+                                                                       self._gate)
                 else:
                     self.done.put(self._scan())
             except Exception:  # a bug must not kill a thread silently
@@ -298,22 +302,6 @@ class DiskStore:
             log.warning("disk tier: skipped %d entries in %s that are not this uid's (%d) object "
                         "files; they are never read", skipped, self.root, self._uid)
         return ("scanned", found, skipped, removed)
-
-    def _calibrate(self, depths: list[int]) -> None:
-        """Measure the disk at each depth and set the gate (disk_depth.py); on any error the
-        depth stays one read per thread, and the log says why."""
-        try:
-            rates = depth.calibrate(self.root, depths)
-        except Exception as e:  # noqa: BLE001 - any failure: keep serving at the old depth
-            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-            self.depth_source = f"auto, not measured: {why}"
-            log.warning("disk tier: measuring reads in flight failed (%s): %d at most", why,
-                        self._gate.limit)
-            return
-        self._gate.set_limit(depth.choose_depth(rates))
-        self.depth_rates, self.depth_source = rates, "measured"
-        log.info("disk tier: %d O_DIRECT reads in flight at most (%s)", self._gate.limit,
-                 depth.describe(rates))
 
     # ------------------------------------------------------------------ read
 

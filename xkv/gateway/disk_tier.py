@@ -382,7 +382,7 @@ class DiskTier(DiskRoom):
                     disk_write_backlog_bytes=self._backlog, disk_scanned=int(self.scanned),
                     disk_direct=int(self.store.direct),
                     disk_read_depth=self.store.read_depth,
-                    disk_depth_measuring=int(self.store.depth_source == "auto: measuring"),
+                    disk_depth_measuring=int(self.store.depth_measuring),
                     disk_read_seconds=round(self.read_seconds, 6),
                     disk_write_seconds=round(self.write_seconds, 6),
                     disk_deferred=sum(not p.answered for p in self._live.values()))
