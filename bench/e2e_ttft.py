@@ -2,7 +2,9 @@
 OffloadingConnector restore, measured in one call (issue 9).
 
 The parent process runs one child process per engine kind, one after the other (each child owns the
-whole GPU), and starts a fresh ``xkv-gateway`` (``python -m xkv.gateway``) for the xkv kinds:
+whole GPU; ``--start-together --kv-gib G``: every engine starts at once, then they measure one at a
+time, ``bench/engine_children.py``), and starts a fresh ``xkv-gateway`` (``python -m xkv.gateway``)
+for each xkv kind:
 
   none     no connector: cold prefill (recompute), GPU prefix hit, the multi-request case, and the
            reference first-token logprobs of a fixed prompt (cold, and as a GPU prefix hit)
@@ -37,14 +39,13 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import e2e_kinds
 import e2e_models
+import engine_children
 
 KINDS = ("none", "xkv", "offload", "verify")
 # --runner: VLLM_USE_V2_MODEL_RUNNER in every engine child (None: unset, vLLM's own choice)
@@ -92,7 +93,14 @@ def _args(argv=None):
                     help="cold requests timed one by one after the gateway's SIGKILL (xkv)")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
     e2e_models.add_args(ap)
+    ap.add_argument("--start-together", action="store_true",
+                    help="start every kind's engine at once, then measure them one at a time "
+                         "(bench/engine_children.py); needs --kv-gib, and the engines must fit the GPU "
+                         "together (lower --gpu-util: vLLM still checks that much is free at start)")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="GPU KV cache GiB per engine (vLLM's kv_cache_memory_bytes: no memory profiling)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -107,6 +115,8 @@ def _engine(a, label, max_len):
               enforce_eager=(a.mode == "eager"), gpu_memory_utilization=a.gpu_util, max_model_len=max_len + 64,
               max_num_batched_tokens=a.max_batched, enable_prefix_caching=True, seed=0,
               disable_log_stats=False)
+    if a.kv_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
     if a.backend:
         kw["attention_backend"] = a.backend
     kw.update(e2e_models.engine_kwargs(a))
@@ -182,6 +192,8 @@ def _child(a):
     max_len = max(lens + [a.multi_len, len(ref_prompt)])
     llm = _engine(a, label, max_len)
     _emit("E2E_INFO", dict(kind=label, engine_start_s=round(time.perf_counter() - t0, 1)))
+    if a.hold:  # started beside the other kinds: measure when the parent says so
+        engine_children.wait_for_go(_emit)
 
     def row(phase, n, r):
         r = {k: v for k, v in r.items() if k not in ("logprobs",)}
@@ -311,66 +323,50 @@ def _median(rows, kind, phase, n, key="ttft_ms"):
     return statistics.median(v) if v else None
 
 
-def _start_gateway(a, log):
-    from xkv.gateway.testing import spawn_gateway
-
-    cap = f"{int(a.card_gib * 1024)}M"
-    t = time.perf_counter()
-    gw, port = spawn_gateway(cap, a.port, timeout_s=300.0, stderr=log,
-                             extra_args=a.gateway_args.split())
-    print(f"[gateway] {cap} card up in {time.perf_counter() - t:.1f} s on port {port}", flush=True)
-    return gw
+def _take(res, kind, line) -> None:
+    """One line of a child's output into ``res`` (rows, refs, infos, verify and timing lines)."""
+    tag, _, body = line.partition(" ")
+    if tag in ("E2E_ROW", "E2E_REF", "E2E_INFO", "E2E_DONE"):
+        obj = json.loads(body)
+        if tag == "E2E_ROW":
+            res["rows"].append(obj)
+            print(f"  {kind:7s} {obj['phase']:15s} {obj['tokens']:6d} {obj['ttft_ms']:9.1f} ms "
+                  f"(engine {obj.get('engine_ms')}, cached {obj['cached']})", flush=True)
+        elif tag == "E2E_REF":
+            res["ref"].setdefault(kind, {}).update(obj)
+        elif tag == "E2E_INFO":
+            res["info"][obj.get("kind", kind)] = obj
+            print(f"[{kind}] {obj}", flush=True)
+    elif "XKV_VERIFY" in line:
+        res["verify"].append(line.strip()[-200:])
+    elif "XKV_TIMING" in line:
+        res.setdefault("timing", {}).setdefault(kind, []).append(line.strip()[-120:])
+    elif "Traceback" in line or "Error" in line:
+        print(f"  {kind}: {line.rstrip()[:300]}", flush=True)
 
 
 def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}}
+    res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
-    for kind in a.kinds.split(","):
-        log = open(out / f"{kind}.log", "w")  # noqa: SIM115 (closed below, after the child)
-        gw = _start_gateway(a, log) if e2e_kinds.base(kind) in ("xkv", "verify") else None
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
-        if gw is not None:
-            cmd += ["--gateway-pid", str(gw.pid)]
-        env = _runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
-                               **e2e_kinds.env(kind)), a.runner)
-        t = time.perf_counter()
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        watchdog = threading.Timer(a.child_timeout, p.kill)  # a hung child prints nothing
-        watchdog.start()
-        try:
-            for line in p.stdout:
-                log.write(line)
-                tag, _, body = line.partition(" ")
-                if tag in ("E2E_ROW", "E2E_REF", "E2E_INFO", "E2E_DONE"):
-                    obj = json.loads(body)
-                    if tag == "E2E_ROW":
-                        res["rows"].append(obj)
-                        print(f"  {kind:7s} {obj['phase']:15s} {obj['tokens']:6d} {obj['ttft_ms']:9.1f} ms "
-                              f"(engine {obj.get('engine_ms')}, cached {obj['cached']})", flush=True)
-                    elif tag == "E2E_REF":
-                        res["ref"].setdefault(kind, {}).update(obj)
-                    elif tag == "E2E_INFO":
-                        res["info"][obj.get("kind", kind)] = obj
-                        print(f"[{kind}] {obj}", flush=True)
-                elif "XKV_VERIFY" in line:
-                    res["verify"].append(line.strip()[-200:])
-                elif "XKV_TIMING" in line:
-                    res.setdefault("timing", {}).setdefault(kind, []).append(line.strip()[-120:])
-                elif "Traceback" in line or "Error" in line:
-                    print(f"  {kind}: {line.rstrip()[:300]}", flush=True)
-        finally:
-            p.wait()
-            watchdog.cancel()
-        res["rc"][kind] = p.returncode
-        print(f"[{kind}] rc={p.returncode} in {time.perf_counter() - t:.0f} s", flush=True)
-        if gw is not None and gw.poll() is None:
-            from xkv.gateway.testing import stop_gateway
+    if a.start_together and a.kv_gib is None:
+        raise SystemExit("--start-together needs --kv-gib: engines starting beside each other "
+                         "cannot profile GPU memory (each would count the others' allocations)")
+    specs = [engine_children.Spec(
+        kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
+        env=_runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
+                             **e2e_kinds.env(kind)), a.runner),
+        gateway=e2e_kinds.base(kind) in ("xkv", "verify"), card=f"{int(a.card_gib * 1024)}M",
+        gateway_args=a.gateway_args.split(), port=a.port) for kind in a.kinds.split(",")]
 
-            stop_gateway(gw)
-        log.close()
+    def done(kind, rc, times):
+        res["rc"][kind], res["times"][kind] = rc, times
         (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
+
+    engine_children.run(specs, out, lambda kind, line: _take(res, kind, line), a.child_timeout,
+                        together=a.start_together, on_done=done)
+    (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
     _report(res, out)
 
 

@@ -21,6 +21,9 @@
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
 #   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
 #                   4-chunk ref prompt)
+#   shared_prefix   bench/shared_prefix.py on the Llama shape (issue 24 point 5): 16 prefixes of 8k in a
+#                   2048-block GPU cache, rounds of 16 requests, kinds none,xkv,offload, outputs
+#                   compared with no connector (SP_ARGS: more options, e.g. --mode graphs)
 #   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
 #                   hold them and spare the next session's engine starts?
 #   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
@@ -32,6 +35,9 @@
 #                   give the step >= 280 (DISK_THREADS: the tier's I/O threads per round, "4";
 #                   DISK_DEPTHS: --disk-read-depth values per round, "auto,4"; then
 #                   bench/disk_reads.py: the disk's O_DIRECT rate by reads in flight)
+# Engine starts (70-105 s each on the H200) are most of a call: E2E_ARGS / SP_ARGS='--start-together
+# --kv-gib G --gpu-util 0.1' starts every kind's engine at once and measures them one at a time
+# (bench/engine_children.py; all engines must fit the GPU: Llama-3-8B ~15 GiB weights + G + ~2.5 each).
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
 # Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
 set -u
@@ -91,6 +97,10 @@ for spec in "$@"; do
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_hybrid_graphs) e2e "$step" "$secs" "${HYB[@]}" --mode graphs ${E2E_ARGS:-} ;;
+    shared_prefix) d="$OUT/$step"; mkdir -p "$d"
+      timeout "$secs" python3 bench/shared_prefix.py --model bench/models/llama8b --out "$d" \
+        --kinds none,xkv,offload --gpu-util 0.55 ${SP_ARGS:-} > "$d/run.txt" 2>&1
+      echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
       for nb in 1024 128; do timeout 60 python3 bench/host_issue.py --blocks $nb; done > "$d/host_issue.txt" 2>&1
       cat "$d/host_issue.txt" >> "$OUT/summary.txt"

@@ -9,8 +9,9 @@ prefix once (stores for the connectors) and is not timed. Reported per kind: mea
 round time (wall time of one ``LLM.generate`` of the whole batch), and whether every request's
 output tokens equal the no-connector run's (the same prompts in the same batches).
 
-One child process per kind (each owns the GPU), a fresh ``xkv-gateway`` for xkv, as in
-``bench/e2e_ttft.py``; results in ``OUT/shared_prefix.json`` and a table on stdout.
+One child process per kind (each owns the GPU; ``--start-together --kv-gib G``: started at once,
+measured one at a time), a fresh ``xkv-gateway`` for xkv, as in ``bench/e2e_ttft.py``
+(``bench/engine_children.py``); results in ``OUT/shared_prefix.json`` and a table on stdout.
 
   python bench/shared_prefix.py --model bench/models/llama8b --out $OUT [--mode eager|graphs]
       [--kinds none,xkv,offload] [--load-mode sync|async|auto]
@@ -28,13 +29,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import e2e_models
+import engine_children
 
 KINDS = ("none", "xkv", "offload")
 
@@ -63,7 +63,13 @@ def _args(argv=None):
     ap.add_argument("--vocab", type=int, default=120000)
     ap.add_argument("--child-timeout", type=float, default=400.0)
     e2e_models.add_args(ap)
+    ap.add_argument("--start-together", action="store_true",
+                    help="start every kind's engine at once, measure one at a time "
+                         "(bench/engine_children.py; needs --kv-gib and a lower --gpu-util)")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="GPU KV cache GiB per engine (kv_cache_memory_bytes; --gpu-blocks still caps it)")
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -87,7 +93,11 @@ def _engine(a, kind):
               max_model_len=a.prefix_len + a.suffix + a.out_tokens + 64,
               max_num_batched_tokens=a.max_batched, max_num_seqs=max(a.batch, 16),
               enable_prefix_caching=True, seed=0, num_gpu_blocks_override=a.gpu_blocks,
-              attention_backend=a.backend, **e2e_models.engine_kwargs(a))
+              **e2e_models.engine_kwargs(a))
+    if a.backend:  # "" (a CPU dry run): the platform's own
+        kw["attention_backend"] = a.backend
+    if a.kv_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
     if kind == "xkv":
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
@@ -110,6 +120,8 @@ def _child(a):
     sp = SamplingParams(max_tokens=a.out_tokens, temperature=0.0, detokenize=False,
                         ignore_eos=True)
     llm = _engine(a, a.child)
+    if a.hold:  # started beside the other kinds (--start-together)
+        engine_children.wait_for_go(lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True))
     out = {"kind": a.child, "round_ms": [], "outputs": []}
     for r, batch in enumerate(workload(a)):
         t = time.perf_counter()
@@ -127,33 +139,24 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "kinds": {}, "rc": {}}
-    for kind in a.kinds.split(","):
-        log = open(out / f"{kind}.log", "w")  # noqa: SIM115 (closed below)
-        gw = None
-        if kind == "xkv":
-            from xkv.gateway.testing import spawn_gateway
+    if a.start_together and a.kv_gib is None:
+        raise SystemExit("--start-together needs --kv-gib (engines beside each other cannot "
+                         "profile GPU memory)")
+    specs = [engine_children.Spec(
+        kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
+        env=dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),
+        gateway=kind == "xkv", card=f"{int(a.card_gib * 1024)}M", port=a.port, pass_pid=False)
+        for kind in a.kinds.split(",")]
 
-            gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=300.0, stderr=log)
-        env = dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1")
-        p = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--child", kind], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        watchdog = threading.Timer(a.child_timeout, p.kill)
-        watchdog.start()
-        try:
-            for line in p.stdout:
-                log.write(line)
-                tag, _, body = line.partition(" ")
-                if tag == "SP_ROUND":
-                    print(f"  {kind:8s} {body.strip()[:160]}", flush=True)
-                elif tag == "SP_DONE":
-                    res["kinds"][kind] = json.loads(body)
-            res["rc"][kind] = p.wait()
-        finally:
-            watchdog.cancel()
-            if gw is not None:
-                gw.kill()
-                gw.wait()
-            log.close()
+    def on_line(kind, line):
+        tag, _, body = line.partition(" ")
+        if tag == "SP_ROUND":
+            print(f"  {kind:8s} {body.strip()[:160]}", flush=True)
+        elif tag == "SP_DONE":
+            res["kinds"][kind] = json.loads(body)
+
+    engine_children.run(specs, out, on_line, a.child_timeout, together=a.start_together,
+                        on_done=lambda kind, rc, times: res["rc"].__setitem__(kind, rc))
     (out / "shared_prefix.json").write_text(json.dumps(res))
     print(report(res), flush=True)
 

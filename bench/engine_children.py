@@ -1,0 +1,205 @@
+"""Engine children of the GPU benches (``e2e_ttft.py``, ``shared_prefix.py``): one process per
+engine kind, each with its own ``xkv-gateway`` where the kind uses xkv, measured one at a time.
+
+Two ways to run them:
+
+- one after the other (the default): each child starts its engine, measures, exits; the next
+  starts after it. A kind's engine start (50-100 s on the H200: imports, torch.compile, CUDA
+  graph capture, kernel warm-up) is paid once per kind, in series: four kinds spent ~370 s of a
+  600 s device call starting engines (bench/RESULTS.md, stop 36).
+- ``together`` (``--start-together``): every child starts its engine at once and reports
+  ``E2E_READY``; only when every child is ready (or dead) does the first one get ``go`` on its
+  stdin, measure and exit; then the next. No engine starts, compiles or captures while another
+  measures; idle engines hold their GPU memory and do nothing. The engines must then fit the GPU
+  together and must not profile memory beside each other (vLLM's profiling reads device-wide free
+  memory: another engine starting meanwhile falsifies it), so the benches pass an explicit KV
+  cache size (``kv_cache_memory_bytes``) in this mode. Each child gets its own compile-cache root
+  (``VLLM_CACHE_ROOT``): engines of one configuration compiling at once would write one cache
+  entry together. A child that dies while starting beside the others runs again alone at the
+  end (say, it ran out of GPU memory beside them).
+
+``on_line(kind, line)`` sees every line of every child, one child at a time and each child's in
+its order (together: every start up to ``E2E_READY`` in kind order, then each measurement).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = "E2E_READY"  # a held child's engine is up; it waits for GO on its stdin
+GO = "go\n"
+
+
+def wait_for_go(emit: Callable[[str, dict], None]) -> None:
+    """In a held child (``--hold``): report the engine ready and wait for the parent's go (exit
+    quietly when the parent is gone: stdin closed)."""
+    emit(READY, {})
+    if sys.stdin.readline() != GO:
+        raise SystemExit(0)
+
+
+@dataclass
+class Spec:
+    """One child: ``kind`` (the label), ``cmd`` (without the hold/port flags), ``env``,
+    ``gateway`` (start an xkv-gateway of ``card`` bytes for it; its port is passed as
+    ``--port P`` and its pid as ``--gateway-pid N`` when ``pass_pid``)."""
+
+    kind: str
+    cmd: list[str]
+    env: dict[str, str]
+    gateway: bool = False
+    card: str = "256M"
+    gateway_args: list[str] = field(default_factory=list)
+    port: int = 0
+    pass_pid: bool = True
+
+
+class Child:
+    """A running child: its gateway, its process, its log file and a thread that queues its
+    lines (so that a held child never blocks on a full pipe while another one measures)."""
+
+    def __init__(self, spec: Spec, log_path: Path, hold: bool) -> None:
+        self.spec, self.hold = spec, hold
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed by finish)
+        self.gw = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.ready = False
+        self.t_spawn = self.t_ready = self.t_go = self.t_end = None
+        cmd = list(spec.cmd)
+        if spec.gateway:
+            from xkv.gateway.testing import spawn_gateway
+
+            t = time.perf_counter()
+            self.gw, port = spawn_gateway(spec.card, spec.port, timeout_s=300.0, stderr=self.log,
+                                          extra_args=spec.gateway_args)
+            print(f"[gateway {spec.kind}] {spec.card} card up in {time.perf_counter() - t:.1f} s "
+                  f"on port {port}", flush=True)
+            cmd += ["--port", str(port)]
+            if spec.pass_pid:
+                cmd += ["--gateway-pid", str(self.gw.pid)]
+        if hold:
+            cmd += ["--hold"]
+        self.t_spawn = time.time()
+        self.proc = subprocess.Popen(cmd, env=spec.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.PIPE if hold else subprocess.DEVNULL)
+        threading.Thread(target=self._read, daemon=True, name=f"child-{spec.kind}").start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(READY):
+                self.t_ready = time.time()
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def drain(self, on_line: Callable[[str, str], None], timeout_s: float,
+              until: str | None = None) -> bool:
+        """Pass this child's lines to ``on_line`` (and its log) until a line starting with
+        ``until`` (True) or its end (False); killed after ``timeout_s`` (a hung child prints
+        nothing)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=None if deadline is None
+                                      else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                print(f"[{self.spec.kind}] no end after {timeout_s:.0f} s: killed", flush=True)
+                self.proc.kill()
+                deadline = None  # its remaining lines, then the end
+                continue
+            if line is None:
+                return False
+            self.log.write(line)
+            on_line(self.spec.kind, line)
+            if until is not None and line.startswith(until):
+                return True
+
+    def go(self) -> None:
+        self.t_go = time.time()
+        self.proc.stdin.write(GO)
+        self.proc.stdin.flush()
+
+    def finish(self) -> int:
+        """Wait for the process, stop its gateway, close the log; the exit code."""
+        if self.hold and self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()  # a child never sent go exits
+        rc = self.proc.wait()
+        self.t_end = time.time()
+        if self.gw is not None:
+            from xkv.gateway.testing import stop_gateway
+
+            stop_gateway(self.gw)
+        self.log.close()
+        return rc
+
+    def times(self) -> dict:
+        """Wall-clock times (epoch s) of spawn, ready, go and end: whether starts overlapped
+        and measurements did not."""
+        return {"spawn": self.t_spawn, "ready": self.t_ready, "go": self.t_go, "end": self.t_end}
+
+
+def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeout_s: float,
+        together: bool = False, on_done: Callable[[str, int, dict], None] | None = None) -> None:
+    """Run every child of ``specs`` (logs ``out/KIND.log``), one after the other or started
+    together (module docstring); ``on_done(kind, rc, times)`` after each. ``timeout_s``: a
+    child's limit for its engine start and, separately once told to go, for its measurements
+    (one after the other: for both together)."""
+    if not together:
+        for spec in specs:
+            c = Child(spec, out / f"{spec.kind}.log", hold=False)
+            c.drain(on_line, timeout_s)
+            rc = c.finish()
+            print(f"[{spec.kind}] rc={rc} in {c.t_end - c.t_spawn:.0f} s", flush=True)
+            if on_done is not None:
+                on_done(spec.kind, rc, c.times())
+        return
+    t0 = time.time()
+    caches = Path(tempfile.mkdtemp(prefix="xkv-e2e-caches-"))  # not under out: out is shipped
+    try:
+        _together(specs, out, on_line, timeout_s, on_done, caches, t0)
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
+
+
+def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) -> None:
+    kids = []
+    for i, spec in enumerate(specs):
+        env = dict(spec.env, VLLM_CACHE_ROOT=str(caches / f"vllm-{i}"))
+        kids.append(Child(Spec(**{**spec.__dict__, "env": env, "port": 0}),
+                          out / f"{spec.kind}.log", hold=True))
+    for c in kids:  # every engine up (or dead) before anyone measures
+        left = max(1.0, timeout_s - (time.time() - c.t_spawn))
+        c.ready = c.drain(on_line, left, until=READY)
+    ready = [c.spec.kind for c in kids if c.ready]
+    print(f"[together] {len(ready)} of {len(kids)} engines up in {time.time() - t0:.0f} s: "
+          f"{ready}", flush=True)
+    again = []
+    for c in kids:
+        if c.ready:
+            c.go()
+            c.drain(on_line, timeout_s)
+        rc = c.finish()
+        if not c.ready:
+            print(f"[{c.spec.kind}] died while starting beside the others (rc={rc}): it runs "
+                  f"again alone at the end", flush=True)
+            again.append(c.spec)
+            continue
+        print(f"[{c.spec.kind}] rc={rc}; measured in {c.t_end - c.t_go:.0f} s", flush=True)
+        if on_done is not None:
+            on_done(c.spec.kind, rc, c.times())
+    for spec in again:
+        os.replace(out / f"{spec.kind}.log", out / f"{spec.kind}.together.log")
+    if again:
+        run(again, out, on_line, timeout_s, together=False, on_done=on_done)
