@@ -340,9 +340,11 @@ def main(scenario_path: str, result_path: str) -> None:
                 timer = threading.Timer(step["kill_after_s"],
                                         lambda: os.kill(sc["gateway_pid"], signal.SIGKILL))
                 timer.start()
+            mods = set(sys.modules)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sps, use_tqdm=False)
             dt = time.perf_counter() - t0
+            imported = sorted(set(sys.modules) - mods)
             if timer:
                 timer.join()
             res["runs"].append({
@@ -353,6 +355,7 @@ def main(scenario_path: str, result_path: str) -> None:
                                                              o.outputs[0].logprobs, strict=True)]
                              for o in outs] if step.get("logprobs") else None,
                 "seconds": dt,
+                "imported": imported,  # modules first imported during this batch (in-process)
                 "gw_before": before,
                 "gw_after": _gateway_stats(sc["port"]),
                 # cumulative counts, for per-run deltas

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xkv.kernels._arrays import has_duplicates
 from xkv.kernels.host import is_host_accessible
 from xkv.kernels.verify import Checks, JobChecks, validate_checks
 from xkv.layout import PagePool
@@ -194,7 +195,7 @@ def _check_pools(pools, ids, flat, flat_name, save) -> None:
     if ids.min() < 0 or ids.max() >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][:4]
         raise ValueError(f"block_ids out of range [0, {limit}): {bad.tolist()}")
-    if not save and np.unique(ids).size != n:
+    if not save and has_duplicates(ids):
         raise ValueError("block_ids has duplicates: two fragments would write the same block")
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from xkv.kernels import pinned
+from xkv.kernels._arrays import first_occurrences
 from xkv.kernels.checksum import check_page_bytes
 
 __all__ = ["CheckWords", "Checks", "JobChecks", "validate_checks"]
@@ -217,7 +218,7 @@ def validate_checks(checks: Checks, *, L: int, n: int, save: bool, pools, flat,
             store = ~ho
     hashed = np.ones(n, dtype=bool)
     if n:
-        _, first = np.unique(objects * (int(pages.max()) + 1) + pages, return_index=True)
+        first = first_occurrences(objects * (int(pages.max()) + 1) + pages)
         hashed[:] = False
         hashed[first] = True
     return JobChecks(objects, pages, store, hashed, int(C), init, list(range(L)), None,
