@@ -58,6 +58,27 @@ def test_one_step_line():
     assert float(plan_ms) == 2.0 and float(tail_ms) == 0.7
     assert float(launch_ms) == 0.5 and float(readback_ms) == 0.5 and float(launch_max_ms) == 0.15
     assert float(issue_ms) >= 0 and float(gbps) == pytest.approx(269_000_000 / 8.0 / 1e6, abs=0.05)
+
+
+def test_modules_imported_inside_the_step_are_named():
+    """A module first imported during the step (a first-time cost) is named on the line."""
+    import sys
+    import types
+
+    t = LoadTiming(True, FakeEvent)
+    t.begin("load")
+    sys.modules["xkv_test_late_module"] = types.ModuleType("xkv_test_late_module")
+    try:
+        FakeEvent.clock = 1.0
+        t.issued(1000, 1, "load")
+        line = t.report()
+    finally:
+        del sys.modules["xkv_test_late_module"]
+    assert line.endswith(" imported=xkv_test_late_module"), line
+    t.begin("load")  # nothing imported: no field
+    FakeEvent.clock = 2.0
+    t.issued(1000, 1, "load")
+    assert LINE.match(t.report())
     assert t.report() is None  # closed: one line per step
 
 

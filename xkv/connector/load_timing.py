@@ -8,7 +8,10 @@ the hashes the load stream waits for are inside it); ``issue_ms``, host time fro
 the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
 the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
 the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail) launches;
-``launches``, the step's load launches (the tail's aside); ``GBps`` = bytes / copy_ms.
+``launches``, the step's load launches (the tail's aside); ``GBps`` = bytes / copy_ms;
+``imported=a,b`` (only when any): modules first imported between the step's first load and its
+end (xkv's or vLLM's, the forward included): a first-time cost inside the step (a first restore
+once imported ``numpy.ma`` through ``np.unique``, ~8 ms; ``xkv.kernels._arrays``).
 
 ``XKV_TIMING=2`` (``watch=True``, :meth:`LoadTiming.watch`): also, when a step's launches take more than
 :data:`WATCH_S`, ``faulthandler`` writes every thread's Python stack to stderr (the engine log)
@@ -45,6 +48,7 @@ class LoadTiming:
         self._host0 = self._host1 = time.perf_counter()
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
         self.launch_s = self.readback_s = self.launch_max_s = 0.0
+        self._mods = set(sys.modules)
         self._open = True
 
     def planned(self, seconds: float) -> None:
@@ -97,9 +101,11 @@ class LoadTiming:
         if self._end is None:
             return None
         ms = self._start.elapsed_time(self._end)
+        new = sorted(set(sys.modules) - self._mods) if len(sys.modules) != len(self._mods) else []
+        more = f" imported={','.join(new)[:400]}" if new else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
                 f"launch_ms={self.launch_s * 1e3:.2f} launch_max_ms={self.launch_max_s * 1e3:.2f} "
                 f"readback_ms={self.readback_s * 1e3:.2f} "
                 f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "
-                f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}")
+                f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}{more}")
