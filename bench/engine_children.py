@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -150,15 +151,21 @@ class Child:
         return {"spawn": self.t_spawn, "ready": self.t_ready, "go": self.t_go, "end": self.t_end}
 
 
+def log_name(kind: str) -> str:
+    """The log file of a child: ``KIND.log``, characters other than letters, digits and
+    ``._@=+-`` made ``_`` (``xkv:graphs`` -> ``xkv_graphs.log``)."""
+    return re.sub(r"[^A-Za-z0-9._@=+-]", "_", kind) + ".log"
+
+
 def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeout_s: float,
         together: bool = False, on_done: Callable[[str, int, dict], None] | None = None) -> None:
-    """Run every child of ``specs`` (logs ``out/KIND.log``), one after the other or started
-    together (module docstring); ``on_done(kind, rc, times)`` after each. ``timeout_s``: a
-    child's limit for its engine start and, separately once told to go, for its measurements
-    (one after the other: for both together)."""
+    """Run every child of ``specs`` (logs ``out/KIND.log``, :func:`log_name`), one after the
+    other or started together (module docstring); ``on_done(kind, rc, times)`` after each.
+    ``timeout_s``: one after the other, a child's limit for its whole run; started together,
+    for its engine start and again, once told to go, for its measurements."""
     if not together:
         for spec in specs:
-            c = Child(spec, out / f"{spec.kind}.log", hold=False)
+            c = Child(spec, out / log_name(spec.kind), hold=False)
             c.drain(on_line, timeout_s)
             rc = c.finish()
             print(f"[{spec.kind}] rc={rc} in {c.t_end - c.t_spawn:.0f} s", flush=True)
@@ -178,7 +185,7 @@ def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) 
     for i, spec in enumerate(specs):
         env = dict(spec.env, VLLM_CACHE_ROOT=str(caches / f"vllm-{i}"))
         kids.append(Child(Spec(**{**spec.__dict__, "env": env, "port": 0}),
-                          out / f"{spec.kind}.log", hold=True))
+                          out / log_name(spec.kind), hold=True))
     for c in kids:  # every engine up (or dead) before anyone measures
         left = max(1.0, timeout_s - (time.time() - c.t_spawn))
         c.ready = c.drain(on_line, left, until=READY)
@@ -200,6 +207,7 @@ def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) 
         if on_done is not None:
             on_done(c.spec.kind, rc, c.times())
     for spec in again:
-        os.replace(out / f"{spec.kind}.log", out / f"{spec.kind}.together.log")
+        log = out / log_name(spec.kind)
+        os.replace(log, log.with_suffix(".together.log"))
     if again:
         run(again, out, on_line, timeout_s, together=False, on_done=on_done)

@@ -27,13 +27,13 @@ import gzip
 import json
 import os
 import random
-import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
 import e2e_kinds  # bench/, beside this file
+import engine_children
 
 HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
          "bind_connector_metadata", "clear_connector_metadata", "get_num_new_matched_tokens",
@@ -52,6 +52,7 @@ def _args(argv=None):
                          "one call compares store modes; xkv@KEY=VALUE[+KEY=VALUE]: other options "
                          "(bench/e2e_kinds.py)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn below this")
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--max-batched", type=int, default=16384)
@@ -66,7 +67,13 @@ def _args(argv=None):
     ap.add_argument("--tag", default="", help="label of this run in the report (e.g. before/after)")
     ap.add_argument("--traces", action="store_true", help="keep gzipped chrome traces")
     ap.add_argument("--child-timeout", type=float, default=300.0)
+    ap.add_argument("--start-together", action="store_true",
+                    help="start every engine at once, profile them one at a time "
+                         "(bench/engine_children.py; needs --kv-gib and a lower --gpu-util)")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="GPU KV cache GiB per engine (kv_cache_memory_bytes: no memory profiling)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -154,6 +161,8 @@ def _engine(a, kind, mode, max_len):
               enforce_eager=(mode == "eager"), gpu_memory_utilization=a.gpu_util,
               max_model_len=max_len + 64, max_num_batched_tokens=a.max_batched,
               enable_prefix_caching=True, seed=0)
+    if a.kv_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
     if a.backend:
         kw["attention_backend"] = a.backend
     if kind.split("@")[0] == "xkv":
@@ -286,10 +295,12 @@ def _child(a):
         clock.wrap(OffloadingConnector)
     lens = [int(x) for x in a.lens.split(",")]
     rng = random.Random(7)
-    prompt = lambda n: [rng.randrange(1000, 100000) for _ in range(n)]  # noqa: E731
+    prompt = lambda n: [rng.randrange(1000, a.vocab) for _ in range(n)]  # noqa: E731
     t0 = time.perf_counter()
     llm = _engine(a, kind, mode, max(lens))
     start_s = time.perf_counter() - t0
+    if a.hold:  # started beside the other engines (--start-together)
+        engine_children.wait_for_go(lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True))
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
 
     def gen(p):
@@ -351,46 +362,47 @@ def _child(a):
 def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, logs = [], []
+    if a.start_together and a.kv_gib is None:
+        raise SystemExit("--start-together needs --kv-gib (engines beside each other cannot "
+                         "profile GPU memory)")
+    results, logs, texts = [], [], {}
+    specs = []
     for mode in a.modes.split(","):
         for kind in a.kinds.split(","):
-            gw = None
-            if kind.split("@")[0] == "xkv":
-                from xkv.gateway.testing import spawn_gateway
-
-                gw, _ = spawn_gateway(f"{int(a.card_gib * 1024)}M", a.port, timeout_s=200.0)
             env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                        XKV_GATEWAY_HOSTNAME="127.0.0.1", XKV_TIMING="1",
                        **(e2e_kinds.env(kind) if "=" in kind else {}))
             env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
             if a.runner != "default":
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{kind}:{mode}"]
-            t = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.child_timeout)
-                text = p.stdout + p.stderr
-            except subprocess.TimeoutExpired as e:
-                text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                text += "\nTIMEOUT"
-            logs.append(f"===== {kind}:{mode} ({time.perf_counter() - t:.0f} s)\n" + text[-20000:])
-            timing = [ln.split("XKV_TIMING", 1)[1].strip() for ln in text.splitlines()
-                      if "XKV_TIMING" in ln]
-            for line in text.splitlines():
-                if line.startswith("PROFILE_RESULT "):
-                    r = json.loads(line.split(" ", 1)[1])
-                    r.update(tag=a.tag, model=a.model, backend=a.backend, runner=a.runner,
-                             xkv_timing=timing,
-                             stores=[ln.split("XKV: stores:", 1)[1].strip()
-                                     for ln in text.splitlines() if "XKV: stores:" in ln][:1])
-                    results.append(r)
-            print(f"[{kind}:{mode}] {time.perf_counter() - t:.0f} s, results {len(results)}", flush=True)
-            if gw is not None:
-                from xkv.gateway.testing import stop_gateway
+            label = f"{kind}:{mode}"
+            specs.append(engine_children.Spec(
+                kind=label, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", label],
+                env=env, gateway=kind.split("@")[0] == "xkv", card=f"{int(a.card_gib * 1024)}M",
+                port=a.port, pass_pid=False))
 
-                stop_gateway(gw)
-            (out / "profile.json").write_text(json.dumps(results, indent=1))
-            (out / "children.log").write_text("\n".join(logs))
+    def on_line(label, line):
+        texts.setdefault(label, []).append(line)
+
+    def done(label, rc, times):
+        lines = texts.pop(label, [])
+        text = "".join(lines) + ("" if rc == 0 else f"\nrc={rc}")
+        logs.append(f"===== {label} ({times['end'] - times['spawn']:.0f} s)\n" + text[-20000:])
+        timing = [ln.split("XKV_TIMING", 1)[1].strip() for ln in lines if "XKV_TIMING" in ln]
+        for line in lines:
+            if line.startswith("PROFILE_RESULT "):
+                r = json.loads(line.split(" ", 1)[1])
+                r.update(tag=a.tag, model=a.model, backend=a.backend, runner=a.runner,
+                         xkv_timing=timing,
+                         stores=[ln.split("XKV: stores:", 1)[1].strip()
+                                 for ln in lines if "XKV: stores:" in ln][:1])
+                results.append(r)
+        print(f"[{label}] results {len(results)}", flush=True)
+        (out / "profile.json").write_text(json.dumps(results, indent=1))
+        (out / "children.log").write_text("\n".join(logs))
+
+    engine_children.run(specs, out, on_line, a.child_timeout, together=a.start_together,
+                        on_done=done)
     if a.traces:
         with tarfile.open(out / "traces.tar.gz", "w") as tf:
             for f in sorted(out.glob("trace_*.json.gz")):

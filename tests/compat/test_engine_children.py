@@ -108,6 +108,12 @@ def test_a_child_dying_beside_the_others_runs_again_alone(tmp_path):
     assert (tmp_path / "b.together.log").exists()
 
 
+def test_log_names():
+    assert engine_children.log_name("xkv:graphs") == "xkv_graphs.log"
+    assert engine_children.log_name("xkv@verify_checksums=off") == "xkv@verify_checksums=off.log"
+    assert engine_children.log_name("a/b c") == "a_b_c.log"
+
+
 @pytest.mark.parametrize("together", [False, True])
 def test_a_hung_child_is_killed_and_the_rest_go_on(tmp_path, together):
     seen, done, m = _run(tmp_path, _specs(tmp_path, ["a", "b"], HANG="a"), together=together,

@@ -1,0 +1,51 @@
+"""bench/e2e_ttft.py with ``--start-together`` on vLLM's CPU engine (the GPU runs use it to spend
+device time measuring, not starting engines): three engines (no connector, xkv, an xkv
+variant) start at once, then measure one at a time; every kind's rows and the logprob checks
+are there, as one after the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_e2e_ttft_engines_started_together(models, tmp_path):
+    out = tmp_path / "o"
+    kinds = ["none", "xkv", "xkv@verify_checksums=off"]
+    cmd = [sys.executable, str(ROOT / "bench" / "e2e_ttft.py"), "--model", models["llama"],
+           "--out", str(out), "--kinds", ",".join(kinds), "--backend", "", "--mode", "eager",
+           "--lens", "300", "--reps", "2", "--cold-reps", "1", "--multi", "0",
+           "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
+           "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
+           "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "e2e_ttft.json").read_text())
+    assert res["rc"] == dict.fromkeys(kinds, 0), p.stdout[-3000:]
+    t = res["times"]
+    # every engine was up before the first one measured; measurements one at a time, in order
+    assert max(t[k]["ready"] for k in kinds) <= min(t[k]["go"] for k in kinds)
+    for a, b in zip(kinds, kinds[1:], strict=False):
+        assert t[a]["end"] <= t[b]["go"]
+    assert "died while starting" not in p.stdout
+    phases = {(r["kind"], r["phase"]) for r in res["rows"]}
+    for k in kinds[1:]:
+        assert {(k, "first_restore"), (k, "cold"), (k, "restore")} <= phases
+    assert {("none", "cold"), ("none", "gpu_hit"), ("xkv", "after_kill_cold")} <= phases
+    assert all(r["cached"] == 256 for r in res["rows"] if r["phase"] == "restore")
+    # the restored first token's logprobs equal the no-connector run's, for both xkv kinds
+    for k in kinds[1:]:
+        line = (f"first-token top-5 logprobs, {k} restored (cached 256) == no-connector hit "
+                f"(cached 256): True")
+        assert line in p.stdout, p.stdout[-3000:]
