@@ -35,7 +35,7 @@
 #                   give the step >= 280 (DISK_THREADS: the tier's I/O threads per round, "4";
 #                   DISK_DEPTHS: --disk-read-depth values per round, "auto,4"; then
 #                   bench/disk_reads.py: the disk's O_DIRECT rate by reads in flight)
-# Engine starts (70-105 s each on the H200) are most of a call: E2E_ARGS / SP_ARGS='--start-together
+# Engine starts (70-105 s each on the H200) are most of a call: E2E_ARGS / SP_ARGS / PROF_ARGS='--start-together
 # --kv-gib G --gpu-util 0.1' starts every kind's engine at once and measures them one at a time
 # (bench/engine_children.py; all engines must fit the GPU: Llama-3-8B ~15 GiB weights + G + ~2.5 each).
 # BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
@@ -58,7 +58,7 @@ prof() {  # name seconds args...
   local name=$1 secs=$2 d="$OUT/$1"; shift 2
   mkdir -p "$d"
   timeout "$secs" python3 bench/profile_steps.py --out "$d" --modes graphs --lens 2048,16384 \
-    --reps 3 --child-timeout 170 --runner default --tag "${TAG:-now}" "$@" > "$d/run.txt" 2>&1
+    --reps 3 --child-timeout 170 --runner default --tag "${TAG:-now}" "$@" ${PROF_ARGS:-} > "$d/run.txt" 2>&1
   echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
   cat "$d/profile.md" >> "$OUT/summary.txt" 2>/dev/null
 }
