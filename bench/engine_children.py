@@ -128,8 +128,9 @@ class Child:
 
     def go(self) -> None:
         self.t_go = time.time()
-        self.proc.stdin.write(GO)
-        self.proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # died while waiting: drain() sees its end
+            self.proc.stdin.write(GO)
+            self.proc.stdin.flush()
 
     def finish(self) -> int:
         """Wait for the process, stop its gateway, close the log; the exit code."""

@@ -130,3 +130,15 @@ def test_gateway_port_reaches_the_child(tmp_path):
     seen, done, m = _run(tmp_path, specs, together=True)
     ports = {m[k]["port"] for k in ("x", "y")}
     assert len(ports) == 2 and None not in ports  # a gateway each, on its own port
+
+
+def test_a_child_dying_while_it_waits_for_go_ends_quietly(tmp_path):
+    """Ready, then dead before its turn: the run goes on (no broken pipe), its rc is reported."""
+    script = tmp_path / "die.py"
+    script.write_text("import json, os, sys, time\nsys.path.insert(0, os.environ['BENCH'])\n"
+                      "print('E2E_READY {}', flush=True)\nsys.exit(7)\n")
+    specs = _specs(tmp_path, ["a", "b"])
+    specs[0].cmd = [sys.executable, str(script)]
+    seen, done, m = _run(tmp_path, specs, together=True)
+    assert done["a"][0] == 7 and "a" not in m
+    assert done["b"][0] == 0 and "b" in m
