@@ -2,12 +2,15 @@
 those ``kv_connector_extra_config`` options, measured in the same call as the plain kinds (e.g.
 ``--kinds none,xkv,xkv@save_mode=step,xkv@verify_checksums=on,offload``), so a setting's cost
 is a same-call comparison. ``on``/``off``/``true``/``false`` are booleans, digits integers.
-A key that starts with ``XKV_`` is an environment variable of that kind's engine instead (e.g.
-``xkv@XKV_MAX_PROGRAMS=16``: the copy kernels' SM budget), its value passed as written."""
+A key that starts with ``XKV_``, ``CUDA_``, ``VLLM_`` or ``TORCH_`` is an environment variable of
+that kind's engine instead (e.g. ``xkv@XKV_MAX_PROGRAMS=16``: the copy kernels' SM budget;
+``xkv@CUDA_MODULE_LOADING=EAGER``: every CUDA kernel loaded at start, not on first use), its
+value passed as written."""
 
 from __future__ import annotations
 
 _BOOL = {"on": True, "true": True, "off": False, "false": False}
+ENV_PREFIXES = ("XKV_", "CUDA_", "VLLM_", "TORCH_")
 
 
 def base(kind: str) -> str:
@@ -32,12 +35,13 @@ def _pairs(kind: str) -> list[tuple[str, str]]:
 def options(kind: str) -> dict:
     """The connector options of a variant kind ({} for a plain one); SystemExit names a bad one."""
     return {k: _BOOL.get(v.lower(), int(v) if v.isdigit() else v)
-            for k, v in _pairs(kind) if not k.startswith("XKV_")}
+            for k, v in _pairs(kind) if not k.startswith(ENV_PREFIXES)}
 
 
 def env(kind: str) -> dict[str, str]:
-    """The environment variables (``XKV_*`` keys) a variant kind sets for its engine."""
-    return {k: v for k, v in _pairs(kind) if k.startswith("XKV_")}
+    """The environment variables (:data:`ENV_PREFIXES` keys) a variant kind sets for its
+    engine."""
+    return {k: v for k, v in _pairs(kind) if k.startswith(ENV_PREFIXES)}
 
 
 def check(kinds: list[str], known: tuple[str, ...]) -> None:
