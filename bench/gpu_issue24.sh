@@ -24,6 +24,11 @@
 #   shared_prefix   bench/shared_prefix.py on the Llama shape (issue 24 point 5): 16 prefixes of 8k in a
 #                   2048-block GPU cache, rounds of 16 requests, kinds none,xkv,offload, outputs
 #                   compared with no connector (SP_ARGS: more options, e.g. --mode graphs)
+#   all_llama / all_mla / all_qwen   issue 24's whole table for one model, engines started together
+#                   (KV_GIB per engine, default 12): CUDA graphs and eager at 2k-32k with none, xkv
+#                   and Offloading (cold with stores, restores, first restore, logprobs, gateway
+#                   kill), the 8 x 16k case, and for Llama the shared-prefix workload; SECONDS per
+#                   part (a GPU without the device's 600 s limit: give each 600)
 #   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
 #                   hold them and spare the next session's engine starts?
 #   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
@@ -71,6 +76,16 @@ e2e() {  # name seconds args...
   sed -n '/^TTFT, ms/,$p' "$d/run.txt" >> "$OUT/summary.txt"
   rm -f "$d"/*.png
 }
+allmodel() {  # step seconds model-args...: issue 24's table for one model (see all_llama)
+  local step=$1 secs=$2; shift 2
+  local T=(--start-together --kv-gib "${KV_GIB:-12}" --gpu-util 0.1 --card-gib 16 --reps 3
+           --cold-reps 3 --after-kill 1 --child-timeout "$secs")
+  local L=(--lens 2048,4096,8192,16384,32768 --multi 0 --kinds none,xkv,offload)
+  e2e "$step/graphs" "$secs" "$@" --mode graphs "${T[@]}" "${L[@]}"
+  e2e "$step/eager" "$secs" "$@" --mode eager "${T[@]}" "${L[@]}"
+  e2e "$step/multi" "$secs" "$@" --mode graphs "${T[@]}" --kv-gib 24 --card-gib 24 --lens 2048 \
+    --multi 8 --kinds none,xkv,offload
+}
 for spec in "$@"; do
   step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=280
   case $step in
@@ -117,6 +132,13 @@ for spec in "$@"; do
       echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"
       timeout $((secs * 3 / 20)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
       echo "=== $step replay: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/replay.txt" >> "$OUT/summary.txt" ;;
+    all_llama) allmodel "$step" "$secs" "${LL[@]}"; d="$OUT/$step/shared_prefix"; mkdir -p "$d"
+      timeout "$secs" python3 bench/shared_prefix.py --model bench/models/llama8b --out "$d" \
+        --kinds none,xkv,offload --start-together --kv-gib 5 --gpu-util 0.1 --rounds 6 \
+        > "$d/run.txt" 2>&1
+      echo "=== $step/shared_prefix: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
+    all_mla) allmodel "$step" "$secs" "${MLA[@]}" --vocab 100000 ;;
+    all_qwen) allmodel "$step" "$secs" "${QW[@]}" ;;
     caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)
       du -sh ~/.cache/vllm/torch_compile_cache ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer \
         2>&1 | tee "$d/sizes.txt" >> "$OUT/summary.txt" ;;
