@@ -350,9 +350,8 @@ def _parent(a):
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
-    if a.start_together and a.kv_gib is None:
-        raise SystemExit("--start-together needs --kv-gib: engines starting beside each other "
-                         "cannot profile GPU memory (each would count the others' allocations)")
+    if a.start_together:
+        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib)
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
         env=_runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",

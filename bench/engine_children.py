@@ -50,6 +50,20 @@ def wait_for_go(emit: Callable[[str, dict], None]) -> None:
         raise SystemExit(0)
 
 
+def check_together(engines: int, gpu_util: float, kv_gib: float | None) -> None:
+    """Refuse, before anything starts, settings with which engines started together cannot come
+    up: no explicit KV size (they would profile memory beside each other), or a
+    ``gpu_memory_utilization`` that vLLM checks is free at each start and that the engines
+    together exceed (the later ones would fail at start and rerun alone, one after the other)."""
+    if kv_gib is None:
+        raise SystemExit("--start-together needs --kv-gib: engines starting beside each other "
+                         "cannot profile GPU memory (each would count the others' allocations)")
+    if engines * gpu_util > 0.9:
+        raise SystemExit(f"--start-together with {engines} engines and --gpu-util {gpu_util}: "
+                         f"vLLM checks at each start that {gpu_util} of the GPU is free; expected "
+                         f"--gpu-util <= {0.9 / engines:.2f} (the KV cache size is --kv-gib)")
+
+
 @dataclass
 class Spec:
     """One child: ``kind`` (the label), ``cmd`` (without the hold/port flags), ``env``,

@@ -362,9 +362,8 @@ def _child(a):
 def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.start_together and a.kv_gib is None:
-        raise SystemExit("--start-together needs --kv-gib (engines beside each other cannot "
-                         "profile GPU memory)")
+    if a.start_together:
+        engine_children.check_together(len(a.kinds.split(",")) * len(a.modes.split(",")), a.gpu_util, a.kv_gib)
     results, logs, texts = [], [], {}
     specs = []
     for mode in a.modes.split(","):

@@ -139,9 +139,8 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "kinds": {}, "rc": {}}
-    if a.start_together and a.kv_gib is None:
-        raise SystemExit("--start-together needs --kv-gib (engines beside each other cannot "
-                         "profile GPU memory)")
+    if a.start_together:
+        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib)
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
         env=dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),

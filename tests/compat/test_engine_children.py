@@ -142,3 +142,11 @@ def test_a_child_dying_while_it_waits_for_go_ends_quietly(tmp_path):
     seen, done, m = _run(tmp_path, specs, together=True)
     assert done["a"][0] == 7 and "a" not in m
     assert done["b"][0] == 0 and "b" in m
+
+
+def test_settings_that_cannot_start_together_are_refused():
+    with pytest.raises(SystemExit, match="needs --kv-gib"):
+        engine_children.check_together(3, 0.1, None)
+    with pytest.raises(SystemExit, match=r"4 engines and --gpu-util 0.55.*<= 0.23"):
+        engine_children.check_together(4, 0.55, 12)
+    engine_children.check_together(4, 0.1, 12)  # fits

@@ -26,7 +26,8 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
            "--lens", "300", "--reps", "2", "--cold-reps", "1", "--multi", "0",
            "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
            "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
-           "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together"]
+           "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together",
+           "--gpu-util", "0.1"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
