@@ -340,7 +340,9 @@ def _take(res, kind, line) -> None:
     elif "XKV_VERIFY" in line:
         res["verify"].append(line.strip()[-200:])
     elif "XKV_TIMING" in line:
-        res.setdefault("timing", {}).setdefault(kind, []).append(line.strip()[-120:])
+        # from the tag on: every field, ``imported=`` (the first restore's modules) included
+        res.setdefault("timing", {}).setdefault(kind, []).append(
+            line[line.index("XKV_TIMING"):].strip()[:600])
     elif "Traceback" in line or "Error" in line:
         print(f"  {kind}: {line.rstrip()[:300]}", flush=True)
 
