@@ -29,6 +29,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,8 +39,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: Seconds to wait for a killed child's last lines (its output closes when its last process dies).
+KILL_GRACE_S = 15.0
 READY = "E2E_READY"  # a held child's engine is up; it waits for GO on its stdin
 GO = "go\n"
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (a vLLM child's engine-core process holds the
+    child's output open and the GPU's memory: killing the child alone left both, and a stalled
+    step, in the H200 run of 2026-12-05). Linux ``/proc``; children first found, then killed."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += kids.get(p, [])
+    for p in reversed(tree):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def wait_for_go(emit: Callable[[str, dict], None]) -> None:
@@ -123,15 +149,19 @@ class Child:
         """Pass this child's lines to ``on_line`` (and its log) until a line starting with
         ``until`` (True) or its end (False); killed after ``timeout_s`` (a hung child prints
         nothing)."""
-        deadline = time.monotonic() + timeout_s
+        deadline, killed = time.monotonic() + timeout_s, False
         while True:
             try:
-                line = self.lines.get(timeout=None if deadline is None
-                                      else max(0.0, deadline - time.monotonic()))
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                print(f"[{self.spec.kind}] no end after {timeout_s:.0f} s: killed", flush=True)
-                self.proc.kill()
-                deadline = None  # its remaining lines, then the end
+                if killed:  # a process we could not see still holds its output: give up on it
+                    print(f"[{self.spec.kind}] output still open {KILL_GRACE_S:.0f} s after the "
+                          f"kill: left", flush=True)
+                    return False
+                print(f"[{self.spec.kind}] no end after {timeout_s:.0f} s: killed with its "
+                      f"processes", flush=True)
+                kill_tree(self.proc.pid)
+                deadline, killed = time.monotonic() + KILL_GRACE_S, True  # its last lines
                 continue
             if line is None:
                 return False

@@ -150,3 +150,19 @@ def test_settings_that_cannot_start_together_are_refused():
     with pytest.raises(SystemExit, match=r"4 engines and --gpu-util 0.55.*<= 0.23"):
         engine_children.check_together(4, 0.55, 12)
     engine_children.check_together(4, 0.1, 12)  # fits
+
+
+def test_a_hung_child_s_own_processes_are_killed_too(tmp_path):
+    """A hung child whose own child (an engine-core process) holds the output open: the kill
+    takes both, the output closes, the next child runs (the H200 run of 2026-12-05 stalled on
+    this until the step's own timeout)."""
+    script = tmp_path / "hang_tree.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "print('started', flush=True)\ntime.sleep(600)\n")
+    specs = _specs(tmp_path, ["a", "b"])
+    specs[0].cmd = [sys.executable, str(script)]
+    t = time.time()
+    seen, done, m = _run(tmp_path, specs, together=False, timeout_s=3.0)
+    assert done["a"][0] != 0 and done["b"][0] == 0 and "b" in m
+    assert time.time() - t < 3.0 + engine_children.KILL_GRACE_S
