@@ -93,14 +93,8 @@ def _args(argv=None):
                     help="cold requests timed one by one after the gateway's SIGKILL (xkv)")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
     e2e_models.add_args(ap)
-    ap.add_argument("--start-together", action="store_true",
-                    help="start every kind's engine at once, then measure them one at a time "
-                         "(bench/engine_children.py); needs --kv-gib, and the engines must fit the GPU "
-                         "together (lower --gpu-util: vLLM still checks that much is free at start)")
-    ap.add_argument("--kv-gib", type=float, default=None,
-                    help="GPU KV cache GiB per engine (vLLM's kv_cache_memory_bytes: no memory profiling)")
+    engine_children.add_args(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -115,8 +109,7 @@ def _engine(a, label, max_len):
               enforce_eager=(a.mode == "eager"), gpu_memory_utilization=a.gpu_util, max_model_len=max_len + 64,
               max_num_batched_tokens=a.max_batched, enable_prefix_caching=True, seed=0,
               disable_log_stats=False)
-    if a.kv_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
+    kw.update(engine_children.engine_kwargs(a))
     if a.backend:
         kw["attention_backend"] = a.backend
     kw.update(e2e_models.engine_kwargs(a))

@@ -24,7 +24,9 @@ its order (together: every start up to ``E2E_READY`` in kind order, then each me
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import os
 import queue
 import re
@@ -74,6 +76,24 @@ def wait_for_go(emit: Callable[[str, dict], None]) -> None:
     emit(READY, {})
     if sys.stdin.readline() != GO:
         raise SystemExit(0)
+
+
+def add_args(ap) -> None:
+    """The options every bench with engine children takes: ``--start-together``, ``--kv-gib``
+    and the child's hidden ``--hold``."""
+    ap.add_argument("--start-together", action="store_true",
+                    help="start every engine at once, measure them one at a time "
+                         "(bench/engine_children.py); needs --kv-gib and a --gpu-util low enough "
+                         "for all engines together (vLLM checks that much is free at each start)")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="GPU KV cache GiB per engine (vLLM's kv_cache_memory_bytes: no memory "
+                         "profiling)")
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+
+
+def engine_kwargs(a) -> dict:
+    """vLLM engine keywords of these options: the explicit KV cache size, if any."""
+    return {} if a.kv_gib is None else {"kv_cache_memory_bytes": int(a.kv_gib * 2**30)}
 
 
 def check_together(engines: int, gpu_util: float, kv_gib: float | None) -> None:
@@ -229,7 +249,7 @@ def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) 
     kids = []
     for i, spec in enumerate(specs):
         env = dict(spec.env, VLLM_CACHE_ROOT=str(caches / f"vllm-{i}"))
-        kids.append(Child(Spec(**{**spec.__dict__, "env": env, "port": 0}),
+        kids.append(Child(dataclasses.replace(spec, env=env, port=0),
                           out / log_name(spec.kind), hold=True))
     for c in kids:  # every engine up (or dead) before anyone measures
         left = max(1.0, timeout_s - (time.time() - c.t_spawn))

@@ -67,13 +67,8 @@ def _args(argv=None):
     ap.add_argument("--tag", default="", help="label of this run in the report (e.g. before/after)")
     ap.add_argument("--traces", action="store_true", help="keep gzipped chrome traces")
     ap.add_argument("--child-timeout", type=float, default=300.0)
-    ap.add_argument("--start-together", action="store_true",
-                    help="start every engine at once, profile them one at a time "
-                         "(bench/engine_children.py; needs --kv-gib and a lower --gpu-util)")
-    ap.add_argument("--kv-gib", type=float, default=None,
-                    help="GPU KV cache GiB per engine (kv_cache_memory_bytes: no memory profiling)")
+    engine_children.add_args(ap)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -161,8 +156,7 @@ def _engine(a, kind, mode, max_len):
               enforce_eager=(mode == "eager"), gpu_memory_utilization=a.gpu_util,
               max_model_len=max_len + 64, max_num_batched_tokens=a.max_batched,
               enable_prefix_caching=True, seed=0)
-    if a.kv_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
+    kw.update(engine_children.engine_kwargs(a))
     if a.backend:
         kw["attention_backend"] = a.backend
     if kind.split("@")[0] == "xkv":

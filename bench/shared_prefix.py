@@ -63,13 +63,8 @@ def _args(argv=None):
     ap.add_argument("--vocab", type=int, default=120000)
     ap.add_argument("--child-timeout", type=float, default=400.0)
     e2e_models.add_args(ap)
-    ap.add_argument("--start-together", action="store_true",
-                    help="start every kind's engine at once, measure one at a time "
-                         "(bench/engine_children.py; needs --kv-gib and a lower --gpu-util)")
-    ap.add_argument("--kv-gib", type=float, default=None,
-                    help="GPU KV cache GiB per engine (kv_cache_memory_bytes; --gpu-blocks still caps it)")
+    engine_children.add_args(ap)
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
-    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -96,8 +91,7 @@ def _engine(a, kind):
               **e2e_models.engine_kwargs(a))
     if a.backend:  # "" (a CPU dry run): the platform's own
         kw["attention_backend"] = a.backend
-    if a.kv_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
+    kw.update(engine_children.engine_kwargs(a))
     if kind == "xkv":
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",

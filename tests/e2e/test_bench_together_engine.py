@@ -44,9 +44,12 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     for k in kinds[1:]:
         assert {(k, "first_restore"), (k, "cold"), (k, "restore")} <= phases
     assert {("none", "cold"), ("none", "gpu_hit"), ("xkv", "after_kill_cold")} <= phases
-    assert all(r["cached"] == 256 for r in res["rows"] if r["phase"] == "restore")
-    # the restored first token's logprobs equal the no-connector run's, for both xkv kinds
+    # restores are whole 128-token chunks (2 of the 300 tokens), whatever block size the CPU's
+    # backend chose
+    assert {r["cached"] for r in res["rows"] if r["phase"] == "restore"} == {256}
+    # the restored first token's logprobs equal the no-connector run's, for both xkv kinds (the
+    # hit's cached count is vLLM's block-granular one: read from the run)
     for k in kinds[1:]:
-        line = (f"first-token top-5 logprobs, {k} restored (cached 256) == no-connector hit "
-                f"(cached 256): True")
-        assert line in p.stdout, p.stdout[-3000:]
+        ok = [ln for ln in p.stdout.splitlines()
+              if ln.startswith(f"first-token top-5 logprobs, {k} restored (cached ")]
+        assert len(ok) == 1 and ok[0].endswith(": True"), p.stdout[-3000:]
