@@ -279,12 +279,17 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """The copy engine's host-to-device bandwidth on this machine (pinned source, GB/s, median)."""
+def _h2d_gbps(nbytes: int = 256 << 20, reps: int = 7) -> float | None:
+    """The copy engine's host-to-device bandwidth on this machine (pinned source, GB/s, median);
+    None when the GPU has no room for the buffer (engines started together fill it: the H100 of
+    2026-12-05 had 0.4 GiB left beside three Llama engines, and the probe's OOM ended the child)."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    try:
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        return None
     v = []
     for _ in range(reps + 1):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -346,7 +351,8 @@ def _parent(a):
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
     if a.start_together:
-        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib)
+        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib,
+                                       a.together_max)
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
         env=_runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
@@ -359,7 +365,8 @@ def _parent(a):
         (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
 
     engine_children.run(specs, out, lambda kind, line: _take(res, kind, line), a.child_timeout,
-                        together=a.start_together, on_done=done)
+                        together=a.start_together, on_done=done,
+                        wave=a.together_max)
     (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
     _report(res, out)
 

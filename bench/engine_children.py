@@ -85,6 +85,11 @@ def add_args(ap) -> None:
                     help="start every engine at once, measure them one at a time "
                          "(bench/engine_children.py); needs --kv-gib and a --gpu-util low enough "
                          "for all engines together (vLLM checks that much is free at each start)")
+    ap.add_argument("--together-max", type=int, default=0,
+                    help="with --start-together: at most this many engines at once, in waves "
+                         "(kind order; a wave is measured and gone before the next starts); "
+                         "0: all (an H100's 80 GB holds three Llama-3-8B engines, two of the "
+                         "MLA model at their start-up peak)")
     ap.add_argument("--kv-gib", type=float, default=None,
                     help="GPU KV cache GiB per engine (vLLM's kv_cache_memory_bytes: no memory "
                          "profiling)")
@@ -96,11 +101,16 @@ def engine_kwargs(a) -> dict:
     return {} if a.kv_gib is None else {"kv_cache_memory_bytes": int(a.kv_gib * 2**30)}
 
 
-def check_together(engines: int, gpu_util: float, kv_gib: float | None) -> None:
+def check_together(engines: int, gpu_util: float, kv_gib: float | None, wave: int = 0) -> None:
     """Refuse, before anything starts, settings with which engines started together cannot come
     up: no explicit KV size (they would profile memory beside each other), or a
     ``gpu_memory_utilization`` that vLLM checks is free at each start and that the engines
-    together exceed (the later ones would fail at start and rerun alone, one after the other)."""
+    together exceed (the later ones would fail at start and rerun alone, one after the other).
+    ``wave``: at most this many engines at once (0: all)."""
+    if wave < 0:
+        raise SystemExit(f"--together-max {wave}: expected 0 (all) or a positive count")
+    if wave:
+        engines = min(engines, wave)
     if kv_gib is None:
         raise SystemExit("--start-together needs --kv-gib: engines starting beside each other "
                          "cannot profile GPU memory (each would count the others' allocations)")
@@ -223,11 +233,14 @@ def log_name(kind: str) -> str:
 
 
 def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeout_s: float,
-        together: bool = False, on_done: Callable[[str, int, dict], None] | None = None) -> None:
+        together: bool = False, on_done: Callable[[str, int, dict], None] | None = None,
+        wave: int = 0) -> None:
     """Run every child of ``specs`` (logs ``out/KIND.log``, :func:`log_name`), one after the
     other or started together (module docstring); ``on_done(kind, rc, times)`` after each.
     ``timeout_s``: one after the other, a child's limit for its whole run; started together,
-    for its engine start and again, once told to go, for its measurements."""
+    for its engine start and again, once told to go, for its measurements. ``wave`` (together
+    only): at most this many children at once, in kind order, each wave measured and ended
+    before the next starts (0: all); children that died starting rerun alone after the last."""
     if not together:
         for spec in specs:
             c = Child(spec, out / log_name(spec.kind), hold=False)
@@ -240,14 +253,25 @@ def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeo
     t0 = time.time()
     caches = Path(tempfile.mkdtemp(prefix="xkv-e2e-caches-"))  # not under out: out is shipped
     try:
-        _together(specs, out, on_line, timeout_s, on_done, caches, t0)
+        n = wave if wave > 0 else max(len(specs), 1)
+        again = []
+        for w in range(0, len(specs), n):
+            again += _together(specs[w:w + n], out, on_line, timeout_s, on_done, caches, t0, w)
+        for spec in again:
+            log = out / log_name(spec.kind)
+            os.replace(log, log.with_suffix(".together.log"))
+        if again:
+            run(again, out, on_line, timeout_s, together=False, on_done=on_done)
     finally:
         shutil.rmtree(caches, ignore_errors=True)
 
 
-def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) -> None:
+def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float,
+              first: int) -> list[Spec]:
+    """One wave: start ``specs`` at once, measure them one at a time; return those that died
+    while starting (``first``: the wave's first index, for the compile-cache roots)."""
     kids = []
-    for i, spec in enumerate(specs):
+    for i, spec in enumerate(specs, first):
         env = dict(spec.env, VLLM_CACHE_ROOT=str(caches / f"vllm-{i}"))
         kids.append(Child(dataclasses.replace(spec, env=env, port=0),
                           out / log_name(spec.kind), hold=True))
@@ -271,8 +295,4 @@ def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float) 
         print(f"[{c.spec.kind}] rc={rc}; measured in {c.t_end - c.t_go:.0f} s", flush=True)
         if on_done is not None:
             on_done(c.spec.kind, rc, c.times())
-    for spec in again:
-        log = out / log_name(spec.kind)
-        os.replace(log, log.with_suffix(".together.log"))
-    if again:
-        run(again, out, on_line, timeout_s, together=False, on_done=on_done)
+    return again

@@ -357,7 +357,8 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.start_together:
-        engine_children.check_together(len(a.kinds.split(",")) * len(a.modes.split(",")), a.gpu_util, a.kv_gib)
+        engine_children.check_together(len(a.kinds.split(",")) * len(a.modes.split(",")), a.gpu_util,
+                                       a.kv_gib, a.together_max)
     results, logs, texts = [], [], {}
     specs = []
     for mode in a.modes.split(","):

@@ -51,14 +51,14 @@ def _specs(tmp_path, kinds, **env):
                                  env={**base, **env}) for k in kinds]
 
 
-def _run(tmp_path, specs, together, timeout_s=30.0):
+def _run(tmp_path, specs, together, timeout_s=30.0, wave=0):
     seen, done = [], {}
 
     def on_line(kind, line):
         seen.append((kind, line))
 
     engine_children.run(specs, tmp_path, on_line, timeout_s, together=together,
-                        on_done=lambda k, rc, t: done.__setitem__(k, (rc, t)))
+                        on_done=lambda k, rc, t: done.__setitem__(k, (rc, t)), wave=wave)
     measured = {json.loads(ln.split(" ", 1)[1])["kind"]: json.loads(ln.split(" ", 1)[1])
                 for _, ln in seen if ln.startswith("MEASURED ")}
     return seen, done, measured
@@ -108,6 +108,27 @@ def test_a_child_dying_beside_the_others_runs_again_alone(tmp_path):
     assert (tmp_path / "b.together.log").exists()
 
 
+def test_waves_start_at_most_n_at_once(tmp_path):
+    """--together-max 2 with five kinds: waves (a, b), (c, d), (e); a wave starts only once the
+    one before has measured and ended; inside a wave starts overlap; a dying child of the
+    second wave reruns alone after the last wave; every child keeps its own cache root."""
+    kinds = ["a", "b", "c", "d", "e"]
+    seen, done, m = _run(tmp_path, _specs(tmp_path, kinds, FAIL_FIRST="c"), together=True,
+                         wave=2)
+    assert set(m) == set(kinds) and all(rc == 0 for rc, _ in done.values())
+    t = {k: tt for k, (_, tt) in done.items()}
+    for x, y in (("a", "b"), ("d", "e")):  # measured one at a time, in order
+        assert m[x]["t1"] <= m[y]["t0"]
+    # the second wave (c, d) spawned after the first ended, the third after the second
+    assert max(t["a"]["end"], t["b"]["end"]) <= t["d"]["spawn"]
+    assert t["d"]["end"] <= t["e"]["spawn"]
+    # a and b started together: b was spawned before a was ready
+    assert t["b"]["spawn"] < t["a"]["ready"]
+    assert m["c"]["t0"] > m["e"]["t1"] and (tmp_path / "c.together.log").exists()
+    caches = [m[k]["cache"] for k in kinds if k != "c"]
+    assert None not in caches and len(set(caches)) == 4
+
+
 def test_log_names():
     assert engine_children.log_name("xkv:graphs") == "xkv_graphs.log"
     assert engine_children.log_name("xkv@verify_checksums=off") == "xkv@verify_checksums=off.log"
@@ -150,6 +171,9 @@ def test_settings_that_cannot_start_together_are_refused():
     with pytest.raises(SystemExit, match=r"4 engines and --gpu-util 0.55.*<= 0.23"):
         engine_children.check_together(4, 0.55, 12)
     engine_children.check_together(4, 0.1, 12)  # fits
+    engine_children.check_together(4, 0.4, 12, wave=2)  # two at a time fit
+    with pytest.raises(SystemExit, match="--together-max -1"):
+        engine_children.check_together(4, 0.1, 12, wave=-1)
 
 
 def test_a_hung_child_s_own_processes_are_killed_too(tmp_path):
