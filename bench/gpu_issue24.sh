@@ -28,7 +28,10 @@
 #                   (KV_GIB per engine, default 12): CUDA graphs and eager at 2k-32k with none, xkv
 #                   and Offloading (cold with stores, restores, first restore, logprobs, gateway
 #                   kill), the 8 x 16k case, and for Llama the shared-prefix workload; SECONDS per
-#                   part (a GPU without the device's 600 s limit: give each 600)
+#                   part (a GPU without the device's 600 s limit: give each 600); engines start
+#                   in waves that fit this GPU's memory (--together-max from nvidia-smi: an
+#                   H100 takes two Llama engines with 12 GiB of KV each, an H200 three; KV_GIB:
+#                   KV per engine, default 12, the MLA model 4: 32k tokens are 0.6 GB there)
 #   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
 #                   hold them and spare the next session's engine starts?
 #   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
@@ -76,15 +79,20 @@ e2e() {  # name seconds args...
   sed -n '/^TTFT, ms/,$p' "$d/run.txt" >> "$OUT/summary.txt"
   rm -f "$d"/*.png
 }
-allmodel() {  # step seconds model-args...: issue 24's table for one model (see all_llama)
-  local step=$1 secs=$2; shift 2
-  local T=(--start-together --kv-gib "${KV_GIB:-12}" --gpu-util 0.1 --card-gib 16 --reps 3
-           --cold-reps 3 --after-kill 1 --child-timeout "$secs")
+# GiB of this GPU; fit G: how many engines of G GiB each start together on it (at least 1)
+GPU_GIB=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0) / 1024 ))
+fit() { local n=$(( GPU_GIB * 9 / 10 / $1 )); [ "$n" -lt 1 ] && n=1; echo "$n"; }
+allmodel() {  # step seconds base-GiB kv-GiB model-args...: issue 24's table for one model (all_llama)
+  # base: an engine's GPU memory at its start-up peak without its KV cache (H100 of stop 39:
+  # Llama-3-8B shape ~18 GiB, the MLA model 24-38 with its KV); engines start in waves that fit
+  local step=$1 secs=$2 base=$3 kv=${KV_GIB:-$4}; shift 4
+  local T=(--start-together --gpu-util 0.1 --reps 3 --cold-reps 3 --after-kill 1 --child-timeout "$secs")
   local L=(--lens 2048,4096,8192,16384,32768 --multi 0 --kinds none,xkv,offload)
-  e2e "$step/graphs" "$secs" "$@" --mode graphs "${T[@]}" "${L[@]}"
-  e2e "$step/eager" "$secs" "$@" --mode eager "${T[@]}" "${L[@]}"
+  local W=(--kv-gib "$kv" --card-gib 16 --together-max "$(fit $((base + kv + 2)))")
+  e2e "$step/graphs" "$secs" "$@" --mode graphs "${T[@]}" "${W[@]}" "${L[@]}"
+  e2e "$step/eager" "$secs" "$@" --mode eager "${T[@]}" "${W[@]}" "${L[@]}"
   e2e "$step/multi" "$secs" "$@" --mode graphs "${T[@]}" --kv-gib 24 --card-gib 24 --lens 2048 \
-    --multi 8 --kinds none,xkv,offload
+    --together-max "$(fit $((base + 26)))" --multi 8 --kinds none,xkv,offload
 }
 for spec in "$@"; do
   step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=280
@@ -132,13 +140,14 @@ for spec in "$@"; do
       echo "=== $step reserve: rc $?" | tee -a "$OUT/summary.txt"; tail -12 "$d/reserve.txt" >> "$OUT/summary.txt"
       timeout $((secs * 3 / 20)) python3 bench/gateway_edges.py replay --json "$d/replay.json" > "$d/replay.txt" 2>&1
       echo "=== $step replay: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/replay.txt" >> "$OUT/summary.txt" ;;
-    all_llama) allmodel "$step" "$secs" "${LL[@]}"; d="$OUT/$step/shared_prefix"; mkdir -p "$d"
+    all_llama) allmodel "$step" "$secs" 18 12 "${LL[@]}"; d="$OUT/$step/shared_prefix"; mkdir -p "$d"
       timeout "$secs" python3 bench/shared_prefix.py --model bench/models/llama8b --out "$d" \
         --kinds none,xkv,offload --start-together --kv-gib 5 --gpu-util 0.1 --rounds 6 \
+        --together-max "$(fit 25)" \
         > "$d/run.txt" 2>&1
       echo "=== $step/shared_prefix: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
-    all_mla) allmodel "$step" "$secs" "${MLA[@]}" --vocab 100000 ;;
-    all_qwen) allmodel "$step" "$secs" "${QW[@]}" ;;
+    all_mla) allmodel "$step" "$secs" 26 4 "${MLA[@]}" --vocab 100000 ;;
+    all_qwen) allmodel "$step" "$secs" 19 12 "${QW[@]}" ;;
     caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)
       du -sh ~/.cache/vllm/torch_compile_cache ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer \
         2>&1 | tee "$d/sizes.txt" >> "$OUT/summary.txt" ;;
