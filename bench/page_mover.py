@@ -485,7 +485,7 @@ def main() -> None:
     print_table(results, cb)
 
 
-CHECK_SIZES = [4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 256 * KIB]
+CHECK_SIZES = [4 * KIB, 8 * KIB, 16 * KIB, 18 * KIB, 32 * KIB, 64 * KIB, 256 * KIB]  # 18: MLA
 PAGES_PER_OBJECT = 16  # k: a 256-token chunk of 16-token blocks
 
 

@@ -43,8 +43,8 @@ def pool_over(raw: torch.Tensor, offset: int, g: Geometry) -> PagePool:
     )
 
 
-_BIG = [65536, 65536 + 3, 100000, 262144 - 8, 262144]
-_PAGE = [4096, 4104, 10496, 16384, 3000]
+_BIG = [65536, 65536 + 3, 100000, 262144 - 8, 262144, 67584]  # 67584: 33 rows of 2 KiB
+_PAGE = [4096, 4104, 10496, 16384, 3000, 18432]  # 18432: the MLA page (576 bf16 x 16)
 
 
 @st.composite

@@ -25,6 +25,11 @@ def test_launch_config_examples():
     assert (c.programs, c.rows) == (4, 1)
     c = _launch.launch_config(4097, 100, 4, word=1)
     assert c.cols == 4096 and c.rows * c.cols <= _launch.MAX_TILE_ELEMS
+    # an MLA page (576 bf16 x 16 tokens = 18 KiB): rows of 2 KiB divide it, 128 KiB tiles stay
+    c = _launch.launch_config(18432, 10_000, 64, save=False)
+    assert (c.rows, c.cols, c.num_warps) == (64, 256, 16)
+    # no power of two of >= 1 KiB divides a 10496-byte page (fp8 MLA): 4 KiB rows, masked
+    assert _launch.launch_config(10496, 10_000, 64, save=False).cols == 512
     with pytest.raises(ValueError):
         _launch.launch_config(4096, 10, 0)
 
@@ -44,6 +49,9 @@ def test_launch_config_properties(run, rows, budget, word, tile):
         assert v >= 1 and v & (v - 1) == 0
     assert c.cols * word <= _launch.MAX_COL_BYTES and c.rows * c.cols <= _launch.MAX_TILE_ELEMS
     assert c.num_warps <= 16
+    run_words = -(-run // word)
+    if run_words > c.cols and run_words % c.cols:  # a run over several rows is masked only
+        assert (run_words & -run_words) * word < _launch.MIN_EVEN_COL_BYTES  # when it must be
 
 
 def test_word_and_default_programs(monkeypatch):
@@ -81,6 +89,8 @@ def test_launch_choices():
         512,
     )
     assert grid == (4,)
+    m, _ = meta(Geometry(2, 18432, ((0, 18432),)), 0, [0, 18432])  # the MLA page: unmasked
+    assert (m["VEC"], m["EVEN"], m["COLS"]) == (2, True, 256)
     m, _ = meta(Geometry(8, 4096, ((0, 4096),)), 8, [0, 4096])
     assert (m["WORD_T"].primitive_bitwidth, m["VEC"], m["EVEN"]) == (64, 1, True)
     m, _ = meta(Geometry(8, 1003, ((3, 997),)), 0, [0, 1000])
@@ -165,3 +175,16 @@ def test_checked_restores_default_to_their_own_budget(monkeypatch):
     assert budget(False, True, 3) == 3
     monkeypatch.setenv("XKV_MAX_PROGRAMS", "6")
     assert budget(False, True) == budget(True, False) == 6
+
+
+def test_min_even_row_env(monkeypatch):
+    """XKV_MIN_EVEN_ROW_BYTES: a positive byte count; anything else is refused, naming it."""
+    assert _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024) == 1024
+    monkeypatch.setenv("ROW_BYTES_UNDER_TEST", "8192")
+    assert _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024) == 8192
+    for bad in ("0", "-1", "2k", ""):
+        monkeypatch.setenv("ROW_BYTES_UNDER_TEST", bad)
+        with pytest.raises(ValueError, match="ROW_BYTES_UNDER_TEST"):
+            _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024)
+    monkeypatch.setattr(_launch, "MIN_EVEN_COL_BYTES", 8192)  # the switch off: masked 4 KiB rows
+    assert _launch.launch_config(18432, 10_000, 64, save=False).cols == 512

@@ -32,6 +32,8 @@ from pools import (
 )
 
 import xkv.kernels as K
+from xkv.kernels import _launch
+from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import describe_cache
 
 ENGINES = ["reference", "triton"]
@@ -97,6 +99,35 @@ def test_save_layers(engine, job, seed):
     oracle(raw, pools, expect, offs, ids, save=True)
     K.save_layers(pools, ids, flat, offs, engine=engine, max_programs=2)
     assert torch.equal(flat, expect)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 64])
+@pytest.mark.parametrize("save", [False, True])
+def test_mla_pages_take_the_unmasked_rows_and_stay_exact(save, budget):
+    """18 KiB pages (MLA's 576 bf16 x 16 tokens): 2 KiB tile rows that divide the page
+    (``launch_config``), the unmasked variant; every byte as the oracle puts it, the
+    destination poisoned, fragments in shuffled card slots and ids in random order."""
+    g = Geometry(9, 18432 + 512, ((256, 18432),))
+    rng = np.random.default_rng(budget * 2 + save)
+    ids = rng.permutation(9)[:7].astype(np.int64)
+    offs = (rng.permutation(8)[:7] * 18432 + 4096).astype(np.int64)
+    raw, flat, pool = setup_single(g, 16, 4096 + 8 * 18432 + 64, int(rng.integers(1 << 16)))
+    job = build_job([pool], ids, flat, offsets_arg(offs[None], 1, "o"), save=save)
+    ((launch,),) = [_launch.launches(job, budget)]
+    assert (launch.meta["EVEN"], launch.meta["VEC"], launch.meta["COLS"]) == (True, 2, 256)
+    if save:
+        flat.fill_(POISON)
+        expect = flat.clone()
+        oracle(raw, [pool], expect, offs[None], ids, save=True)
+        K.save(pool, ids, flat, offs, engine="triton", max_programs=budget)
+        assert torch.equal(flat, expect)
+    else:
+        raw.fill_(POISON)
+        expect = raw.clone()
+        oracle(expect, [pool_over(expect, 16, g)], flat, offs[None], ids, save=False)
+        K.restore(flat, torch.from_numpy(offs), pool, torch.from_numpy(ids), engine="triton",
+                  max_programs=budget)
+        assert torch.equal(raw, expect)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -70,6 +70,16 @@ WHOLE_HASH_PROGRAMS = 128
 READ_TILE_BYTES = 128 * 1024  # bytes a program loads per step when the flat side is read (restore)
 WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side written (save, pack)
 MAX_COL_BYTES = 4096  # widest tile row
+#: narrowest tile row chosen to divide a run (launch_config); env ``XKV_MIN_EVEN_ROW_BYTES``
+#: (an A/B switch: a value above 4096 restores the masked 4 KiB rows of 18 KiB MLA pages)
+def _env_bytes(name: str, default: int) -> int:
+    v = os.environ.get(name, str(default))
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{name}={v!r}: expected a positive number of bytes")
+    return int(v)
+
+
+MIN_EVEN_COL_BYTES = _env_bytes("XKV_MIN_EVEN_ROW_BYTES", 1024)
 MAX_ROWS = 64
 MAX_TILE_ELEMS = 16384  # registers: at most 32 words per thread at 16 warps
 
@@ -156,6 +166,14 @@ def launch_config(
         tile_bytes = WRITE_TILE_BYTES if save else READ_TILE_BYTES
     run_words = max(1, -(-run_bytes // word))
     cols = min(_pow2_at_least(run_words), MAX_COL_BYTES // word)
+    if run_words > cols and run_words % cols:
+        # A run longer than a tile row that the row does not divide (the MLA page of 576 bf16
+        # per token: 18 KiB = 4.5 rows of 4 KiB) takes the masked path, whose per-column bounds
+        # keep Triton from proving 16-byte accesses. The largest power of two that divides the
+        # run, if a row of it is still >= MIN_EVEN_COL_BYTES, keeps it unmasked (2 KiB rows there).
+        d = run_words & -run_words
+        if d * word >= MIN_EVEN_COL_BYTES:
+            cols = d
     tile_elems = min(max(tile_bytes // word, cols), MAX_TILE_ELEMS)
     rows = max(1, min(tile_elems // cols, MAX_ROWS))
     per_program = -(-max(n_rows, 1) // max_programs)
