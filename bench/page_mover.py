@@ -376,6 +376,8 @@ def main() -> None:
                     help="only compare restore/save GB/s with and without checksums (issue 25)")
     ap.add_argument("--check-budgets", default="8,16,32",
                     help="--checksums: the SM budgets besides --connector-budget")
+    ap.add_argument("--check-sizes", default=",".join(str(s // KIB) for s in CHECK_SIZES),
+                    help="--checksums: page sizes in KiB")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.cuda.init()
@@ -536,7 +538,7 @@ def checksum_table(args) -> None:
     budgets = sorted({args.connector_budget, *map(int, args.check_budgets.split(","))})
     out = {"machine": machine_line(), "budgets": budgets, "rows": {}}
     print(json.dumps(out["machine"]))
-    for frag in CHECK_SIZES:
+    for frag in (int(k) * KIB for k in args.check_sizes.split(",")):
         nbytes, make = _checked_jobs(frag, host, host_out, total)
         row = out["rows"][str(frag)] = {}
         for budget in budgets:
