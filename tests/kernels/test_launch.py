@@ -28,8 +28,10 @@ def test_launch_config_examples():
     # an MLA page (576 bf16 x 16 tokens = 18 KiB): rows of 2 KiB divide it, 128 KiB tiles stay
     c = _launch.launch_config(18432, 10_000, 64, save=False)
     assert (c.rows, c.cols, c.num_warps) == (64, 256, 16)
-    # no power of two of >= 1 KiB divides a 10496-byte page (fp8 MLA): 4 KiB rows, masked
+    # no power of two of >= 2 KiB divides a 10496-byte page (fp8 MLA) or a 5 KiB one: 4 KiB rows
     assert _launch.launch_config(10496, 10_000, 64, save=False).cols == 512
+    assert _launch.launch_config(5120, 10_000, 64, save=False).cols == 512
+    assert _launch.launch_config(6144, 10_000, 64, save=False).cols == 256  # 3 x 2 KiB
     with pytest.raises(ValueError):
         _launch.launch_config(4096, 10, 0)
 

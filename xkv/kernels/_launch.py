@@ -70,8 +70,8 @@ WHOLE_HASH_PROGRAMS = 128
 READ_TILE_BYTES = 128 * 1024  # bytes a program loads per step when the flat side is read (restore)
 WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side written (save, pack)
 MAX_COL_BYTES = 4096  # widest tile row
-#: narrowest tile row chosen to divide a run (launch_config); env ``XKV_MIN_EVEN_ROW_BYTES``
-#: (an A/B switch: a value above 4096 restores the masked 4 KiB rows of 18 KiB MLA pages)
+
+
 def _env_bytes(name: str, default: int) -> int:
     v = os.environ.get(name, str(default))
     if not v.isdigit() or int(v) < 1:
@@ -79,7 +79,10 @@ def _env_bytes(name: str, default: int) -> int:
     return int(v)
 
 
-MIN_EVEN_COL_BYTES = _env_bytes("XKV_MIN_EVEN_ROW_BYTES", 1024)
+#: narrowest tile row chosen to divide a run (launch_config; 2 KiB: 64 such rows still fill a
+#: restore's 128 KiB tile); env ``XKV_MIN_EVEN_ROW_BYTES``
+#: (an A/B switch: a value above 4096 restores the masked 4 KiB rows of 18 KiB MLA pages)
+MIN_EVEN_COL_BYTES = _env_bytes("XKV_MIN_EVEN_ROW_BYTES", 2048)
 MAX_ROWS = 64
 MAX_TILE_ELEMS = 16384  # registers: at most 32 words per thread at 16 warps
 
