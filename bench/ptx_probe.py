@@ -1,7 +1,8 @@
 """The global loads and stores the copy kernel compiles to for sm_90, without a GPU: 8-byte
 (``.b64``) against 16-byte (``.v2.b64``) data accesses of the tile variants the launcher picks
 for a page size (bench/RESULTS.md "stop 39": 18 KiB MLA pages took masked 4 KiB rows, compiled
-to 8-byte accesses, while 32 KiB runs get 16-byte ones).
+to 8-byte accesses, while 32 KiB runs get 16-byte ones) and the barriers per program step
+(the checked variants' per-row checksum reduction).
 
     env -u TRITON_INTERPRET python bench/ptx_probe.py [--pages 18432,32768]
 
@@ -28,7 +29,9 @@ PTR = {"p_pool": "*u8", "p_flat": "*u8", "p_ids": "*i64", "p_flat_off": "*i64",
 
 
 def accesses(ptx: str) -> dict[str, int]:
-    found = re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx)
+    """Global load/store instructions by width, and the barriers (``bar.sync``: a program's
+    warps wait for each other, so no warp issues its next loads meanwhile)."""
+    found = re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*|bar\.sync", ptx)
     return {k: found.count(k) for k in sorted(set(found))}
 
 
@@ -54,7 +57,7 @@ def compile_ptx(even: bool, rows: int, cols: int, num_warps: int, check: bool, s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", default="18432,32768", help="page (run) sizes in bytes")
+    ap.add_argument("--pages", default="4096,18432,32768", help="page (run) sizes in bytes")
     a = ap.parse_args()
     default = _launch.MIN_EVEN_COL_BYTES
     for page in (int(x) for x in a.pages.split(",")):
