@@ -2,7 +2,7 @@
 (``.b64``) against 16-byte (``.v2.b64``) data accesses of the tile variants the launcher picks
 for a page size (bench/RESULTS.md "stop 39": 18 KiB MLA pages took masked 4 KiB rows, compiled
 to 8-byte accesses, while 32 KiB runs get 16-byte ones) and the barriers per program step
-(the checked variants' per-row checksum reduction).
+(the checked variants' per-row checksum reduction; ``split=8``: XKV_CHECK_SPLIT's partial sums).
 
     env -u TRITON_INTERPRET python bench/ptx_probe.py [--pages 18432,32768]
 
@@ -35,7 +35,8 @@ def accesses(ptx: str) -> dict[str, int]:
     return {k: found.count(k) for k in sorted(set(found))}
 
 
-def compile_ptx(even: bool, rows: int, cols: int, num_warps: int, check: bool, save: bool) -> str:
+def compile_ptx(even: bool, rows: int, cols: int, num_warps: int, check: bool, save: bool,
+                split: int = 1) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,7 +45,8 @@ def compile_ptx(even: bool, rows: int, cols: int, num_warps: int, check: bool, s
 
     names = page_copy_kernel.arg_names
     const = dict(WORD_T=WORD_TYPES[8], WORD=8, SAVE=save, HAS_FLAT_OFF=True, HAS_LAYERS=True,
-                 SLICED=False, EVEN=even, VEC=2, CHECK=check, ROWS=rows, COLS=cols, STORE=True)
+                 SLICED=False, EVEN=even, VEC=2, CHECK=check, ROWS=rows, COLS=cols, STORE=True,
+                 SPLIT=split)
     sig = {a: "constexpr" if a in const else PTR.get(a, "i64" if a in INT_ARGS else "i32")
            for a in names}
     aligned = [a for a in names if a in PTR or a in ("block_stride", "block_words")]
@@ -65,10 +67,10 @@ def main() -> None:
             _launch.MIN_EVEN_COL_BYTES = min_row
             c = _launch.launch_config(page, 1 << 16, 64, save=False)
             even = (page // 8) % c.cols == 0
-            for check in (False, True):
-                ptx = compile_ptx(even, c.rows, c.cols, c.num_warps, check, save=False)
+            for check, split in ((False, 1), (True, 1), (True, 8)):
+                ptx = compile_ptx(even, c.rows, c.cols, c.num_warps, check, False, split)
                 print(f"{page} B page, {label}: rows {c.rows} x cols {c.cols} (EVEN={even}), "
-                      f"checked={check}: {accesses(ptx)}", flush=True)
+                      f"checked={check}, split={split}: {accesses(ptx)}", flush=True)
     _launch.MIN_EVEN_COL_BYTES = default
 
 

@@ -31,16 +31,18 @@ def _compile_all() -> dict:
 
     names = page_copy_kernel.arg_names
     out = {"n": 0, "failures": [], "missing": sorted(set(_PTR) - set(names))}
-    for word, save, check, even, vec, sliced, layers, store in itertools.product(
+    for word, save, check, even, vec, sliced, layers, store, split in itertools.product(
             (1, 2, 4, 8), (False, True), (False, True), (False, True), (1, 4), (False, True),
-            (False, True), (True, False)):
+            (False, True), (True, False), (1, 8)):
         if (check and word not in (4, 8)) or (even and sliced):
             continue
         if not store and (sliced or not (save and check)):  # STORE=False: hash_pages only
             continue
+        if split > 1 and (not check or sliced or vec > 1):  # XKV_CHECK_SPLIT: checked only
+            continue
         const = dict(WORD_T=WORD_TYPES[word], WORD=word, SAVE=save, HAS_FLAT_OFF=layers,
                      HAS_LAYERS=layers, SLICED=sliced, EVEN=even, VEC=vec, CHECK=check, ROWS=4,
-                     COLS=max(16, 1024 // word), STORE=store)
+                     COLS=max(16, 1024 // word), STORE=store, SPLIT=split)
         sig = {a: "constexpr" if a in const else _PTR.get(a, "i64") for a in names}
         src = ASTSource(fn=page_copy_kernel, signature=sig,
                         constexprs={(names.index(k),): v for k, v in const.items()})

@@ -181,12 +181,12 @@ def test_checked_restores_default_to_their_own_budget(monkeypatch):
 
 def test_min_even_row_env(monkeypatch):
     """XKV_MIN_EVEN_ROW_BYTES: a positive byte count; anything else is refused, naming it."""
-    assert _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024) == 1024
+    assert _launch._env_count("ROW_BYTES_UNDER_TEST", 1024) == 1024
     monkeypatch.setenv("ROW_BYTES_UNDER_TEST", "8192")
-    assert _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024) == 8192
+    assert _launch._env_count("ROW_BYTES_UNDER_TEST", 1024) == 8192
     for bad in ("0", "-1", "2k", ""):
         monkeypatch.setenv("ROW_BYTES_UNDER_TEST", bad)
         with pytest.raises(ValueError, match="ROW_BYTES_UNDER_TEST"):
-            _launch._env_bytes("ROW_BYTES_UNDER_TEST", 1024)
+            _launch._env_count("ROW_BYTES_UNDER_TEST", 1024)
     monkeypatch.setattr(_launch, "MIN_EVEN_COL_BYTES", 8192)  # the switch off: masked 4 KiB rows
     assert _launch.launch_config(18432, 10_000, 64, save=False).cols == 512

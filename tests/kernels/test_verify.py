@@ -354,3 +354,33 @@ def test_readback_runs_no_kernel_on_the_words(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "any", lambda *a, **k: pytest.fail("reduced on device"))
     out = cw.readback()
     assert out.shape == (2, 2) and K.mismatch_flags(out.numpy()).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("split", [2, 8, 64])
+@settings(max_examples=15, deadline=None)
+@given(c=cases(), data=st.data())
+def test_split_partial_sums_give_the_same_words_and_flags(split, c, data):
+    """``XKV_CHECK_SPLIT`` (the kernel's SPLIT partial sums per row, each added atomically):
+    the saved words equal the oracle's, a clean restore flags nothing and a flipped bit flags
+    exactly its object, as with one whole-row sum (split capped at the tile's columns)."""
+    from xkv.kernels import _launch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_launch, "CHECK_SPLIT", split)
+        pools, _, card, words = saved(c, "triton")
+        np.testing.assert_array_equal(words, oracle_words(card, c))
+        keep = np.zeros(c["n"], bool)
+        dst, _ = make_pools(c, c["seed"] + 1)
+        res = K.restore_layers(card, c["offs"], dst, c["ids"], engine="triton", max_programs=2,
+                               checks=checks_for(c, words, keep))
+        assert not res.mismatched().any()
+        li = data.draw(st.integers(0, c["L"] - 1))
+        i = data.draw(st.integers(0, c["n"] - 1))
+        b = data.draw(st.integers(0, 8 * c["bb"] - 1))
+        bad = card.clone()
+        bad[int(c["offs"][li, i]) + b // 8] ^= 1 << (b % 8)
+        res = K.restore_layers(bad, c["offs"], dst, c["ids"], engine="triton", max_programs=2,
+                               checks=checks_for(c, words, keep))
+        want = np.zeros(c["C"], bool)
+        want[c["obj"][i]] = True
+        np.testing.assert_array_equal(res.mismatched(), want)

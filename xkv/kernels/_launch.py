@@ -72,17 +72,22 @@ WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side writte
 MAX_COL_BYTES = 4096  # widest tile row
 
 
-def _env_bytes(name: str, default: int) -> int:
+def _env_count(name: str, default: int, unit: str = "bytes") -> int:
     v = os.environ.get(name, str(default))
     if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"{name}={v!r}: expected a positive number of bytes")
+        raise ValueError(f"{name}={v!r}: expected a positive number of {unit}")
     return int(v)
 
 
 #: narrowest tile row chosen to divide a run (launch_config; 2 KiB: 64 such rows still fill a
 #: restore's 128 KiB tile); env ``XKV_MIN_EVEN_ROW_BYTES``
 #: (an A/B switch: a value above 4096 restores the masked 4 KiB rows of 18 KiB MLA pages)
-MIN_EVEN_COL_BYTES = _env_bytes("XKV_MIN_EVEN_ROW_BYTES", 2048)
+MIN_EVEN_COL_BYTES = _env_count("XKV_MIN_EVEN_ROW_BYTES", 2048)
+#: checked copies: partial checksum sums per tile row (1: one whole-row sum); env
+#: ``XKV_CHECK_SPLIT`` (a power of two; an A/B switch until the GPU measures it)
+CHECK_SPLIT = _env_count("XKV_CHECK_SPLIT", 1, "partial sums")
+if CHECK_SPLIT & (CHECK_SPLIT - 1):
+    raise ValueError(f"XKV_CHECK_SPLIT={CHECK_SPLIT}: expected a power of two")
 MAX_ROWS = 64
 MAX_TILE_ELEMS = 16384  # registers: at most 32 words per thread at 16 warps
 
@@ -290,6 +295,8 @@ def plan(
                 COLS=cfg.cols, num_warps=cfg.num_warps)
     if not store:
         meta["STORE"] = False
+    if check and CHECK_SPLIT > 1:  # only then in meta: every other variant keeps its key
+        meta["SPLIT"] = min(CHECK_SPLIT, cfg.cols)
     return LaunchPlan(tuple(pools), low.base, table, scalars, meta, cfg.programs)
 
 

@@ -9,7 +9,8 @@ All offsets are int64 and in words of ``WORD_T`` (``WORD`` bytes), except the ``
 holds bytes so that callers can upload it before the word size is known. A program copies a ``[ROWS, COLS]`` tile per step
 (several fragments at once, so few programs keep many bytes in flight) and walks row groups
 grid-stride. ``SLICED`` copies only bytes ``[lo, hi)`` of the concatenation of all fragments.
-``CHECK`` adds the checksum terms of the bytes read; ``STORE=False`` (default True, so every
+``CHECK`` adds the checksum terms of the bytes read (``SPLIT`` > 1: as that many partial sums per
+row, each added atomically); ``STORE=False`` (default True, so every
 other launch is the same variant) stores nothing: with ``SAVE`` and ``CHECK`` it hashes pages in
 place (:mod:`xkv.kernels.hashing`) and never touches the flat buffer.
 
@@ -118,6 +119,7 @@ def page_copy_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     STORE: tl.constexpr = True,  # False: read and hash only, write nothing (xkv.kernels.hash_pages)
+    SPLIT: tl.constexpr = 1,  # CHECK: partial sums per row (divides COLS; XKV_CHECK_SPLIT)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     n_p = tl.num_programs(0).to(tl.int64)
@@ -191,8 +193,18 @@ def page_copy_kernel(
             elif STORE:
                 tl.store(p_dst[:, None] + o_c[None, :], b_x, mask=m_t)
         if CHECK:
-            b_sum = tl.where(b_hash, tl.sum(acc, axis=1), 0)
-            tl.atomic_add(p_res + b_res, b_sum.to(tl.int32, bitcast=True), mask=m_k)
+            if SPLIT == 1:
+                b_sum = tl.where(b_hash, tl.sum(acc, axis=1), 0)
+                tl.atomic_add(p_res + b_res, b_sum.to(tl.int32, bitcast=True), mask=m_k)
+            else:
+                # SPLIT partial sums per row, added atomically (the same sum mod 2**32): a
+                # row's whole-width sum crosses warps through shared memory and barriers,
+                # which hold every warp's next loads (bench/ptx_probe.py: 13 barriers -> 2)
+                b_part = tl.sum(tl.reshape(acc, [ROWS, SPLIT, COLS // SPLIT]), axis=2)
+                b_part = tl.where(b_hash[:, None], b_part, 0)
+                o_res = b_res[:, None] + tl.zeros([ROWS, SPLIT], dtype=tl.int64)
+                tl.atomic_add(p_res + o_res, b_part.to(tl.int32, bitcast=True),
+                              mask=m_k[:, None], sem="relaxed")
 
 
 WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
