@@ -13,6 +13,9 @@
 #                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
 #                   LENS (default 4096,16384)
 #   checksums       bench/page_mover.py --checksums: Triton restore/save GB/s with vs without checksums at 4-32 programs
+#   kernel_ab       bench/page_mover.py --checksums (pages AB_SIZES KiB, default 4,8,18,32; budgets 4, 16,
+#                   64) three times: XKV_CHECK_SPLIT=1 (the default), =8 (partial checksum sums), and
+#                   XKV_MIN_EVEN_ROW_BYTES=65536 (the masked rows 18 KiB pages had before stop 39)
 #   gputests        pytest -m gpu of the tail fence, the CUDA transfer handler (every checksum pass),
 #                   prepared copies, warmup, the two-pass restore and the card in pieces
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs / e2e_qwen_graphs   bench/e2e_ttft.py,
@@ -115,6 +118,13 @@ for spec in "$@"; do
         --check-budgets "${CHECK_BUDGETS:-8,16,32}" --out "$OUT/$step" \
         > "$OUT/$step/run.txt" 2>&1
       echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; grep -v '^{' "$OUT/$step/run.txt" >> "$OUT/summary.txt" ;;
+    kernel_ab) mkdir -p "$OUT/$step"  # stop 39's two kernel switches, each against its default
+      for ab in "XKV_CHECK_SPLIT=1" "XKV_CHECK_SPLIT=8" "XKV_MIN_EVEN_ROW_BYTES=65536"; do
+        env "$ab" timeout $((secs / 3)) python3 bench/page_mover.py --checksums --connector-budget 4 \
+          --check-budgets 16,64 --check-sizes "${AB_SIZES:-4,8,18,32}" --out "$OUT/$step/$ab" \
+          > "$OUT/$step/$ab.txt" 2>&1
+        echo "=== $step $ab: rc $?" | tee -a "$OUT/summary.txt"; grep -v '^{' "$OUT/$step/$ab.txt" >> "$OUT/summary.txt"
+      done ;;
     e2e_llama_graphs) e2e "$step" "$secs" "${LL[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_llama_eager) e2e "$step" "$secs" "${LL[@]}" --mode eager ${E2E_ARGS:-} ;;
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
