@@ -250,13 +250,12 @@ def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeo
             if on_done is not None:
                 on_done(spec.kind, rc, c.times())
         return
-    t0 = time.time()
     caches = Path(tempfile.mkdtemp(prefix="xkv-e2e-caches-"))  # not under out: out is shipped
     try:
         n = wave if wave > 0 else max(len(specs), 1)
         again = []
         for w in range(0, len(specs), n):
-            again += _together(specs[w:w + n], out, on_line, timeout_s, on_done, caches, t0, w)
+            again += _together(specs[w:w + n], out, on_line, timeout_s, on_done, caches, w)
         for spec in again:
             log = out / log_name(spec.kind)
             os.replace(log, log.with_suffix(".together.log"))
@@ -266,11 +265,10 @@ def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeo
         shutil.rmtree(caches, ignore_errors=True)
 
 
-def _together(specs, out, on_line, timeout_s, on_done, caches: Path, t0: float,
-              first: int) -> list[Spec]:
+def _together(specs, out, on_line, timeout_s, on_done, caches: Path, first: int) -> list[Spec]:
     """One wave: start ``specs`` at once, measure them one at a time; return those that died
     while starting (``first``: the wave's first index, for the compile-cache roots)."""
-    kids = []
+    t0, kids = time.time(), []
     for i, spec in enumerate(specs, first):
         env = dict(spec.env, VLLM_CACHE_ROOT=str(caches / f"vllm-{i}"))
         kids.append(Child(dataclasses.replace(spec, env=env, port=0),
