@@ -350,9 +350,7 @@ def _parent(a):
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
-    if a.start_together:
-        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib,
-                                       a.together_max)
+    together = engine_children.together(a, len(a.kinds.split(",")))
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
         env=_runner_env(dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
@@ -365,8 +363,7 @@ def _parent(a):
         (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
 
     engine_children.run(specs, out, lambda kind, line: _take(res, kind, line), a.child_timeout,
-                        together=a.start_together, on_done=done,
-                        wave=a.together_max)
+                        on_done=done, **together)
     (out / "e2e_ttft.json").write_text(json.dumps(res, indent=1))
     _report(res, out)
 

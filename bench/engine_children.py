@@ -120,6 +120,18 @@ def check_together(engines: int, gpu_util: float, kv_gib: float | None, wave: in
                          f"--gpu-util <= {0.9 / engines:.2f} (the KV cache size is --kv-gib)")
 
 
+def together(a, engines: int) -> dict:
+    """:func:`run`'s ``together`` / ``wave`` keywords of these options (:func:`add_args`) for
+    ``engines`` children, after refusing, before anything starts, settings that cannot come up
+    (:func:`check_together`) and ``--together-max`` without ``--start-together``."""
+    if not a.start_together:
+        if a.together_max:
+            raise SystemExit(f"--together-max {a.together_max} needs --start-together")
+        return {"together": False}
+    check_together(engines, a.gpu_util, a.kv_gib, a.together_max)
+    return {"together": True, "wave": a.together_max}
+
+
 @dataclass
 class Spec:
     """One child: ``kind`` (the label), ``cmd`` (without the hold/port flags), ``env``,

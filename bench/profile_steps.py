@@ -356,9 +356,7 @@ def _child(a):
 def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.start_together:
-        engine_children.check_together(len(a.kinds.split(",")) * len(a.modes.split(",")), a.gpu_util,
-                                       a.kv_gib, a.together_max)
+    together = engine_children.together(a, len(a.kinds.split(",")) * len(a.modes.split(",")))
     results, logs, texts = [], [], {}
     specs = []
     for mode in a.modes.split(","):
@@ -395,8 +393,7 @@ def _parent(a):
         (out / "profile.json").write_text(json.dumps(results, indent=1))
         (out / "children.log").write_text("\n".join(logs))
 
-    engine_children.run(specs, out, on_line, a.child_timeout, together=a.start_together,
-                        on_done=done)
+    engine_children.run(specs, out, on_line, a.child_timeout, on_done=done, **together)
     if a.traces:
         with tarfile.open(out / "traces.tar.gz", "w") as tf:
             for f in sorted(out.glob("trace_*.json.gz")):

@@ -133,9 +133,7 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "kinds": {}, "rc": {}}
-    if a.start_together:
-        engine_children.check_together(len(a.kinds.split(",")), a.gpu_util, a.kv_gib,
-                                       a.together_max)
+    together = engine_children.together(a, len(a.kinds.split(",")))
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
         env=dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),
@@ -149,9 +147,8 @@ def _parent(a):
         elif tag == "SP_DONE":
             res["kinds"][kind] = json.loads(body)
 
-    engine_children.run(specs, out, on_line, a.child_timeout, together=a.start_together,
-                        on_done=lambda kind, rc, times: res["rc"].__setitem__(kind, rc),
-                        wave=a.together_max)
+    engine_children.run(specs, out, on_line, a.child_timeout,
+                        on_done=lambda kind, rc, times: res["rc"].__setitem__(kind, rc), **together)
     (out / "shared_prefix.json").write_text(json.dumps(res))
     print(report(res), flush=True)
 

@@ -176,6 +176,30 @@ def test_settings_that_cannot_start_together_are_refused():
         engine_children.check_together(4, 0.1, 12, wave=-1)
 
 
+def test_the_benches_options_become_run_keywords():
+    """engine_children.together: what e2e_ttft, shared_prefix and profile_steps pass to run()
+    from the shared options, with every refusal before anything starts."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    engine_children.add_args(ap)
+    ap.add_argument("--gpu-util", type=float, default=0.1)
+
+    def kw(*argv, engines=4):
+        return engine_children.together(ap.parse_args(list(argv)), engines)
+
+    assert kw() == {"together": False}
+    assert kw("--start-together", "--kv-gib", "8") == {"together": True, "wave": 0}
+    assert kw("--start-together", "--kv-gib", "8", "--together-max", "2",
+              "--gpu-util", "0.4") == {"together": True, "wave": 2}
+    with pytest.raises(SystemExit, match="--together-max 2 needs --start-together"):
+        kw("--together-max", "2")
+    with pytest.raises(SystemExit, match="needs --kv-gib"):
+        kw("--start-together")
+    with pytest.raises(SystemExit, match="4 engines and --gpu-util 0.4"):
+        kw("--start-together", "--kv-gib", "8", "--gpu-util", "0.4")
+
+
 def test_a_hung_child_s_own_processes_are_killed_too(tmp_path):
     """A hung child whose own child (an engine-core process) holds the output open: the kill
     takes both, the output closes, the next child runs (the H200 run of 2026-12-05 stalled on
