@@ -83,7 +83,8 @@ e2e() {  # name seconds args...
   rm -f "$d"/*.png
 }
 # GiB of this GPU; fit G: how many engines of G GiB each start together on it (at least 1)
-GPU_GIB=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0) / 1024 ))
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+GPU_GIB=$(( ${GPU_MIB:-0} / 1024 ))
 fit() { local n=$(( GPU_GIB * 9 / 10 / $1 )); [ "$n" -lt 1 ] && n=1; echo "$n"; }
 allmodel() {  # step seconds base-GiB kv-GiB model-args...: issue 24's table for one model (all_llama)
   # base: an engine's GPU memory at its start-up peak without its KV cache (H100 of stop 39:
