@@ -12,25 +12,21 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-_PTR = {"p_pool": "*u8", "p_flat": "*u8", "p_ids": "*i64", "p_flat_off": "*i64",
-        "p_layer_off": "*i64", "p_runs": "*i64", "p_res": "*i32", "p_res_off": "*i64",
-        "p_chk": "*i64"}
 
 
 def _compile_all() -> dict:
     """Compile every variant (this process must not interpret kernels); returns counts and
     the first failures."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from ptx_probe import PTR, compile_sm90
 
     from xkv.kernels._triton import WORD_TYPES, page_copy_kernel
 
     names = page_copy_kernel.arg_names
-    out = {"n": 0, "failures": [], "missing": sorted(set(_PTR) - set(names))}
+    out = {"n": 0, "failures": [], "missing": sorted(set(PTR) - set(names))}
     for word, save, check, even, vec, sliced, layers, store, split in itertools.product(
             (1, 2, 4, 8), (False, True), (False, True), (False, True), (1, 4), (False, True),
             (False, True), (True, False), (1, 8)):
@@ -38,16 +34,13 @@ def _compile_all() -> dict:
             continue
         if not store and (sliced or not (save and check)):  # STORE=False: hash_pages only
             continue
-        if split > 1 and (not check or sliced or vec > 1):  # XKV_CHECK_SPLIT: checked only
+        if split > 1 and not check:  # XKV_CHECK_SPLIT: checked variants only
             continue
         const = dict(WORD_T=WORD_TYPES[word], WORD=word, SAVE=save, HAS_FLAT_OFF=layers,
                      HAS_LAYERS=layers, SLICED=sliced, EVEN=even, VEC=vec, CHECK=check, ROWS=4,
                      COLS=max(16, 1024 // word), STORE=store, SPLIT=split)
-        sig = {a: "constexpr" if a in const else _PTR.get(a, "i64") for a in names}
-        src = ASTSource(fn=page_copy_kernel, signature=sig,
-                        constexprs={(names.index(k),): v for k, v in const.items()})
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            compile_sm90(const)
         except Exception as e:  # noqa: BLE001 - collect every failing variant
             if len(out["failures"]) < 3:
                 out["failures"].append(f"{ {k: str(v) for k, v in const.items()} }: {str(e)[:400]}")
