@@ -180,7 +180,8 @@ def test_checked_restores_default_to_their_own_budget(monkeypatch):
 
 
 def test_min_even_row_env(monkeypatch):
-    """XKV_MIN_EVEN_ROW_BYTES: a positive byte count; anything else is refused, naming it."""
+    """XKV_MIN_EVEN_ROW_BYTES (a positive byte count) and XKV_CHECK_SPLIT (a power of two):
+    anything else is refused, naming the variable."""
     assert _launch._env_count("ROW_BYTES_UNDER_TEST", 1024) == 1024
     monkeypatch.setenv("ROW_BYTES_UNDER_TEST", "8192")
     assert _launch._env_count("ROW_BYTES_UNDER_TEST", 1024) == 8192
@@ -188,5 +189,11 @@ def test_min_even_row_env(monkeypatch):
         monkeypatch.setenv("ROW_BYTES_UNDER_TEST", bad)
         with pytest.raises(ValueError, match="ROW_BYTES_UNDER_TEST"):
             _launch._env_count("ROW_BYTES_UNDER_TEST", 1024)
+    monkeypatch.setenv("ROW_BYTES_UNDER_TEST", "8")  # XKV_CHECK_SPLIT's check: powers of two
+    assert _launch._env_count("ROW_BYTES_UNDER_TEST", 1, pow2=True) == 8
+    for bad in ("3", "12", "0"):
+        monkeypatch.setenv("ROW_BYTES_UNDER_TEST", bad)
+        with pytest.raises(ValueError, match="ROW_BYTES_UNDER_TEST"):
+            _launch._env_count("ROW_BYTES_UNDER_TEST", 1, pow2=True)
     monkeypatch.setattr(_launch, "MIN_EVEN_COL_BYTES", 8192)  # the switch off: masked 4 KiB rows
     assert _launch.launch_config(18432, 10_000, 64, save=False).cols == 512

@@ -72,10 +72,12 @@ WRITE_TILE_BYTES = 64 * 1024  # ... when pages are read and the flat side writte
 MAX_COL_BYTES = 4096  # widest tile row
 
 
-def _env_count(name: str, default: int, unit: str = "bytes") -> int:
+def _env_count(name: str, default: int, unit: str = "bytes", *, pow2: bool = False) -> int:
+    """A positive integer setting (``pow2``: a power of two), else a ValueError naming it."""
     v = os.environ.get(name, str(default))
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"{name}={v!r}: expected a positive number of {unit}")
+    if not v.isdigit() or int(v) < 1 or (pow2 and int(v) & (int(v) - 1)):
+        what = "a power of two" if pow2 else "a positive number"
+        raise ValueError(f"{name}={v!r}: expected {what} of {unit}")
     return int(v)
 
 
@@ -85,9 +87,7 @@ def _env_count(name: str, default: int, unit: str = "bytes") -> int:
 MIN_EVEN_COL_BYTES = _env_count("XKV_MIN_EVEN_ROW_BYTES", 2048)
 #: checked copies: partial checksum sums per tile row (1: one whole-row sum); env
 #: ``XKV_CHECK_SPLIT`` (a power of two; an A/B switch until the GPU measures it)
-CHECK_SPLIT = _env_count("XKV_CHECK_SPLIT", 1, "partial sums")
-if CHECK_SPLIT & (CHECK_SPLIT - 1):
-    raise ValueError(f"XKV_CHECK_SPLIT={CHECK_SPLIT}: expected a power of two")
+CHECK_SPLIT = _env_count("XKV_CHECK_SPLIT", 1, "partial sums", pow2=True)
 MAX_ROWS = 64
 MAX_TILE_ELEMS = 16384  # registers: at most 32 words per thread at 16 warps
 
