@@ -15,8 +15,10 @@ the group) and the byte offset of every layer's fragment in the flat buffer (the
 and return a :class:`PreparedCopy` whose ``launch(l)`` only issues layer ``l``'s copy, always on
 the stream that was current at prepare time (:attr:`PreparedCopy.stream`; the tables were uploaded
 there): no validation, no host synchronisation, no allocation with the ``"triton"`` and
-``"copy_engine"`` engines and on CPU (``"staged"``, chosen only by a calibration for large copies,
-still allocates its ring per launch, and ``"reference"`` on CUDA its index tensor).
+``"copy_engine"`` engines and on CPU; a restore from host memory whose every layer takes
+``"staged"`` is prepared whole by :mod:`xkv.kernels.staged_restore` (the process's staging ring,
+every chunk's tables in the one upload); other ``"staged"`` copies (saves, pages larger than a
+ring slot) still allocate their staging per launch, and ``"reference"`` on CUDA its index tensor).
 
 ``prepare_restore(src, offs, pools, ids).launch(l)`` moves exactly the bytes of
 ``restore(src, offs[l], pools[l], ids)``; ``prepare_save(pools, ids, dst, offs).launch(l)`` those of
@@ -41,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from xkv.kernels import _launch, _torch, copy_engine, staged
+from xkv.kernels import _launch, _torch, copy_engine, staged, staged_restore
 from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
 from xkv.kernels.page_copy import check_engine
 from xkv.kernels.verify import Checks
@@ -148,6 +150,9 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
     calls: list[Callable[[], None]] = [_noop] * (L if groups is None else len(groups))
     if job.n == 0 or job.block_bytes == 0:
         return PreparedCopy(job, engines, calls, stream)
+    if _ring_restore(job, engines):  # every layer staged: one plan, one upload, the ring
+        return PreparedCopy(job, engines, staged_restore.prepare(job, chosen[0][1], groups),
+                            stream)
     if groups is not None:
         return PreparedCopy(job, engines, _group_calls(job, layers, chosen, groups), stream)
     tri = [k for k in range(L) if engines[k] == "triton"]
@@ -164,6 +169,15 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
         elif eng == "staged":
             calls[k] = _bind(staged.run, layers[k], budget)
     return PreparedCopy(job, engines, calls, stream)
+
+
+def _ring_restore(job: Job, engines: list[str]) -> bool:
+    """A restore whose every layer takes the staged engine, from host memory into CUDA pages,
+    of pages that fit a ring slot: :mod:`xkv.kernels.staged_restore` prepares it whole."""
+    return (not job.save and not job.sliced and bool(engines)
+            and all(e == "staged" for e in engines)
+            and job.pools[0].device.type == "cuda" and job.flat.device.type == "cpu"
+            and job.block_bytes <= staged_restore.MAX_PAGE_BYTES)
 
 
 def _engines(job: Job, engine: str, max_programs: int | None) -> list[tuple[str, int]]:

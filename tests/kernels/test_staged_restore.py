@@ -1,0 +1,175 @@
+"""Prepared staged restores (xkv.kernels.staged_restore): chunking, slot assignment, and the bytes.
+
+On CPU the copy engine is a byte copy (``dma``) and the unpack the interpreted Triton kernel over
+the ring: every chunk's tables come from one upload. Bytes are compared with the oracle on
+poisoned pages, layer groups and chunk sizes drawn so that chunks split layers, span several
+whole layers and wrap the ring many times; verified restores flag exactly the corrupted object.
+The ``gpu`` test runs hundreds of chunks through the real copy stream and events.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_buffers import gpu_and_cpu
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pools import (
+    POISON,
+    Geometry,
+    layer_jobs,
+    layers_buffer_size,
+    oracle,
+    pools_over,
+    random_bytes,
+)
+from test_verify import cases, checks_for, make_pools, saved
+
+import xkv.kernels as K
+from xkv.kernels import staged_restore
+from xkv.kernels.jobs import build_job, offsets_arg
+from xkv.kernels.ring import Ring
+
+
+def _dma(flat, f, ring_buf, o, z):
+    ring_buf[o : o + z] = flat[f : f + z]
+
+
+def _groups(draw, L):
+    """Runs of consecutive layers covering range(L) (or None: one per layer)."""
+    if draw(st.booleans()):
+        return None
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, L - 1)), max_size=L - 1))) if L > 1 else []
+    edges = [0, *[c for c in cuts if c < L], L]
+    return [list(range(a, b)) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
+def test_chunks_split_layers_or_take_several():
+    assert staged_restore.chunks([0, 1, 2], 8, 100, 300) == [
+        ([0], 0, 3), ([0], 3, 6), ([0], 6, 8), ([1], 0, 3), ([1], 3, 6), ([1], 6, 8),
+        ([2], 0, 3), ([2], 3, 6), ([2], 6, 8)]
+    assert staged_restore.chunks([4, 5, 6], 8, 100, 1700) == [([4, 5], 0, 8), ([6], 0, 8)]
+    assert staged_restore.chunks([0], 8, 100, 50) == [([0], i, i + 1) for i in range(8)]
+    assert staged_restore.chunks([], 8, 100, 300) == []
+    assert staged_restore.chunks([0, 1], 0, 100, 300) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(job=layer_jobs(save=False), seed=st.integers(0, 2**16), chunk=st.integers(1, 3000),
+       slots=st.integers(1, 4), data=st.data())
+def test_prepared_staged_restore_moves_the_bytes(job, seed, chunk, slots, data):
+    geoms, offsets, ids, offs, flat_size = job
+    size = layers_buffer_size(geoms, offsets)
+    raw = torch.full((size,), POISON, dtype=torch.uint8)
+    flat = random_bytes(flat_size, seed)
+    pools = pools_over(raw, geoms, offsets)
+    expect = raw.clone()
+    oracle(expect, pools_over(expect, geoms, offsets), flat.clone(), offs, ids, save=False)
+    bb = pools[0].block_bytes
+    ring = Ring(torch.device("cpu"), max(bb, chunk) + data.draw(st.integers(0, 64)), slots)
+    ring.buf.fill_(0x5A)
+    groups = _groups(data.draw, len(pools))
+    j = build_job(pools, ids, flat, offsets_arg(offs, len(pools), "offsets"), save=False)
+    calls = staged_restore.prepare(j, 2, groups, dma=_dma, chunk_bytes=chunk, the_ring=ring)
+    assert len(calls) == (len(pools) if groups is None else len(groups))
+    if data.draw(st.booleans()):  # a group may be launched again: the same bytes
+        calls[0]()
+    for call in calls:
+        call()
+    assert torch.equal(raw, expect)
+
+
+def test_slots_are_taken_in_turn_and_pages_must_fit():
+    g = Geometry(8, 100, ((0, 100),))
+    raw = torch.full((3 * 800 + 11,), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * 3, [0, 800, 1600])
+    flat = random_bytes(2400, 3)
+    offs = (np.arange(24, dtype=np.int64) * 100).reshape(3, 8)
+    j = build_job(pools, np.arange(8), flat, offsets_arg(offs, 3, "o"), save=False)
+    seen = []
+
+    def dma(flat, f, ring_buf, o, z):
+        seen.append(o // ring.slot_bytes)
+        _dma(flat, f, ring_buf, o, z)
+
+    ring = Ring(torch.device("cpu"), 300, 2)
+    for c in staged_restore.prepare(j, 2, [[0, 1, 2]], dma=dma, chunk_bytes=300, the_ring=ring):
+        c()
+    # 9 chunks of at most 3 pages, contiguous in the card: one copy each, slots 0, 1, 0, 1, ...
+    assert seen == [k % 2 for k in range(9)]
+    expect = raw.clone()
+    oracle(expect, pools_over(expect, [g] * 3, [0, 800, 1600]), flat, offs, np.arange(8),
+           save=False)
+    assert torch.equal(raw, expect)
+    with pytest.raises(ValueError, match="does not fit"):
+        staged_restore.prepare(j, 2, None, dma=dma, the_ring=Ring(torch.device("cpu"), 48, 2))
+    sj = build_job(pools, np.arange(8), flat, offsets_arg(offs, 3, "o"), save=True)
+    with pytest.raises(ValueError, match="whole restores"):
+        staged_restore.prepare(sj, 2, None, dma=dma, the_ring=ring)
+
+
+def test_empty_restores_issue_nothing():
+    g = Geometry(8, 100, ((0, 100),))
+    raw = torch.full((811,), POISON, dtype=torch.uint8)
+    j = build_job(pools_over(raw, [g], [0]), np.zeros(0, np.int64),
+                  torch.zeros(10, dtype=torch.uint8), offsets_arg(np.zeros((1, 0), np.int64), 1,
+                                                                  "o"), save=False)
+    calls = staged_restore.prepare(j, 2, None, dma=None, the_ring=Ring(torch.device("cpu"), 64))
+    assert len(calls) == 1
+    calls[0]()
+    assert (raw == POISON).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(c=cases(), chunk=st.integers(1, 400), data=st.data())
+def test_verified_staged_restore_hashes_the_slot(c, chunk, data):
+    """The unpack hashes what the copy brought into the slot: clean never flags, a flipped card
+    byte flags exactly its object; written pages equal the card's."""
+    pools, _, card, words = saved(c, "reference")
+    li = data.draw(st.integers(0, c["L"] - 1))
+    i = data.draw(st.integers(0, c["n"] - 1))
+    bad = card.clone()
+    bad[int(c["offs"][li, i]) + data.draw(st.integers(0, c["bb"] - 1))] ^= 0x40
+    groups = _groups(data.draw, c["L"])
+    for src, flagged in ((card, None), (bad, c["obj"][i])):
+        dst, _ = make_pools(c, 9)
+        job = build_job(dst, c["ids"], src, offsets_arg(c["offs"], c["L"], "o"), save=False,
+                        checks=checks_for(c, words))
+        ring = Ring(torch.device("cpu"), max(c["bb"], chunk) + 16, 2)
+        for call in staged_restore.prepare(job, 2, groups, dma=_dma, chunk_bytes=chunk,
+                                           the_ring=ring):
+            call()
+        want = np.zeros(c["C"], bool)
+        if flagged is not None:
+            want[flagged] = True
+        np.testing.assert_array_equal(job.checks.buf.mismatched(), want)
+        if flagged is None:
+            ref, _ = make_pools(c, 9)
+            K.restore_layers(card, c["offs"], ref, c["ids"], engine="reference")
+            for a, b in zip(dst, ref, strict=True):
+                assert torch.equal(a.base, b.base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages,shuffled", [(3, False), (12, True)])
+def test_prepared_staged_restore_on_the_gpu(pages, shuffled):
+    """Hundreds of chunks through a small ring with the real copy stream (a few plain copies
+    per chunk, or one batch of 12 scattered pages), across a break in the card's contiguity and
+    in layer groups: slot reuse waits for the unpack on the GPU."""
+    g = Geometry(4000, 4096, ((0, 4096),))
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(g.num_blocks)[:3000]
+    offs = np.arange(3000, dtype=np.int64) * 4096
+    if shuffled:
+        offs = rng.permutation(offs)
+    offs[1000:] += 64  # a break in the contiguous run
+    data = random_bytes(int(offs.max()) + 4096, 10)
+    raw_cpu, pool_cpu, raw_gpu, pool_gpu = gpu_and_cpu(g, 11, fill=POISON)
+    oracle(raw_cpu, [pool_cpu], data, offs[None], ids, save=False)
+    job = build_job([pool_gpu], ids, data.pin_memory(), offsets_arg(offs, 1, "o"), save=False)
+    ring = Ring(pool_gpu.device, pages * 4096, 3)
+    for call in staged_restore.prepare(job, 4, None, chunk_bytes=pages * 4096, the_ring=ring):
+        call()
+    torch.cuda.synchronize()
+    assert torch.equal(raw_gpu.cpu(), raw_cpu)

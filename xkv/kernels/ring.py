@@ -1,0 +1,74 @@
+"""The staging ring of prepared staged restores: a few slots of GPU memory kept for the process.
+
+A staged restore (:mod:`xkv.kernels.staged_restore`) brings each chunk of host bytes into a slot
+with the copy engine, then unpacks the slot into the pages with the Triton kernel. Allocating its
+slots per copy made every launch an allocation (and, with the caching allocator's stream
+bookkeeping, a new block per layer); the ring is allocated once per device and reused by every
+staged restore of the process.
+
+Ordering is on the GPU, never on the host: ``free[s]`` is the event recorded after the last
+kernel that read slot ``s``; a copy into ``s`` waits for it on its own stream. Every use is
+issued under :attr:`Ring.lock`, so two issuers (threads) cannot interleave a slot's wait and its
+new event. Size: :data:`SLOTS` x ``slot_bytes`` (env ``XKV_STAGED_SLOT_BYTES``, default 16 MiB:
+48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). A restore
+whose page is larger than a slot gets a ring with slots of that page's size.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from xkv.kernels._launch import _env_count
+
+__all__ = ["SLOTS", "SLOT_BYTES", "Ring", "ring"]
+
+SLOTS = 3  # two would do while the unpack is far faster than the copy; a third absorbs host jitter
+SLOT_BYTES = _env_count("XKV_STAGED_SLOT_BYTES", 16 << 20)
+
+
+class Ring:
+    """``slots`` buffers of ``slot_bytes`` on ``device`` and the event after each one's last
+    reader (None: never read)."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, slots: int = SLOTS) -> None:
+        if slot_bytes < 1 or slots < 1:
+            raise ValueError(f"a ring needs slots >= 1 of >= 1 byte, got {slots} x {slot_bytes}")
+        self.device = torch.device(device)
+        # 16-byte slots: every unpack reads the widest words (and 4-byte words, which checksums need)
+        self.slot_bytes, self.slots = -(-int(slot_bytes) // 16) * 16, int(slots)
+        self.buf = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.free: list = [None] * self.slots
+        self.lock = threading.Lock()
+        self._streams: set[int] = set()
+
+    def slot(self, s: int) -> torch.Tensor:
+        """Slot ``s`` as a uint8 view."""
+        return self.buf[s * self.slot_bytes : (s + 1) * self.slot_bytes]
+
+    def used_on(self, stream) -> None:
+        """Tell the caching allocator that ``stream`` uses the ring (once per stream): if the
+        ring is ever dropped, its memory is reused only after that stream's work so far."""
+        if stream is None or stream.cuda_stream in self._streams:
+            return
+        self._streams.add(stream.cuda_stream)
+        self.buf.record_stream(stream)
+
+
+_lock = threading.Lock()
+_rings: dict[tuple[str, int], Ring] = {}
+
+
+def ring(device: torch.device, slot_bytes: int = 0) -> Ring:
+    """The device's ring, with slots of at least ``max(slot_bytes, SLOT_BYTES)`` (a larger need
+    replaces it; copies prepared with the old one keep it referenced until they are dropped)."""
+    dev = torch.device(device)
+    key = (dev.type, dev.index if dev.index is not None else
+           (torch.cuda.current_device() if dev.type == "cuda" else -1))
+    want = max(int(slot_bytes), SLOT_BYTES)
+    with _lock:
+        r = _rings.get(key)
+        if r is None or r.slot_bytes < want:
+            r = _rings[key] = Ring(dev, want)
+        return r
