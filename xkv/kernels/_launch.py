@@ -46,6 +46,7 @@ __all__ = [
     "launch_config",
     "launches",
     "plan",
+    "resized",
     "run",
     "stage",
     "variant_key",
@@ -300,6 +301,20 @@ def plan(
     if check and CHECK_SPLIT > 1:  # only then in meta: every other variant keeps its key
         meta["SPLIT"] = min(CHECK_SPLIT, cfg.cols)
     return LaunchPlan(tuple(pools), low.base, table, scalars, meta, cfg.programs)
+
+
+def resized(p: LaunchPlan, n: int, max_programs: int) -> LaunchPlan:
+    """``p`` (unsliced, its table-driven layers) for ``n`` fragments per layer instead of its
+    own: the same kernel variant (constexprs and tile), only the counts and the grid change. A
+    staged restore plans its unpack once, for a full slot, and runs every chunk with it, so a
+    shorter chunk (a layer's last, a short restore) compiles nothing new."""
+    n0, R, _, _, bs, bw, fb, lo, _, mr = p.scalars
+    Lg = len(p.pools)
+    n_rows = Lg * n * R
+    groups = -(-n_rows // p.meta["ROWS"])
+    hi = Lg * n * bw
+    return replace(p, scalars=(n, R, n_rows, groups, bs, bw, fb, lo, hi, mr),
+                   programs=max(1, min(max_programs, groups)))
 
 
 class Tables:

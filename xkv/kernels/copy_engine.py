@@ -103,9 +103,10 @@ def batch_copy(
     *,
     device: torch.device,
     src_is_host: bool,
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy ``sizes[k]`` bytes from address ``srcs[k]`` to ``dsts[k]`` for every k, on the current
-    stream of ``device``, as one batch. Addresses are device pointers or (UVA) pinned host pointers.
+    stream of ``device`` (or ``stream``, a non-default one), as one batch. Addresses are device pointers or (UVA) pinned host pointers.
 
     A host source that nothing on the GPU writes may be read out of stream order
     (``SRC_ACCESS_ORDER_ANY``, faster); a device source keeps stream order, since the model may
@@ -128,7 +129,7 @@ def batch_copy(
     )
     attr_idx = ctypes.c_size_t(0)
     fail_idx = ctypes.c_size_t(0)
-    cur = torch.cuda.current_stream(device)
+    cur = torch.cuda.current_stream(device) if stream is None else stream
     stream = cur
     if cur.cuda_stream == 0:  # the batch API refuses the legacy NULL stream: hop to a side stream
         stream = side_stream(device)

@@ -6,8 +6,9 @@ slots per copy made every launch an allocation (and, with the caching allocator'
 bookkeeping, a new block per layer); the ring is allocated once per device and reused by every
 staged restore of the process.
 
-Ordering is on the GPU, never on the host: ``free[s]`` is the event recorded after the last
-kernel that read slot ``s``; a copy into ``s`` waits for it on its own stream. Every use is
+Ordering is on the GPU, never on the host: per slot, ``free`` is the event recorded after the
+last kernel that read it (a copy into the slot waits for it on its own stream) and ``landed``
+the one after its copy (the unpack waits for it); :meth:`Ring.events`. Every use is
 issued under :attr:`Ring.lock`, so two issuers (threads) cannot interleave a slot's wait and its
 new event. Size: :data:`SLOTS` x ``slot_bytes`` (env ``XKV_STAGED_SLOT_BYTES``, default 16 MiB:
 48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). A restore
@@ -29,8 +30,7 @@ SLOT_BYTES = _env_count("XKV_STAGED_SLOT_BYTES", 16 << 20)
 
 
 class Ring:
-    """``slots`` buffers of ``slot_bytes`` on ``device`` and the event after each one's last
-    reader (None: never read)."""
+    """``slots`` buffers of ``slot_bytes`` on ``device`` and their events (:meth:`events`)."""
 
     def __init__(self, device: torch.device, slot_bytes: int, slots: int = SLOTS) -> None:
         if slot_bytes < 1 or slots < 1:
@@ -39,9 +39,18 @@ class Ring:
         # 16-byte slots: every unpack reads the widest words (and 4-byte words, which checksums need)
         self.slot_bytes, self.slots = -(-int(slot_bytes) // 16) * 16, int(slots)
         self.buf = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.free: list = [None] * self.slots
+        self._landed: list | None = None
+        self._free: list | None = None
         self.lock = threading.Lock()
         self._streams: set[int] = set()
+
+    def events(self) -> tuple[list, list]:
+        """CUDA: per slot the event after its copy landed and the one after its last unpack
+        (created once, re-recorded by each use: a wait takes the record before it)."""
+        if self._landed is None:
+            self._landed = [torch.cuda.Event() for _ in range(self.slots)]
+            self._free = [torch.cuda.Event() for _ in range(self.slots)]
+        return self._landed, self._free
 
     def slot(self, s: int) -> torch.Tensor:
         """Slot ``s`` as a uint8 view."""

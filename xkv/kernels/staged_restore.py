@@ -9,15 +9,18 @@ takes a few percent of the copy's time. Here everything is decided at prepare ti
   host flat buffer) is cut per layer group (``groups``; None: one group per layer) into chunks
   in the layers' order (:func:`chunks`: fragments ``[i0, i1)`` of one layer, or several whole
   layers), each assigned a slot of the device's :class:`~xkv.kernels.ring.Ring` in turn;
-* each chunk's copy-engine ranges (contiguous runs of the card merged, cut at registration
-  boundaries) become address arrays, and each chunk's unpack a sub-job reading the ring
-  (``flat_off`` = its place in the slot) whose tables, with every other chunk's, go to the GPU
-  in ONE upload on the current (prepare) stream; a verified job's chunks hash the slot as they
-  unpack it (the bytes the copy engine brought), into the job's one word buffer;
+* the copy-engine ranges of every chunk (contiguous runs of the card merged, cut at
+  registration boundaries) come from one vectorised pass; the unpacks' tables (block ids, every
+  fragment's ring offset ``[L, n]``, the checks' fragment table per distinct range) go to the GPU
+  in ONE upload on the current (prepare) stream, and every chunk of a geometry runs the one
+  kernel variant planned for a full slot (``_launch.resized``: a short chunk compiles nothing
+  new); a verified job's chunks hash the slot as they unpack it (the bytes the copy engine
+  brought), into the job's one word buffer;
 
 and ``calls[g]()`` only issues group ``g``'s chunks: per chunk, on the copy stream, a wait for
-the slot's last reader, the copy, an event; on the current stream a wait for that event, the
-unpack launch(es), the slot's new ``free`` event. No allocation, planning or upload per launch.
+the slot's last unpack (an event per slot, reused), one batched copy, the slot's ``landed``
+event; on the current stream a wait for it, the unpack launch(es), the slot's ``free`` event.
+No allocation, planning or upload per launch.
 
 CPU (tests): ``dma(flat, flat_off, ring_buf, ring_off, size)`` replaces the copy engine and
 everything runs in order; the unpack runs the same Triton launches (interpreter).
@@ -26,6 +29,7 @@ everything runs in order; the unpack runs the same Triton launches (interpreter)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -33,7 +37,6 @@ import torch
 from xkv.kernels import _launch, copy_engine, host
 from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
-from xkv.kernels.staged import contiguous_ranges
 
 __all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "chunks", "prepare"]
 
@@ -41,7 +44,6 @@ CHUNK_MIN_BYTES = 1 << 20  # a smaller copy-engine transfer loses to its per-cop
 #: pages up to a ring slot; larger ones (a big Mamba state) keep the per-launch staged engine
 #: rather than growing the process's ring to three of them
 MAX_PAGE_BYTES = SLOT_BYTES
-_FEW_RANGES = 8  # at most this many ranges: plain async copies beat one batch call
 
 
 def chunks(layers: Sequence[int], n: int, bb: int, chunk_bytes: int) -> list[tuple[list[int], int, int]]:
@@ -61,13 +63,29 @@ def chunks(layers: Sequence[int], n: int, bb: int, chunk_bytes: int) -> list[tup
 class _Chunk:
     """One chunk: its slot, copy-engine work and unpack launches."""
 
-    __slots__ = ("launches", "ranges", "slot", "views")
+    __slots__ = ("launches", "ranges", "slot")
 
-    def __init__(self, slot: int, ranges: tuple, views: list | None) -> None:
+    def __init__(self, slot: int, ranges: tuple) -> None:
         self.slot = slot
-        self.ranges = ranges  # (dst, src, sizes) uint64 addresses, for one batch call
-        self.views = views  # or [(slot view, card view)] for a few plain copies
+        self.ranges = ranges  # (ring offsets, flat offsets, sizes) int64 bytes, merged runs
         self.launches: list = []
+
+
+def _ranges(flat_off: np.ndarray, ring_off: np.ndarray, chunk: np.ndarray, bb: int,
+            n_chunks: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per chunk the copy-engine ranges of fragments in chunk order (``flat_off`` / ``ring_off``
+    int64 bytes, ``chunk`` the chunk of each): neighbours contiguous on both sides and in one
+    chunk merge into one range. One vectorised pass over every fragment."""
+    if flat_off.size == 0:
+        return [(np.zeros(0, np.int64),) * 3 for _ in range(n_chunks)]
+    brk = np.flatnonzero((np.diff(flat_off) != bb) | (np.diff(ring_off) != bb)
+                         | (np.diff(chunk) != 0)) + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [flat_off.size]])
+    owner = chunk[starts]
+    cut = np.searchsorted(owner, np.arange(n_chunks + 1))
+    d, f, z = ring_off[starts], flat_off[starts], (ends - starts) * bb
+    return [(d[a:b], f[a:b], z[a:b]) for a, b in zip(cut[:-1], cut[1:], strict=True)]
 
 
 def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None = None, *,
@@ -93,43 +111,117 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     if chunk_bytes is None:
         chunk_bytes = min(r.slot_bytes, max(L * n * bb // 8, CHUNK_MIN_BYTES))
     chunk_bytes = max(bb, min(int(chunk_bytes), r.slot_bytes))
+    todo = [(gi, ls, i0, i1) for gi, g in enumerate(groups)
+            for ls, i0, i1 in chunks(g, n, bb, chunk_bytes)]
+    # every fragment's place in the ring: chunk k fills slot k % slots from its start
+    ring_off = np.empty((L, n), np.int64)
+    order = []  # (layer rows, i0, i1) in chunk order, for the copy ranges
+    for k, (_, ls, i0, i1) in enumerate(todo):
+        m = i1 - i0
+        base = (k % r.slots) * r.slot_bytes
+        ring_off[ls[0] : ls[-1] + 1, i0:i1] = base + (
+            np.arange(len(ls) * m, dtype=np.int64) * bb).reshape(len(ls), m)
+        order.append((ls[0], ls[-1] + 1, i0, i1))
     offs = job.flat_offsets()
-    fptr, rptr = job.flat.data_ptr(), r.buf.data_ptr()
-    bounds = host.piece_boundaries() if cuda else np.zeros(0, np.uint64)
-    if job.checks is not None:
-        job.checks.bind(dev, False)  # every chunk's hash adds into the job's one word buffer
-    tables, plans, staged = _launch.Tables(), {}, []
-    per_group: list[list[_Chunk]] = []
-    k = 0
-    for g in groups:
+    sel_f = np.concatenate([offs[a:b, i0:i1].ravel() for a, b, i0, i1 in order])
+    sel_r = np.concatenate([ring_off[a:b, i0:i1].ravel() for a, b, i0, i1 in order])
+    sel_k = np.repeat(np.arange(len(todo)), [(b - a) * (i1 - i0) for a, b, i0, i1 in order])
+    per_chunk = _ranges(sel_f, sel_r, sel_k, bb, len(todo))
+    bind = _unpacks(job, r, ring_off, todo, max_programs)
+    out: list[list[_Chunk]] = [[] for _ in groups]
+    for k, (gi, _, _, _) in enumerate(todo):
+        out[gi].append(_Chunk(k % r.slots, per_chunk[k]))
+    launches = bind()
+    for k, c in enumerate(c for mine in out for c in mine):
+        c.launches = launches[k]
+    if cuda:
+        bounds = host.piece_boundaries()
+        for mine in out:
+            for c in mine:
+                d, f, z = c.ranges
+                c.ranges = host.split_at((d + r.buf.data_ptr()).astype(np.uint64),
+                                         (f + job.flat.data_ptr()).astype(np.uint64),
+                                         z.astype(np.uint64), bounds)
+    return [_issuer(mine, job, r, dev, cuda, dma) for mine in out]
+
+
+def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: int):
+    """The unpack launches of every chunk with ONE table upload: the block ids and the ring
+    offsets ``[L, n]`` once (a chunk of one layer reads a slice of each), the checks' fragment
+    table once per distinct fragment range, per-layer word rows once. Plans: one per layer
+    geometry for a full slot (:func:`_launch.resized` for shorter chunks: every chunk runs that
+    variant), a chunk of several whole layers its own (few). Returns ``bind()`` -> launches per
+    chunk, which uploads."""
+    n, bb = job.n, job.block_bytes
+    jc = job.checks
+    tables = _launch.Tables()
+    at_ids = tables.add(job.ids)
+    at_off = tables.add(ring_off)
+    gcd = int(np.gcd.reduce(ring_off.ravel()))
+    m_slot = max(1, r.slot_bytes // bb)
+    if jc is not None:
+        C = jc.num_objects
+        at_res = tables.add(np.array(jc.rows, np.int64) * C)
+        full_chk = jc.table()
+        at_chk: dict[tuple[int, int], int] = {}
+    plans: dict[tuple, _launch.LaunchPlan] = {}
+    at_tab: dict[bytes, int] = {}
+    specs = []  # per chunk: [(plan, layers, i0, i1, off_at, res_at, chk_at, tab_at)]
+    for _, ls, i0, i1 in todo:
+        m = i1 - i0
         mine = []
-        for ls, i0, i1 in chunks(g, n, bb, chunk_bytes):
-            s, m = k % r.slots, i1 - i0
-            k += 1
-            at = s * r.slot_bytes + (np.arange(len(ls) * m, dtype=np.int64) * bb).reshape(
-                len(ls), m)
-            rng = np.array(contiguous_ranges(offs[ls, i0:i1].ravel(), bb),
-                           dtype=np.int64).reshape(-1, 3)
-            src, dst, size = host.split_at(
-                (rng[:, 0] + fptr).astype(np.uint64),
-                (rng[:, 1] + s * r.slot_bytes + rptr).astype(np.uint64),
-                rng[:, 2].astype(np.uint64), bounds)
-            views = None
-            if not cuda or size.size <= _FEW_RANGES or not copy_engine.available():
-                views = [(int(d) - rptr, int(a) - fptr, int(z))
-                         for d, a, z in zip(dst.tolist(), src.tolist(), size.tolist(),
-                                            strict=True)]
-            c = _Chunk(s, (dst, src, size), views)
-            sub = Job([job.pools[i] for i in ls], job.ids[i0:i1], r.buf, at, 0, False, 0,
-                      len(ls) * m * bb, False,
-                      None if job.checks is None else job.checks.select(ls, i0, i1))
-            staged.append((c, _launch.stage(sub, max_programs, tables, plans=plans)))
-            mine.append(c)
-        per_group.append(mine)
-    t = tables.upload(dev)  # one upload, on the prepare stream
-    for c, bind in staged:
-        c.launches = bind(t)
-    return [_issuer(mine, job, r, dev, cuda, dma) for mine in per_group]
+        for sub in _launch.geometry_groups([job.pools[i] for i in ls]):
+            lsg = [ls[j] for j in sub]
+            pools = [job.pools[i] for i in lsg]
+            consecutive = lsg == list(range(lsg[0], lsg[0] + len(lsg)))
+            if len(lsg) == 1 or (consecutive and (i0, i1) == (0, n)):
+                off_at = at_off + lsg[0] * n + i0  # a slice of the one [L, n] table
+                res_at = None if jc is None else at_res + lsg[0]
+            else:  # several layers of a mixed-geometry chunk: their own rows
+                off_at = tables.add(ring_off[lsg, i0:i1])
+                res_at = None if jc is None else tables.add(
+                    np.array([jc.rows[i] for i in lsg], np.int64) * C)
+            chk_at = None
+            if jc is not None:
+                chk_at = at_chk.get((i0, i1))
+                if chk_at is None:
+                    chk_at = at_chk[(i0, i1)] = tables.add(full_chk[:, i0:i1])
+            p0 = pools[0]
+            key = (len(lsg) > 1 and tuple(lsg), p0.block_stride, p0.runs, p0.data_ptr & 15)
+            p = plans.get(key)
+            if p is None:
+                p = plans[key] = _launch.plan(
+                    pools, r.buf, n=m_slot if len(lsg) == 1 else m, has_flat_off=True,
+                    flat_off_gcd=gcd, flat_base=0, save=False, sliced=False, lo=0,
+                    hi=len(lsg) * (m_slot if len(lsg) == 1 else m) * bb,
+                    max_programs=max_programs, check=jc is not None)
+            if len(lsg) == 1:
+                p = replace(p, pools=(p0,), base=p0.base)
+            p = _launch.resized(p, m, max_programs)
+            tb = p.table.tobytes()
+            if tb not in at_tab:
+                at_tab[tb] = tables.add(p.table)
+            mine.append((p, len(lsg), i0, i1, off_at, res_at, chk_at, at_tab[tb]))
+        specs.append(mine)
+
+    def bind() -> list[list]:
+        dev = job.pools[0].device
+        words = None if jc is None else jc.bind(dev, False).words
+        t = tables.upload(dev)  # one upload, on the prepare stream
+        out = []
+        for mine in specs:
+            launches = []
+            for p, lg, i0, i1, off_at, res_at, chk_at, tab_at in mine:
+                m = i1 - i0
+                check = None if jc is None else (words, t[res_at : res_at + lg],
+                                                 t[chk_at : chk_at + 3 * m])
+                launches.append(_launch.Launch(p, r.buf, t[at_ids + i0 : at_ids + i1],
+                                               t[off_at : off_at + lg * m],
+                                               t[tab_at : tab_at + p.table.size], check))
+            out.append(launches)
+        return out
+
+    return bind
 
 
 def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool,
@@ -138,33 +230,36 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
     if not cuda:
         def run_cpu() -> None:
             for c in mine:
-                for o, f, z in c.views:
+                for o, f, z in zip(*(a.tolist() for a in c.ranges), strict=True):
                     dma(flat, f, r.buf, o, z)
                 for launch in c.launches:
                     launch()
         return run_cpu
     side = copy_engine.side_stream(dev, "h2d")
+    batch = copy_engine.available()
 
     def run_cuda() -> None:
         cur = torch.cuda.current_stream(dev)
+        landed, free = r.events()
         with r.lock:
             r.used_on(cur)
             r.used_on(side)
             for c in mine:
-                with torch.cuda.stream(side):
-                    if r.free[c.slot] is not None:
-                        side.wait_event(r.free[c.slot])
-                    if c.views is not None:
-                        for o, f, z in c.views:
-                            r.buf[o : o + z].copy_(flat[f : f + z], non_blocking=True)
-                    else:
-                        copy_engine.batch_copy(*c.ranges, device=dev, src_is_host=True)
-                    landed = torch.cuda.Event()
-                    landed.record(side)
-                cur.wait_event(landed)
+                s = c.slot
+                side.wait_event(free[s])  # the slot's last unpack (none yet: no wait)
+                d, f, z = c.ranges
+                if batch:
+                    copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side)
+                else:
+                    with torch.cuda.stream(side):
+                        for o, a, b in zip(*(x.tolist() for x in c.ranges), strict=True):
+                            ptr = r.buf.data_ptr()
+                            r.buf[o - ptr : o - ptr + b].copy_(
+                                flat[a - flat.data_ptr() : a - flat.data_ptr() + b],
+                                non_blocking=True)
+                landed[s].record(side)
+                cur.wait_event(landed[s])
                 for launch in c.launches:
                     launch()
-                free = torch.cuda.Event()
-                free.record(cur)
-                r.free[c.slot] = free
+                free[s].record(cur)
     return run_cuda
