@@ -443,3 +443,37 @@ def test_no_compile_when_a_step_passes_2_31_words(checked, monkeypatch):
         prep.launch(k)
     torch.cuda.synchronize()
     assert compiled == []
+
+
+@pytest.mark.parametrize("L,checked,grouped", [(5, False, False), (16, True, True),
+                                               (32, True, False), (32, False, True)])
+def test_staged_restores_after_warmup_compile_nothing_new(L, checked, grouped, monkeypatch):
+    """Staged restores (the ring's unpacks, ``engine="auto"``'s choice for large restores from
+    host memory) of any length, per layer or in a light step's layer groups, with chunks that
+    split a layer or hold several whole layers, run variants the connector's warmup ran: the
+    unpack of a chunk is planned as a restore of a full slot (``staged_restore.unpack_plan``), a
+    one-layer or layer-group restore whose tiles the warmup enumerates at the same budgets."""
+    from xkv.connector.light_steps import load_layer_groups
+    from xkv.kernels import ring, staged_restore
+
+    pools, card = _layers(L)
+    groups = load_layer_groups(L) if grouped else None
+    keys = K.warmup(pools, card, engine="triton", restore_groups=groups or (), checks=checked,
+                    light_programs=64)
+    r = ring.ring(pools[0].device)
+    seen = _launched(monkeypatch)
+    for n in (1, 3, 16, 40):
+        ids = np.arange(n)[::-1].copy()
+        offs = np.stack([k * n * 4096 + np.arange(n, dtype=np.int64) * 4096 for k in range(L)])
+        checks = (K.Checks(np.zeros(n, np.int64), np.arange(n), 1,
+                           expected=np.zeros((L, 1), np.uint32)) if checked else None)
+        budget = (64 if grouped else 16) if checked else 4
+        for chunk in (3 * 4096, None, 5 * n * 4096):
+            job = build_job(pools, ids, card, offsets_arg(offs, L, "o"), save=False,
+                            checks=checks)
+            for call in staged_restore.prepare(job, budget, groups, dma=lambda *a: None,
+                                               chunk_bytes=chunk, the_ring=r):
+                call()
+    assert seen and set(seen) <= keys
+    if grouped:  # chunks of several whole layers ran
+        assert any(dict(k)["HAS_LAYERS"] == "True" for k in seen)

@@ -184,7 +184,11 @@ def _engines(job: Job, engine: str, max_programs: int | None) -> list[tuple[str,
     """``check_engine`` of every one-layer job of ``job``, each distinct pool geometry checked
     once: what it decides depends on the layer only through its pool (device, block bytes and
     runs; the ids, direction and checks are the job's), and building 32 one-layer jobs (their
-    offsets and checks rows) to ask 32 times the same question was host time before the copy."""
+    offsets and checks rows) to ask 32 times the same question was host time before the copy.
+    ``"auto"`` takes the staged engine for every layer of a restore
+    :func:`~xkv.kernels.staged_restore.preferred` accepts (decided on the whole job's bytes)."""
+    if engine == "auto" and staged_restore.preferred(job):
+        engine = "staged"  # the whole restore through the copy engine and the ring
     seen: dict[tuple, tuple[str, int]] = {}
     out = []
     for k, p in enumerate(job.pools):

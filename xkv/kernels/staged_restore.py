@@ -28,17 +28,20 @@ everything runs in order; the unpack runs the same Triton launches (interpreter)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
 import torch
 
-from xkv.kernels import _launch, copy_engine, host
+from xkv.kernels import _launch, copy_engine, host, staged
+from xkv.kernels.calibrate import calibration
 from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
 
-__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "chunks", "prepare"]
+__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "chunks", "preferred", "prepare",
+           "ring_offset_gcd", "unpack_plan"]
 
 CHUNK_MIN_BYTES = 1 << 20  # a smaller copy-engine transfer loses to its per-copy cost
 #: pages up to a ring slot; larger ones (a big Mamba state) keep the per-launch staged engine
@@ -145,6 +148,41 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     return [_issuer(mine, job, r, dev, cuda, dma) for mine in out]
 
 
+def unpack_plan(pools: list, r: Ring, gcd: int, max_programs: int,
+                check: bool) -> _launch.LaunchPlan:
+    """The unpack variant of chunks of ``pools`` (one layer, or several whole layers of one
+    geometry) from ``r``: planned for a full slot (``max(1, slot pages // layers)`` fragments
+    per layer), so its tile does not depend on the restore's length (:func:`_launch.resized`
+    gives each chunk's counts): a one-layer or layer-group restore's tile at that budget, which
+    the connector's warmup compiles (tests/kernels/test_warmup.py)."""
+    bb = pools[0].block_bytes
+    n = max(1, r.slot_bytes // bb // len(pools))
+    return _launch.plan(list(pools), r.buf, n=n, has_flat_off=True, flat_off_gcd=gcd,
+                        flat_base=0, save=False, sliced=False, lo=0, hi=len(pools) * n * bb,
+                        max_programs=max_programs, check=check)
+
+
+def ring_offset_gcd(bb: int, r: Ring) -> int:
+    """The gcd of the ring offsets of a restore of several pages of ``bb`` bytes (their word
+    size and 16-byte hint: only its low 4 bits matter)."""
+    return math.gcd(bb, r.slot_bytes)
+
+
+def preferred(job: Job) -> bool:
+    """Whether ``engine="auto"`` takes this path for ``job`` (every layer): a whole restore of
+    at least ``staged.STAGED_MIN_BYTES`` from host memory into CUDA pages that fit a slot, the
+    copy engine's batch call available, and no calibration installed for the GPU (one decides
+    per fragment size instead). SMs read host memory at 0.6-0.93 of the copy engine's rate
+    (bench/RESULTS.md "stop 40"); the copy engine plus an unpack from GPU memory at ~0.97."""
+    if job.save or job.sliced or not job.pools or job.n == 0:
+        return False
+    dev = job.pools[0].device
+    return (dev.type == "cuda" and job.flat.device.type == "cpu"
+            and job.block_bytes <= MAX_PAGE_BYTES
+            and len(job.pools) * job.n * job.block_bytes >= staged.STAGED_MIN_BYTES
+            and copy_engine.available() and calibration(dev) is None)
+
+
 def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: int):
     """The unpack launches of every chunk with ONE table upload: the block ids and the ring
     offsets ``[L, n]`` once (a chunk of one layer reads a slice of each), the checks' fragment
@@ -157,8 +195,7 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
     tables = _launch.Tables()
     at_ids = tables.add(job.ids)
     at_off = tables.add(ring_off)
-    gcd = int(np.gcd.reduce(ring_off.ravel()))
-    m_slot = max(1, r.slot_bytes // bb)
+    gcd = ring_offset_gcd(bb, r)  # divides every ring offset: the variant warmup compiles
     if jc is not None:
         C = jc.num_objects
         at_res = tables.add(np.array(jc.rows, np.int64) * C)
@@ -188,16 +225,14 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                     chk_at = at_chk[(i0, i1)] = tables.add(full_chk[:, i0:i1])
             p0 = pools[0]
             key = (len(lsg) > 1 and tuple(lsg), p0.block_stride, p0.runs, p0.data_ptr & 15)
-            p = plans.get(key)
+            p = plans.get((key, m))
             if p is None:
-                p = plans[key] = _launch.plan(
-                    pools, r.buf, n=m_slot if len(lsg) == 1 else m, has_flat_off=True,
-                    flat_off_gcd=gcd, flat_base=0, save=False, sliced=False, lo=0,
-                    hi=len(lsg) * (m_slot if len(lsg) == 1 else m) * bb,
-                    max_programs=max_programs, check=jc is not None)
+                p = plans.get(key)
+                if p is None:
+                    p = plans[key] = unpack_plan(pools, r, gcd, max_programs, jc is not None)
+                p = plans[(key, m)] = _launch.resized(p, m, max_programs)
             if len(lsg) == 1:
                 p = replace(p, pools=(p0,), base=p0.base)
-            p = _launch.resized(p, m, max_programs)
             tb = p.table.tobytes()
             if tb not in at_tab:
                 at_tab[tb] = tables.add(p.table)
