@@ -173,3 +173,32 @@ def test_prepared_staged_restore_on_the_gpu(pages, shuffled):
         call()
     torch.cuda.synchronize()
     assert torch.equal(raw_gpu.cpu(), raw_cpu)
+
+
+@settings(max_examples=30, deadline=None)
+@given(c=cases(max_layers=4), chunk=st.integers(1, 400), checked=st.booleans(), data=st.data())
+def test_every_table_slice_a_launch_gets_is_16_byte_aligned(c, chunk, checked, data):
+    """The kernel's variants assume 16-byte aligned tables (``_launch.variant_key``): a chunk's
+    slice of the shared upload at an odd int64 index would be another Triton variant, compiled
+    mid-serving (the H100 of stop 40: 290 ms in a first restore, a checked layer's word rows
+    sliced at an odd layer). Odd layer counts, fragment counts and chunk sizes."""
+    from xkv.kernels import _launch
+
+    pools, _, card, words = saved(c, "reference")
+    seen = []
+    real = _launch.Launch.__call__
+
+    def check(self):
+        seen.append([a.data_ptr() % 16 for a in self.args[2:9]])
+        real(self)
+
+    dst, _ = make_pools(c, 9)
+    job = build_job(dst, c["ids"], card, offsets_arg(c["offs"], c["L"], "o"), save=False,
+                    checks=checks_for(c, words) if checked else None)
+    ring = Ring(torch.device("cpu"), max(c["bb"], chunk) + 16, 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_launch.Launch, "__call__", check)
+        for call in staged_restore.prepare(job, 2, _groups(data.draw, c["L"]), dma=_dma,
+                                           chunk_bytes=chunk, the_ring=ring):
+            call()
+    assert seen and all(r == [0] * 7 for r in seen), seen

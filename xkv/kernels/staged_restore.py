@@ -66,12 +66,16 @@ def chunks(layers: Sequence[int], n: int, bb: int, chunk_bytes: int) -> list[tup
 class _Chunk:
     """One chunk: its slot, copy-engine work and unpack launches."""
 
-    __slots__ = ("launches", "ranges", "slot")
+    __slots__ = ("index", "ranges", "slot", "unpack")
 
-    def __init__(self, slot: int, ranges: tuple) -> None:
-        self.slot = slot
+    def __init__(self, index: int, slot: int, ranges: tuple) -> None:
+        self.index, self.slot = index, slot
         self.ranges = ranges  # (ring offsets, flat offsets, sizes) int64 bytes, merged runs
-        self.launches: list = []
+        self.unpack: Callable[[int], list] | None = None  # chunk index -> its launches
+
+    def launch(self) -> None:
+        for launch in self.unpack(self.index):
+            launch()
 
 
 def _ranges(flat_off: np.ndarray, ring_off: np.ndarray, chunk: np.ndarray, bb: int,
@@ -132,11 +136,11 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     per_chunk = _ranges(sel_f, sel_r, sel_k, bb, len(todo))
     bind = _unpacks(job, r, ring_off, todo, max_programs)
     out: list[list[_Chunk]] = [[] for _ in groups]
+    unpack = bind()
     for k, (gi, _, _, _) in enumerate(todo):
-        out[gi].append(_Chunk(k % r.slots, per_chunk[k]))
-    launches = bind()
-    for k, c in enumerate(c for mine in out for c in mine):
-        c.launches = launches[k]
+        c = _Chunk(k, k % r.slots, per_chunk[k])
+        c.unpack = unpack
+        out[gi].append(c)
     if cuda:
         bounds = host.piece_boundaries()
         for mine in out:
@@ -186,10 +190,13 @@ def preferred(job: Job) -> bool:
 def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: int):
     """The unpack launches of every chunk with ONE table upload: the block ids and the ring
     offsets ``[L, n]`` once (a chunk of one layer reads a slice of each), the checks' fragment
-    table once per distinct fragment range, per-layer word rows once. Plans: one per layer
-    geometry for a full slot (:func:`_launch.resized` for shorter chunks: every chunk runs that
-    variant), a chunk of several whole layers its own (few). Returns ``bind()`` -> launches per
-    chunk, which uploads."""
+    table once per distinct fragment range, per-layer word rows once. Every slice a launch gets
+    starts 16-byte aligned (the kernel's variants assume aligned tables: an unaligned one is
+    another variant, compiled mid-serving): a slice that would not gets its own section. Plans:
+    one per layer geometry for a full slot (:func:`_launch.resized` for shorter chunks: every
+    chunk runs that variant), a chunk of several whole layers its own (few). Returns
+    ``bind()`` (uploads; once) -> ``unpack(k)``, the launches of chunk ``k``, built on first
+    use: the issue loop builds them while the copy engine is busy, not before the first copy."""
     n, bb = job.n, job.block_bytes
     jc = job.checks
     tables = _launch.Tables()
@@ -198,63 +205,83 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
     gcd = ring_offset_gcd(bb, r)  # divides every ring offset: the variant warmup compiles
     if jc is not None:
         C = jc.num_objects
-        at_res = tables.add(np.array(jc.rows, np.int64) * C)
+        res_all = np.array(jc.rows, np.int64) * C
+        at_res = tables.add(res_all)
         full_chk = jc.table()
-        at_chk: dict[tuple[int, int], int] = {}
-    plans: dict[tuple, _launch.LaunchPlan] = {}
-    at_tab: dict[bytes, int] = {}
-    specs = []  # per chunk: [(plan, layers, i0, i1, off_at, res_at, chk_at, tab_at)]
+    cache: dict = {}
+
+    def section(key, start: int, values: np.ndarray) -> int:
+        """The int64 index of ``values`` in the upload: ``start`` (they are already there) if
+        16-byte aligned, else a section of their own; once per ``key``."""
+        at = cache.get(key)
+        if at is None:
+            at = cache[key] = start if start % 2 == 0 else tables.add(values)
+        return at
+
+    plans: dict[tuple, tuple] = {}  # (geometry, m) -> (plan, its run table's index)
+    specs = []  # per chunk: [(plan, base pool, layers, i0, i1, off_at, res_at, chk_at, tab_at)]
     for _, ls, i0, i1 in todo:
         m = i1 - i0
         mine = []
-        for sub in _launch.geometry_groups([job.pools[i] for i in ls]):
+        subs = [[0]] if len(ls) == 1 else _launch.geometry_groups([job.pools[i] for i in ls])
+        for sub in subs:
             lsg = [ls[j] for j in sub]
-            pools = [job.pools[i] for i in lsg]
-            consecutive = lsg == list(range(lsg[0], lsg[0] + len(lsg)))
-            if len(lsg) == 1 or (consecutive and (i0, i1) == (0, n)):
-                off_at = at_off + lsg[0] * n + i0  # a slice of the one [L, n] table
-                res_at = None if jc is None else at_res + lsg[0]
+            l0, lg = lsg[0], len(lsg)
+            ids_at = section(("ids", i0, i1), at_ids + i0, job.ids[i0:i1])
+            if lg == 1 or (lsg == list(range(l0, l0 + lg)) and (i0, i1) == (0, n)):
+                off_at = section(("off", l0, lg, i0, i1), at_off + l0 * n + i0,
+                                 ring_off[l0 : l0 + lg, i0:i1])
+                res_at = None if jc is None else section(("res", l0, lg), at_res + l0,
+                                                         res_all[l0 : l0 + lg])
             else:  # several layers of a mixed-geometry chunk: their own rows
                 off_at = tables.add(ring_off[lsg, i0:i1])
-                res_at = None if jc is None else tables.add(
-                    np.array([jc.rows[i] for i in lsg], np.int64) * C)
+                res_at = None if jc is None else tables.add(res_all[lsg])
             chk_at = None
             if jc is not None:
-                chk_at = at_chk.get((i0, i1))
+                chk_at = cache.get(("chk", i0, i1))
                 if chk_at is None:
-                    chk_at = at_chk[(i0, i1)] = tables.add(full_chk[:, i0:i1])
-            p0 = pools[0]
-            key = (len(lsg) > 1 and tuple(lsg), p0.block_stride, p0.runs, p0.data_ptr & 15)
-            p = plans.get((key, m))
-            if p is None:
-                p = plans.get(key)
-                if p is None:
-                    p = plans[key] = unpack_plan(pools, r, gcd, max_programs, jc is not None)
-                p = plans[(key, m)] = _launch.resized(p, m, max_programs)
-            if len(lsg) == 1:
-                p = replace(p, pools=(p0,), base=p0.base)
-            tb = p.table.tobytes()
-            if tb not in at_tab:
-                at_tab[tb] = tables.add(p.table)
-            mine.append((p, len(lsg), i0, i1, off_at, res_at, chk_at, at_tab[tb]))
+                    chk_at = cache[("chk", i0, i1)] = tables.add(full_chk[:, i0:i1])
+            p0 = job.pools[l0]
+            key = (lg > 1 and tuple(lsg), p0.block_stride, p0.runs, p0.data_ptr & 15)
+            got = plans.get((key, m))
+            if got is None:
+                whole = plans.get(key)
+                if whole is None:
+                    pools = [job.pools[i] for i in lsg]
+                    whole = plans[key] = unpack_plan(pools, r, gcd, max_programs, jc is not None)
+                p = _launch.resized(whole, m, max_programs)
+                tab_at = cache.get(("tab", p.table.tobytes()))
+                if tab_at is None:
+                    tab_at = cache[("tab", p.table.tobytes())] = tables.add(p.table)
+                got = plans[(key, m)] = (p, tab_at)
+            p, tab_at = got
+            mine.append((p, p0 if lg == 1 else None, lg, i0, i1, ids_at, off_at, res_at, chk_at,
+                         tab_at))
         specs.append(mine)
 
-    def bind() -> list[list]:
+    def bind() -> Callable[[int], list]:
         dev = job.pools[0].device
         words = None if jc is None else jc.bind(dev, False).words
         t = tables.upload(dev)  # one upload, on the prepare stream
-        out = []
-        for mine in specs:
-            launches = []
-            for p, lg, i0, i1, off_at, res_at, chk_at, tab_at in mine:
+        built: dict[int, list] = {}
+
+        def unpack(k: int) -> list:
+            launches = built.get(k)
+            if launches is not None:
+                return launches
+            launches = built[k] = []
+            for p, p0, lg, i0, i1, ids_at, off_at, res_at, chk_at, tab_at in specs[k]:
                 m = i1 - i0
+                if p0 is not None:
+                    p = replace(p, pools=(p0,), base=p0.base)
                 check = None if jc is None else (words, t[res_at : res_at + lg],
                                                  t[chk_at : chk_at + 3 * m])
-                launches.append(_launch.Launch(p, r.buf, t[at_ids + i0 : at_ids + i1],
+                launches.append(_launch.Launch(p, r.buf, t[ids_at : ids_at + m],
                                                t[off_at : off_at + lg * m],
                                                t[tab_at : tab_at + p.table.size], check))
-            out.append(launches)
-        return out
+            return launches
+
+        return unpack
 
     return bind
 
@@ -267,8 +294,7 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
             for c in mine:
                 for o, f, z in zip(*(a.tolist() for a in c.ranges), strict=True):
                     dma(flat, f, r.buf, o, z)
-                for launch in c.launches:
-                    launch()
+                c.launch()
         return run_cpu
     side = copy_engine.side_stream(dev, "h2d")
     batch = copy_engine.available()
@@ -294,7 +320,6 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
                                 non_blocking=True)
                 landed[s].record(side)
                 cur.wait_event(landed[s])
-                for launch in c.launches:
-                    launch()
+                c.launch()  # built the first time here, while the copy engine is busy
                 free[s].record(cur)
     return run_cuda
