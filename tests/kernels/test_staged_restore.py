@@ -202,3 +202,39 @@ def test_every_table_slice_a_launch_gets_is_16_byte_aligned(c, chunk, checked, d
                                            chunk_bytes=chunk, the_ring=ring):
             call()
     assert seen and all(r == [0] * 7 for r in seen), seen
+
+
+def test_reserve_needs_cuda():
+    from xkv.kernels import ring
+
+    assert ring.reserve(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_auto_restores_large_copies_through_the_reserved_ring():
+    """``engine="auto"`` takes the staged path for a restore of >= 8 MiB from pinned memory (and
+    the Triton kernel below that); the worker's ``reserve_staging`` ring is the one it uses, so
+    the first restore allocates no ring."""
+    from xkv.kernels import ring
+
+    r = K.reserve_staging(torch.device("cuda"))
+    g = Geometry(300, 65536, ((0, 32768), (32768, 32768)))
+    ids = np.random.default_rng(2).permutation(g.num_blocks)[:200]
+    offs = (np.arange(2 * 200, dtype=np.int64) * 65536).reshape(2, 200)
+    data = random_bytes(2 * 200 * 65536, 12).pin_memory()
+    pools, expect = [], []
+    for k in range(2):
+        raw_cpu, pool_cpu, raw_gpu, pool_gpu = gpu_and_cpu(g, 20 + k, fill=POISON)
+        oracle(raw_cpu, [pool_cpu], data, offs[k : k + 1], ids, save=False)
+        pools.append((raw_gpu, pool_gpu))
+        expect.append(raw_cpu)
+    prep = K.prepare_restore(data, offs, [p for _, p in pools], ids)
+    assert prep.engines == ("staged", "staged")
+    for k in range(len(prep)):
+        prep.launch(k)
+    torch.cuda.synchronize()
+    assert ring.ring(torch.device("cuda")) is r
+    for (raw_gpu, _), want in zip(pools, expect, strict=True):
+        assert torch.equal(raw_gpu.cpu(), want)
+    small = K.prepare_restore(data, offs[:, :8], [p for _, p in pools], ids[:8])
+    assert small.engines == ("triton", "triton")

@@ -231,6 +231,10 @@ class WorkerSide:
             # allocation inside a step would make the host wait for the copies queued before it
             kernels.pinned.reserve_for(max(p.num_blocks for p in self.pools.values()),
                                        len(self.pools))
+            if getattr(self.handler, "load_engine", None) in ("auto", "staged"):
+                # the staging ring of restores through the copy engine (48 MiB), its events and
+                # the driver's batch-copy entry point, now rather than in the first restore
+                kernels.reserve_staging(next(iter(self.pools.values())).device)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         lines += [self._save_line] if self._save_line else []
         return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()

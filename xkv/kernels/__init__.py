@@ -17,6 +17,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.warmup`: ``warmup`` (compile every variant before the first copy);
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
+* :mod:`~xkv.kernels.ring`: the GPU staging ring of restores through the copy engine
+  (:mod:`~xkv.kernels.staged_restore`); ``reserve_staging`` allocates it at start-up.
 * :mod:`~xkv.kernels.pinned`: the page-locked staging pool every copy step takes its tables,
   words and readbacks from (``pinned.reserve_for`` at start: no allocation inside a step);
 * ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
@@ -54,6 +56,7 @@ from xkv.kernels.page_copy import (
     save_layers,
 )
 from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
+from xkv.kernels.ring import reserve as reserve_staging
 from xkv.kernels.staging import pack, unpack
 from xkv.kernels.verify import Checks, CheckWords, mismatch_flags
 from xkv.kernels.warmup import warmup
@@ -83,6 +86,7 @@ __all__ = [
     "prepare_restore",
     "prepare_save",
     "register_host",
+    "reserve_staging",
     "restore",
     "restore_layers",
     "restore_slice",

@@ -23,7 +23,7 @@ import torch
 
 from xkv.kernels._launch import _env_count
 
-__all__ = ["SLOTS", "SLOT_BYTES", "Ring", "ring"]
+__all__ = ["SLOTS", "SLOT_BYTES", "Ring", "reserve", "ring"]
 
 SLOTS = 3  # two would do while the unpack is far faster than the copy; a third absorbs host jitter
 SLOT_BYTES = _env_count("XKV_STAGED_SLOT_BYTES", 16 << 20)
@@ -81,3 +81,18 @@ def ring(device: torch.device, slot_bytes: int = 0) -> Ring:
         if r is None or r.slot_bytes < want:
             r = _rings[key] = Ring(dev, want)
         return r
+
+
+def reserve(device: torch.device) -> Ring | None:
+    """Allocate ``device``'s ring and its events and resolve the copy engine's batch call now (a
+    worker's start-up), so the first staged restore allocates nothing; None where staged
+    restores do not run (no CUDA device, or no batch call in the driver)."""
+    from xkv.kernels import copy_engine
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or not copy_engine.available():
+        return None
+    r = ring(dev)
+    with torch.cuda.device(dev):
+        r.events()
+    return r
