@@ -173,11 +173,12 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
 
 def _ring_restore(job: Job, engines: list[str]) -> bool:
     """A restore whose every layer takes the staged engine, from host memory into CUDA pages,
-    of pages that fit a ring slot: :mod:`xkv.kernels.staged_restore` prepares it whole."""
+    of pages that fit a ring slot, with the driver's batch copy: :mod:`xkv.kernels.staged_restore`
+    prepares it whole (else each layer runs the per-launch staged engine)."""
     return (not job.save and not job.sliced and bool(engines)
             and all(e == "staged" for e in engines)
             and job.pools[0].device.type == "cuda" and job.flat.device.type == "cpu"
-            and job.block_bytes <= staged_restore.MAX_PAGE_BYTES)
+            and job.block_bytes <= staged_restore.MAX_PAGE_BYTES and copy_engine.available())
 
 
 def _engines(job: Job, engine: str, max_programs: int | None) -> list[tuple[str, int]]:

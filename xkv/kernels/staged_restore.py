@@ -112,6 +112,8 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
         return [lambda: None for _ in groups]
     dev = job.pools[0].device
     cuda = dev.type == "cuda" and dma is None
+    if cuda and not copy_engine.available():
+        raise ValueError("a staged restore needs the driver's cuMemcpyBatchAsync (CUDA 12.8+)")
     r = the_ring if the_ring is not None else ring(dev, bb)
     if bb > r.slot_bytes:
         raise ValueError(f"a {bb}-byte page does not fit the ring's {r.slot_bytes}-byte slots")
@@ -297,7 +299,6 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
                 c.launch()
         return run_cpu
     side = copy_engine.side_stream(dev, "h2d")
-    batch = copy_engine.available()
 
     def run_cuda() -> None:
         cur = torch.cuda.current_stream(dev)
@@ -309,15 +310,7 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
                 s = c.slot
                 side.wait_event(free[s])  # the slot's last unpack (none yet: no wait)
                 d, f, z = c.ranges
-                if batch:
-                    copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side)
-                else:
-                    with torch.cuda.stream(side):
-                        for o, a, b in zip(*(x.tolist() for x in c.ranges), strict=True):
-                            ptr = r.buf.data_ptr()
-                            r.buf[o - ptr : o - ptr + b].copy_(
-                                flat[a - flat.data_ptr() : a - flat.data_ptr() + b],
-                                non_blocking=True)
+                copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side)
                 landed[s].record(side)
                 cur.wait_event(landed[s])
                 c.launch()  # built the first time here, while the copy engine is busy
