@@ -104,6 +104,10 @@ def test_slots_are_taken_in_turn_and_pages_must_fit():
     assert torch.equal(raw, expect)
     with pytest.raises(ValueError, match="does not fit"):
         staged_restore.prepare(j, 2, None, dma=dma, the_ring=Ring(torch.device("cpu"), 48, 2))
+    with pytest.raises(ValueError, match="consecutive"):
+        staged_restore.prepare(j, 2, [[0, 2], [1]], dma=dma, the_ring=ring)
+    with pytest.raises(ValueError, match="consecutive"):
+        staged_restore.prepare(j, 2, [[0, 1]], dma=dma, the_ring=ring)
     sj = build_job(pools, np.arange(8), flat, offsets_arg(offs, 3, "o"), save=True)
     with pytest.raises(ValueError, match="whole restores"):
         staged_restore.prepare(sj, 2, None, dma=dma, the_ring=ring)

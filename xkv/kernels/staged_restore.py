@@ -1,9 +1,10 @@
 """Prepared staged restores: the copy engine brings host bytes into the ring, Triton unpacks them.
 
-SMs reading host memory top out at 0.87-0.93 of the copy engine's rate (bench/RESULTS.md: 48.5 of
-55.5 GB/s on the H100 inside the engine, 50.5-51.3 of 55 on the H200 in the page mover); the copy
-engine reaches the link's rate on large contiguous copies, and a slot unpacked from GPU memory
-takes a few percent of the copy's time. Here everything is decided at prepare time:
+SMs reading host memory reach 0.6-0.93 of the copy engine's rate, by host (bench/RESULTS.md: 48.5
+of 55.5 GB/s on stop 39's H100 inside the engine, 29-33 of 55 on stop 40's, 50.5-51.3 of 55 on the
+H200 in the page mover); the copy engine reaches the link's rate on large contiguous copies, and
+a slot unpacked from GPU memory takes a few percent of the copy's time. Here everything is
+decided at prepare time:
 
 * a step's restore of ``L`` layers x ``n`` fragments (a validated :class:`~xkv.kernels.jobs.Job`,
   host flat buffer) is cut per layer group (``groups``; None: one group per layer) into chunks
@@ -107,7 +108,10 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     if job.save or job.sliced:
         raise ValueError("a staged restore prepares whole restores (save=False, not sliced)")
     L, n, bb = len(job.pools), job.n, job.block_bytes
-    groups = [[k] for k in range(L)] if groups is None else [list(g) for g in groups]
+    groups = [[k] for k in range(L)] if groups is None else [[int(k) for k in g] for g in groups]
+    if [k for g in groups for k in g] != list(range(L)) or any(not g for g in groups):
+        raise ValueError(f"groups must split range({L}) into non-empty runs of consecutive "
+                         f"layers, in order; got {groups}")
     if n == 0 or bb == 0 or not L:
         return [lambda: None for _ in groups]
     dev = job.pools[0].device
