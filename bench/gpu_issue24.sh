@@ -88,7 +88,8 @@ GPU_GIB=$(( ${GPU_MIB:-0} / 1024 ))
 fit() { local n=$(( GPU_GIB * 9 / 10 / $1 )); [ "$n" -lt 1 ] && n=1; echo "$n"; }
 allmodel() {  # step seconds base-GiB kv-GiB model-args...: issue 24's table for one model (all_llama)
   # base: an engine's GPU memory at its start-up peak without its KV cache (H100 of stop 39:
-  # Llama-3-8B shape ~18 GiB, the MLA model 24-38 with its KV); engines start in waves that fit
+  # Llama-3-8B shape ~18 GiB, the MLA model 24-38 with its KV: 37.7 GiB at kv 4 on stop 40's H100);
+  # engines start in waves that fit
   local step=$1 secs=$2 base=$3 kv=${KV_GIB:-$4}; shift 4
   local T=(--start-together --gpu-util 0.1 --reps 3 --cold-reps 3 --after-kill 1 --child-timeout "$secs")
   local L=(--lens 2048,4096,8192,16384,32768 --multi 0 --kinds none,xkv,offload)
@@ -158,7 +159,7 @@ for spec in "$@"; do
         --together-max "$(fit 25)" \
         > "$d/run.txt" 2>&1
       echo "=== $step/shared_prefix: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
-    all_mla) allmodel "$step" "$secs" 26 4 "${MLA[@]}" --vocab 100000 ;;
+    all_mla) allmodel "$step" "$secs" 34 4 "${MLA[@]}" --vocab 100000 ;;  # stop 40: two at 26 OOMed (37.7 GiB each)
     all_qwen) allmodel "$step" "$secs" 19 12 "${QW[@]}" ;;
     caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)
       du -sh ~/.cache/vllm/torch_compile_cache ~/.cache/vllm ~/.triton/cache ~/.cache/flashinfer \
