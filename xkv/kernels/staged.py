@@ -17,7 +17,7 @@ import torch
 from xkv.kernels import _launch, copy_engine, host
 from xkv.kernels.jobs import Job
 
-__all__ = ["STAGED_MIN_BYTES", "chunks", "contiguous_ranges", "run"]
+__all__ = ["STAGED_MIN_BYTES", "chunks", "contiguous_ranges", "layer_chunks", "run"]
 
 STAGED_MIN_BYTES = 8 << 20  # below this a staged copy cannot fill its pipeline
 STAGED_MIN_CHUNK = 1 << 20
@@ -30,11 +30,21 @@ def chunks(job: Job) -> list[tuple[list[int], int, int]]:
     ``[i0, i1)`` of each of ``layers`` (one layer, or several whole layers)."""
     L, n, bb = len(job.pools), job.n, job.block_bytes
     chunk = min(max((L * n * bb) // 8, STAGED_MIN_CHUNK), STAGED_MAX_CHUNK)
-    per = max(1, chunk // bb)
+    return layer_chunks(range(L), n, bb, chunk)
+
+
+def layer_chunks(layers, n: int, bb: int, chunk_bytes: int) -> list[tuple[list[int], int, int]]:
+    """Chunks of ``layers`` x ``n`` fragments of ``bb`` bytes in layer-major order, each at most
+    ``max(chunk_bytes, bb)`` bytes: ``(ls, i0, i1)`` = fragments ``[i0, i1)`` of each layer of
+    ``ls`` (one layer, or several whole layers)."""
+    ls = list(layers)
+    if n == 0 or not ls:
+        return []
+    per = max(1, chunk_bytes // bb)
     if per >= n:
         lpc = max(1, per // n)
-        return [(list(range(a, min(a + lpc, L))), 0, n) for a in range(0, L, lpc)]
-    return [([layer], i, min(i + per, n)) for layer in range(L) for i in range(0, n, per)]
+        return [(ls[a : a + lpc], 0, n) for a in range(0, len(ls), lpc)]
+    return [([layer], i, min(i + per, n)) for layer in ls for i in range(0, n, per)]
 
 
 def contiguous_ranges(flat_off: np.ndarray, bb: int) -> list[tuple[int, int, int]]:

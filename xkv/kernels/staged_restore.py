@@ -50,18 +50,8 @@ CHUNK_MIN_BYTES = 1 << 20  # a smaller copy-engine transfer loses to its per-cop
 MAX_PAGE_BYTES = SLOT_BYTES
 
 
-def chunks(layers: Sequence[int], n: int, bb: int, chunk_bytes: int) -> list[tuple[list[int], int, int]]:
-    """Chunks of ``layers`` x ``n`` fragments of ``bb`` bytes in layer-major order, each at most
-    ``max(chunk_bytes, bb)`` bytes: ``(ls, i0, i1)`` = fragments ``[i0, i1)`` of each layer of
-    ``ls`` (one layer, or several whole layers)."""
-    if n == 0 or not layers:
-        return []
-    per = max(1, chunk_bytes // bb)
-    ls = list(layers)
-    if per >= n:
-        lpc = max(1, per // n)
-        return [(ls[a : a + lpc], 0, n) for a in range(0, len(ls), lpc)]
-    return [([layer], i, min(i + per, n)) for layer in ls for i in range(0, n, per)]
+#: the chunking rule of both staged engines (``staged.layer_chunks``)
+chunks = staged.layer_chunks
 
 
 class _Chunk:
