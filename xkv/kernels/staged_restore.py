@@ -118,18 +118,15 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
             for ls, i0, i1 in chunks(g, n, bb, chunk_bytes)]
     # every fragment's place in the ring: chunk k fills slot k % slots from its start
     ring_off = np.empty((L, n), np.int64)
-    order = []  # (layer rows, i0, i1) in chunk order, for the copy ranges
     for k, (_, ls, i0, i1) in enumerate(todo):
         m = i1 - i0
         base = (k % r.slots) * r.slot_bytes
         ring_off[ls[0] : ls[-1] + 1, i0:i1] = base + (
             np.arange(len(ls) * m, dtype=np.int64) * bb).reshape(len(ls), m)
-        order.append((ls[0], ls[-1] + 1, i0, i1))
-    offs = job.flat_offsets()
-    sel_f = np.concatenate([offs[a:b, i0:i1].ravel() for a, b, i0, i1 in order])
-    sel_r = np.concatenate([ring_off[a:b, i0:i1].ravel() for a, b, i0, i1 in order])
-    sel_k = np.repeat(np.arange(len(todo)), [(b - a) * (i1 - i0) for a, b, i0, i1 in order])
-    per_chunk = _ranges(sel_f, sel_r, sel_k, bb, len(todo))
+    # chunks follow the layer-major order of the fragments (groups are consecutive runs, each
+    # chunked layer by layer): in that order, fragment j belongs to chunk sel_k[j]
+    sel_k = np.repeat(np.arange(len(todo)), [len(ls) * (i1 - i0) for _, ls, i0, i1 in todo])
+    per_chunk = _ranges(job.flat_offsets().ravel(), ring_off.ravel(), sel_k, bb, len(todo))
     bind = _unpacks(job, r, ring_off, todo, max_programs)
     out: list[list[_Chunk]] = [[] for _ in groups]
     unpack = bind()
