@@ -105,9 +105,37 @@ def _inject(card: torch.Tensor, G: int, rng: np.random.Generator, faulted: np.nd
     return offs, kinds
 
 
+def _ring_restore(card, r_offs, dst, ids, checks):
+    """The staged restore (``xkv.kernels.staged_restore``): the card's bytes go through ring
+    slots and are hashed as they are unpacked. CPU: a byte copy stands in for the copy engine,
+    chunks of 3 pages wrap a 2-slot ring; CUDA: the real path (``engine="staged"``)."""
+    from xkv.kernels import staged_restore
+    from xkv.kernels.jobs import build_job, offsets_arg
+    from xkv.kernels.ring import Ring
+
+    if dst[0].device.type == "cuda":
+        prep = K.prepare_restore(card, r_offs, dst, ids, checks=checks, engine="staged")
+        assert set(prep.engines) == {"staged"}
+        for li in range(len(prep)):
+            prep.launch(li)
+        return prep.checks
+    job = build_job(dst, ids, card, offsets_arg(r_offs, len(dst), "offsets"), save=False,
+                    checks=checks)
+
+    def dma(flat, f, ring_buf, o, z):
+        ring_buf[o : o + z] = flat[f : f + z]
+
+    for call in staged_restore.prepare(job, 4, None, dma=dma, chunk_bytes=3 * P,
+                                       the_ring=Ring(torch.device("cpu"), 3 * P, 2)):
+        call()
+    return job.checks.buf
+
+
 def _restore(card, r_offs, dst, ids, engine, checks, two_pass: bool):
     """The verified restore: one pass (hashed in the copy), or two (``checksum_pass`` "hbm":
-    copy unchecked, then hash the landed pages)."""
+    copy unchecked, then hash the landed pages); engine "ring": the staged restore."""
+    if engine == "ring":
+        return _ring_restore(card, r_offs, dst, ids, checks)
     if not two_pass:
         return K.restore_layers(card, r_offs, dst, ids, engine=engine, checks=checks)
     prep = K.prepare_hashed_restore(card, r_offs, dst, ids, checks, engine=engine)
@@ -147,7 +175,8 @@ def _round(pools, ids, obj, page, offs, card, words, G, engine, rng, n_faults, d
 
 def _suite(G, rounds, n_faults, engine, device, seed=7, two_pass=False):
     pools, ids, obj, page, offs, card = _world(G, seed, device)
-    words = _save(pools, ids, obj, page, offs, card, G, engine)
+    words = _save(pools, ids, obj, page, offs, card, G,
+                  ("triton" if device != "cpu" else "reference") if engine == "ring" else engine)
     rng = np.random.default_rng(seed)
     tot = {"faults": 0, "detected": 0, "harmless": 0, "clean_pages": 0}
     per_class: dict[str, int] = {}
@@ -188,6 +217,21 @@ def test_faults_through_the_triton_kernel(two_pass):
     tot, per_class = _suite(G=64, rounds=4, n_faults=40, engine="triton", device="cpu",
                             two_pass=two_pass)
     assert tot["faults"] == 80 and set(per_class) == set(CLASSES)
+
+
+def test_faults_through_the_staged_restore():
+    """Restores through the ring (the copy engine's path, hashed as each slot is unpacked; the
+    kernel under the interpreter): same guarantees on a small card."""
+    tot, per_class = _suite(G=64, rounds=4, n_faults=40, engine="ring", device="cpu")
+    assert tot["faults"] == 80 and set(per_class) == set(CLASSES)
+
+
+@pytest.mark.gpu
+def test_fault_injection_through_the_staged_restore_on_the_gpu():
+    """The staged restore on the GPU (copy engine into the ring, compiled unpack and hash):
+    >= 10**4 faults, >= 10**6 clean page restores."""
+    tot, per_class = _suite(G=4096, rounds=20, n_faults=1200, engine="ring", device="cuda")
+    assert tot["faults"] >= 10**4 and tot["clean_pages"] >= 10**6
 
 
 @pytest.mark.gpu
