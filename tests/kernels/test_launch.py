@@ -12,6 +12,7 @@ from pools import Geometry, layer_jobs, layers_buffer_size, pool_over, pools_ove
 import xkv.kernels as K
 from xkv.kernels import _launch
 from xkv.kernels.jobs import build_job, offsets_arg
+from xkv.layout import PagePool
 
 
 def test_launch_config_examples():
@@ -197,3 +198,30 @@ def test_min_even_row_env(monkeypatch):
             _launch._env_count("ROW_BYTES_UNDER_TEST", 1, pow2=True)
     monkeypatch.setattr(_launch, "MIN_EVEN_COL_BYTES", 8192)  # the switch off: masked 4 KiB rows
     assert _launch.launch_config(18432, 10_000, 64, save=False).cols == 512
+
+
+def test_resized_keeps_the_variant_and_gives_the_counts_of_a_plan_of_that_size():
+    """``resized`` (a staged restore's chunks): the plan's constexprs and tile unchanged, the
+    counts, bounds and grid those ``plan`` gives for ``n`` fragments whenever its tile is the
+    same (a short chunk runs the full slot's compiled variant)."""
+    raw = torch.zeros(3 * 64 * 4096 + 64, dtype=torch.uint8)
+    pools = [PagePool(raw[k * 64 * 4096:], 64, 4096, 4096, ((0, 2048), (2048, 2048)))
+             for k in range(3)]
+    flat = torch.zeros(4096 * 64, dtype=torch.uint8)
+
+    def mk(n, budget):
+        return _launch.plan(pools, flat, n=n, has_flat_off=True, flat_off_gcd=4096, flat_base=0,
+                            save=False, sliced=False, lo=0, hi=3 * n * 4096,
+                            max_programs=budget)
+
+    for budget in (4, 64):
+        full = mk(64, budget)
+        for n in (1, 7, 33, 64):
+            r = _launch.resized(full, n, budget)
+            assert r.meta == full.meta and r.table.tolist() == full.table.tolist()
+            own = mk(n, budget)
+            assert r.scalars[:4] == (n, 2, 3 * n * 2, -(-3 * n * 2 // full.meta["ROWS"]))
+            assert r.scalars[8] == 3 * n * 4096 // full.meta["WORD"]
+            assert 1 <= r.programs <= budget
+            if own.meta["ROWS"] == full.meta["ROWS"]:
+                assert r.scalars == own.scalars and r.programs == own.programs

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,7 +47,6 @@ __all__ = [
     "plan",
     "resized",
     "run",
-    "stage",
     "variant_key",
     "word_bytes",
 ]
@@ -308,7 +306,7 @@ def resized(p: LaunchPlan, n: int, max_programs: int) -> LaunchPlan:
     own: the same kernel variant (constexprs and tile), only the counts and the grid change. A
     staged restore plans its unpack once, for a full slot, and runs every chunk with it, so a
     shorter chunk (a layer's last, a short restore) compiles nothing new."""
-    n0, R, _, _, bs, bw, fb, lo, _, mr = p.scalars
+    _, R, _, _, bs, bw, fb, lo, _, mr = p.scalars
     Lg = len(p.pools)
     n_rows = Lg * n * R
     groups = -(-n_rows // p.meta["ROWS"])
@@ -398,19 +396,6 @@ def launches(job: Job, max_programs: int, *, groups: list[list[int]] | None = No
     """Launches of ``job``, one per group of layers (default: per geometry; a group must share
     one geometry), with every table in one upload. ``groups=[[0], [1], ...]`` gives one launch
     per layer (prepared steps)."""
-    tables = Tables()
-    bind = stage(job, max_programs, tables, groups=groups, tile_bytes=tile_bytes)
-    return bind(tables.upload(job.pools[0].device))
-
-
-def stage(job: Job, max_programs: int, tables: Tables, *,
-          groups: list[list[int]] | None = None, tile_bytes: int | None = None,
-          plans: dict | None = None) -> Callable[[torch.Tensor], list[Launch]]:
-    """:func:`launches` of ``job`` planned and its tables queued into ``tables``; returns
-    ``bind(t)``, which gives the launches once ``t = tables.upload(...)`` holds them: several
-    jobs (a staged copy's chunks) share one upload. ``plans``: a cache of one-layer plans that
-    jobs of one geometry, flat buffer, direction and fragment count share (a chunk's plan differs
-    from its neighbour's only in the layer's base address)."""
     n, bb = job.n, job.block_bytes
     groups = geometry_groups(job.pools) if groups is None else groups
     use_table = job.flat_off is not None or len(groups) > 1
@@ -420,6 +405,7 @@ def stage(job: Job, max_programs: int, tables: Tables, *,
         f0, f1 = lo // bb, -(-hi // bb)
         ids, offs_all = ids[f0:f1], job.flat_offsets()[:, f0:f1]
         lo, hi, n = lo - f0 * bb, hi - f0 * bb, f1 - f0
+    tables = Tables()
     at_ids = tables.add(ids)
     jc = job.checks
     if jc is not None:
@@ -430,9 +416,8 @@ def stage(job: Job, max_programs: int, tables: Tables, *,
         C = jc.num_objects
         at_res = [tables.add(np.array([jc.rows[k] * C for k in layers], np.int64))
                   for layers in groups]
-    plans_out, at, at_table = [], [], {}  # run tables shared by layers of one geometry: sent once
-    # one-layer plans differ only in the base address
-    same: dict[tuple, LaunchPlan] = {} if plans is None else plans
+    plans, at, at_table = [], [], {}  # run tables shared by layers of one geometry: sent once
+    same: dict[tuple, LaunchPlan] = {}  # one-layer plans differ only in the base address
     for layers in groups:
         if offs_all is None:
             flat_off = None
@@ -445,8 +430,7 @@ def stage(job: Job, max_programs: int, tables: Tables, *,
         key = None
         if len(layers) == 1 and flat_off is not None:
             # word size and hints only see alignments up to 16 bytes: the low 4 bits decide
-            key = (pools[0].block_stride, pools[0].runs, pools[0].data_ptr & 15, gcd & 15, n,
-                   job.flat.data_ptr() & 15, job.save, jc is not None, job.store, tile_bytes)
+            key = (pools[0].block_stride, pools[0].runs, pools[0].data_ptr & 15, gcd & 15)
         if key in same:
             p = replace(same[key], pools=tuple(pools), base=pools[0].base)
         else:
@@ -457,27 +441,23 @@ def stage(job: Job, max_programs: int, tables: Tables, *,
             if key is not None:
                 same[key] = p
         at_off = None if flat_off is None else tables.add(flat_off)
-        plans_out.append(p)
+        plans.append(p)
         key = p.table.tobytes()
         if key not in at_table:
             at_table[key] = tables.add(p.table)
         at.append((at_off, at_table[key]))
-
-    def bind(t: torch.Tensor) -> list[Launch]:
-        ids_t = t[at_ids : at_ids + n]
-        out = []
-        for g, (p, (at_off, at_tab), layers) in enumerate(zip(plans_out, at, groups,
-                                                              strict=True)):
-            off_t = None if at_off is None else t[at_off : at_off + len(layers) * n]
-            check = None
-            if jc is not None:
-                check = (buf.words, t[at_res[g] : at_res[g] + len(layers)],
-                         t[at_chk : at_chk + 3 * n])
-            out.append(Launch(p, job.flat, ids_t, off_t, t[at_tab : at_tab + p.table.size],
-                              check))
-        return out
-
-    return bind
+    dev = job.pools[0].device
+    t = tables.upload(dev)
+    ids_t = t[at_ids : at_ids + n]
+    out = []
+    for g, (p, (at_off, at_tab), layers) in enumerate(zip(plans, at, groups, strict=True)):
+        off_t = None if at_off is None else t[at_off : at_off + len(layers) * n]
+        check = None
+        if jc is not None:
+            check = (buf.words, t[at_res[g] : at_res[g] + len(layers)],
+                     t[at_chk : at_chk + 3 * n])
+        out.append(Launch(p, job.flat, ids_t, off_t, t[at_tab : at_tab + p.table.size], check))
+    return out
 
 
 def run(job: Job, max_programs: int, *, tile_bytes: int | None = None) -> None:

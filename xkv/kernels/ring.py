@@ -11,8 +11,9 @@ last kernel that read it (a copy into the slot waits for it on its own stream) a
 the one after its copy (the unpack waits for it); :meth:`Ring.events`. Every use is
 issued under :attr:`Ring.lock`, so two issuers (threads) cannot interleave a slot's wait and its
 new event. Size: :data:`SLOTS` x ``slot_bytes`` (env ``XKV_STAGED_SLOT_BYTES``, default 16 MiB:
-48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). A restore
-whose page is larger than a slot gets a ring with slots of that page's size.
+48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). Prepared
+restores only stage pages up to a slot (``staged_restore.MAX_PAGE_BYTES``); asking :func:`ring`
+for larger slots replaces the ring.
 """
 
 from __future__ import annotations
