@@ -242,3 +242,34 @@ def test_auto_restores_large_copies_through_the_reserved_ring():
         assert torch.equal(raw_gpu.cpu(), want)
     small = K.prepare_restore(data, offs[:, :8], [p for _, p in pools], ids[:8])
     assert small.engines == ("triton", "triton")
+
+
+def test_auto_prefers_the_ring_for_large_restores_from_host_memory(monkeypatch):
+    """``staged_restore.preferred`` (``engine="auto"``): CUDA pages, a host card, a whole
+    restore of >= 8 MiB of pages up to a slot, the batch copy available, no calibration; any one
+    condition missing keeps the Triton kernel. The job is a stand-in (no GPU here)."""
+    from types import SimpleNamespace as NS
+
+    from xkv.kernels import copy_engine, staged
+
+    monkeypatch.setattr(copy_engine, "available", lambda: True)
+    monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
+    cuda, cpu = NS(type="cuda"), NS(type="cpu")
+
+    def job(L=32, n=128, bb=65536, dev=cuda, flat=cpu, save=False, sliced=False):
+        return NS(save=save, sliced=sliced, pools=[NS(device=dev)] * L, n=n, block_bytes=bb,
+                  flat=NS(device=flat))
+
+    assert staged_restore.preferred(job())
+    assert staged_restore.preferred(job(L=1, n=staged.STAGED_MIN_BYTES // 65536))
+    assert not staged_restore.preferred(job(L=1, n=staged.STAGED_MIN_BYTES // 65536 - 1))
+    assert staged_restore.preferred(job(L=1, n=1, bb=staged_restore.MAX_PAGE_BYTES))
+    assert not staged_restore.preferred(job(L=1, n=1, bb=staged_restore.MAX_PAGE_BYTES + 16))
+    for bad in (dict(dev=cpu), dict(flat=cuda), dict(save=True), dict(sliced=True), dict(n=0),
+                dict(L=0)):
+        assert not staged_restore.preferred(job(**bad)), bad
+    monkeypatch.setattr(staged_restore, "calibration", lambda dev: object())
+    assert not staged_restore.preferred(job())
+    monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
+    monkeypatch.setattr(copy_engine, "available", lambda: False)
+    assert not staged_restore.preferred(job())
