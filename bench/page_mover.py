@@ -5,8 +5,10 @@
     python bench/page_mover.py --checksums --out out/  # only: with vs without checksums
 
 The Triton and batched copy-engine copies are timed with their descriptors prepared beforehand (the
-GPU work, and for the copy engine the driver call); "staged" and "public call" rows time the whole
-public path (validation is done once, per-chunk host work is included).
+GPU work, and for the copy engine the driver call); "public call" rows time the whole public path
+(validation is done once); "staged" restores are the serving path (``staged_restore``: planned
+once, then every chunk's copy and unpack issued per run, its host work included), staged saves
+the per-launch engine.
 
 Workload: a paged GPU cache of fragments of F bytes (F = 4, 8, 16, 64, 256 KiB), 1 GiB of pinned host
 memory holding the stored objects contiguously (the card), random block ids. Restore = host -> cache
@@ -37,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import xkv.kernels as K  # noqa: E402
-from xkv.kernels import _launch, copy_engine, staged  # noqa: E402
+from xkv.kernels import _launch, copy_engine, staged, staged_restore  # noqa: E402
 from xkv.kernels.hashing import build_hash_job  # noqa: E402
 from xkv.kernels.jobs import build_job, offsets_arg  # noqa: E402
 from xkv.layout import describe_cache  # noqa: E402
@@ -142,6 +144,9 @@ def _prepared(job, budget: int, engine: str, tile: int | None):
                 launch()
 
         return run
+    if engine == "staged" and not job.save:  # the serving path: the ring, prepared once
+        calls = staged_restore.prepare(job, budget)
+        return lambda: [call() for call in calls]
     if engine == "staged":
         return lambda: staged.run(job, budget)
     return copy_engine.runner(job)
@@ -525,8 +530,9 @@ def checksum_table(args) -> None:
     """``--checksums``: GB/s of the Triton restore and save with and without the checksum
     variant, at the connector's SM budget (``--connector-budget``, the default
     ``XKV_MAX_PROGRAMS``) and at ``--check-budgets`` programs (default 8, 16, 32), for pages of 4..256 KiB (one prepared
-    launch per layer, as serving issues them); the staged engine (which hashes its GPU staging
-    slot) for pages of 64 KiB and more; and issue 25's plan: the unchecked restore followed by
+    launch per layer, as serving issues them); the staged restore through the ring (copy engine,
+    then unpack and hash from GPU memory: serving's path for restores >= 8 MiB since stop 40)
+    at every size and budget; and issue 25's plan: the unchecked restore followed by
     ``hash_pages`` of the restored pages in HBM at the same budget (``restore_hash``, its ratio
     to the unchecked restore alone; ``hash``: the hash alone). Plain and checked runs alternate
     (3 rounds, best median each) so drift hits all. Writes page_mover_checksums.json; the
@@ -564,14 +570,20 @@ def checksum_table(args) -> None:
             cell["save_ratio"] = best["save_checked"] / best["save"]
             cell["restore_hash_ratio"] = best["restore_hash"] / best["restore"]
             cell["false_alarms"] = false_alarms
-            if frag >= 64 * KIB and budget == args.connector_budget:  # staged: hashes its slot
-                st = {f"staged_{k}": guarded(lambda k=k, mk=make, nb=nbytes, b=budget: gbps(
-                    nb, timed(_prepared(mk(k), b, "staged", None), reps=3)))
-                    for k in ("restore", "restore_checked", "save", "save_checked")}
-                cell.update(st)
-                print(f"      staged restore {st['staged_restore']:.1f} -> "
-                      f"{st['staged_restore_checked']:.1f}  save {st['staged_save']:.1f} -> "
-                      f"{st['staged_save_checked']:.1f} GB/s", flush=True)
+            # the staged restore (copy engine into the ring, unpack and hash from HBM: what
+            # serving runs for restores >= 8 MiB), checked against unchecked at this budget
+            once = make("restore_checked")
+            guarded(lambda once=once, b=budget: _prepared(once, b, "staged", None)())
+            torch.cuda.synchronize()
+            false_alarms += int(once.checks.buf.mismatched().sum())
+            st = {f"staged_{k}": guarded(lambda k=k, mk=make, nb=nbytes, b=budget: gbps(
+                nb, timed(_prepared(mk(k), b, "staged", None), reps=3)))
+                for k in ("restore", "restore_checked")}
+            st["staged_restore_ratio"] = st["staged_restore_checked"] / st["staged_restore"]
+            cell.update(st)
+            print(f"      staged (ring) restore {st['staged_restore']:.1f} -> "
+                  f"{st['staged_restore_checked']:.1f} GB/s "
+                  f"({st['staged_restore_ratio']:.3f})", flush=True)
             row[str(budget)] = cell
             print(f"{frag // KIB:>4} KiB  {budget:>3} programs  restore {best['restore']:.1f} -> "
                   f"{best['restore_checked']:.1f} GB/s ({cell['restore_ratio']:.3f})  save "
