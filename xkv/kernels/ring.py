@@ -11,9 +11,8 @@ last kernel that read it (a copy into the slot waits for it on its own stream) a
 the one after its copy (the unpack waits for it); :meth:`Ring.events`. Every use is
 issued under :attr:`Ring.lock`, so two issuers (threads) cannot interleave a slot's wait and its
 new event. Size: :data:`SLOTS` x ``slot_bytes`` (env ``XKV_STAGED_SLOT_BYTES``, default 16 MiB:
-48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). Prepared
-restores only stage pages up to a slot (``staged_restore.MAX_PAGE_BYTES``); asking :func:`ring`
-for larger slots replaces the ring.
+48 MiB of GPU memory beside vLLM's KV cache, taken from the memory vLLM leaves unused). Only
+pages up to a slot are staged through it (``staged_restore.MAX_PAGE_BYTES``).
 """
 
 from __future__ import annotations
@@ -53,10 +52,6 @@ class Ring:
             self._free = [torch.cuda.Event() for _ in range(self.slots)]
         return self._landed, self._free
 
-    def slot(self, s: int) -> torch.Tensor:
-        """Slot ``s`` as a uint8 view."""
-        return self.buf[s * self.slot_bytes : (s + 1) * self.slot_bytes]
-
     def used_on(self, stream) -> None:
         """Tell the caching allocator that ``stream`` uses the ring (once per stream): if the
         ring is ever dropped, its memory is reused only after that stream's work so far."""
@@ -70,17 +65,15 @@ _lock = threading.Lock()
 _rings: dict[tuple[str, int], Ring] = {}
 
 
-def ring(device: torch.device, slot_bytes: int = 0) -> Ring:
-    """The device's ring, with slots of at least ``max(slot_bytes, SLOT_BYTES)`` (a larger need
-    replaces it; copies prepared with the old one keep it referenced until they are dropped)."""
+def ring(device: torch.device) -> Ring:
+    """The device's ring (:data:`SLOTS` x :data:`SLOT_BYTES`), allocated on first use."""
     dev = torch.device(device)
     key = (dev.type, dev.index if dev.index is not None else
            (torch.cuda.current_device() if dev.type == "cuda" else -1))
-    want = max(int(slot_bytes), SLOT_BYTES)
     with _lock:
         r = _rings.get(key)
-        if r is None or r.slot_bytes < want:
-            r = _rings[key] = Ring(dev, want)
+        if r is None:
+            r = _rings[key] = Ring(dev, SLOT_BYTES)
         return r
 
 

@@ -59,10 +59,11 @@ class _Chunk:
 
     __slots__ = ("index", "ranges", "slot", "unpack")
 
-    def __init__(self, index: int, slot: int, ranges: tuple) -> None:
+    def __init__(self, index: int, slot: int, ranges: tuple,
+                 unpack: Callable[[int], list]) -> None:
         self.index, self.slot = index, slot
         self.ranges = ranges  # (ring offsets, flat offsets, sizes) int64 bytes, merged runs
-        self.unpack: Callable[[int], list] | None = None  # chunk index -> its launches
+        self.unpack = unpack  # chunk index -> its launches
 
     def launch(self) -> None:
         for launch in self.unpack(self.index):
@@ -108,7 +109,7 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     cuda = dev.type == "cuda" and dma is None
     if cuda and not copy_engine.available():
         raise ValueError("a staged restore needs the driver's cuMemcpyBatchAsync (CUDA 12.8+)")
-    r = the_ring if the_ring is not None else ring(dev, bb)
+    r = the_ring if the_ring is not None else ring(dev)
     if bb > r.slot_bytes:
         raise ValueError(f"a {bb}-byte page does not fit the ring's {r.slot_bytes}-byte slots")
     if chunk_bytes is None:
@@ -127,13 +128,10 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     # chunked layer by layer): in that order, fragment j belongs to chunk sel_k[j]
     sel_k = np.repeat(np.arange(len(todo)), [len(ls) * (i1 - i0) for _, ls, i0, i1 in todo])
     per_chunk = _ranges(job.flat_offsets().ravel(), ring_off.ravel(), sel_k, bb, len(todo))
-    bind = _unpacks(job, r, ring_off, todo, max_programs)
+    unpack = _unpacks(job, r, ring_off, todo, max_programs)
     out: list[list[_Chunk]] = [[] for _ in groups]
-    unpack = bind()
     for k, (gi, _, _, _) in enumerate(todo):
-        c = _Chunk(k, k % r.slots, per_chunk[k])
-        c.unpack = unpack
-        out[gi].append(c)
+        out[gi].append(_Chunk(k, k % r.slots, per_chunk[k], unpack))
     if cuda:
         bounds = host.piece_boundaries()
         for mine in out:
@@ -187,9 +185,9 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
     starts 16-byte aligned (the kernel's variants assume aligned tables: an unaligned one is
     another variant, compiled mid-serving): a slice that would not gets its own section. Plans:
     one per layer geometry for a full slot (:func:`_launch.resized` for shorter chunks: every
-    chunk runs that variant), a chunk of several whole layers its own (few). Returns
-    ``bind()`` (uploads; once) -> ``unpack(k)``, the launches of chunk ``k``, built on first
-    use: the issue loop builds them while the copy engine is busy, not before the first copy."""
+    chunk runs that variant), a chunk of several whole layers its own (few). Uploads, and
+    returns ``unpack(k)``, the launches of chunk ``k``, built on first use: the issue loop
+    builds them while the copy engine is busy, not before the first copy."""
     n, bb = job.n, job.block_bytes
     jc = job.checks
     tables = _launch.Tables()
@@ -235,7 +233,7 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                 if chk_at is None:
                     chk_at = cache[("chk", i0, i1)] = tables.add(full_chk[:, i0:i1])
             p0 = job.pools[l0]
-            key = (lg > 1 and tuple(lsg), p0.block_stride, p0.runs, p0.data_ptr & 15)
+            key = (tuple(lsg) if lg > 1 else None, p0.block_stride, p0.runs, p0.data_ptr & 15)
             got = plans.get((key, m))
             if got is None:
                 whole = plans.get(key)
@@ -252,31 +250,27 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                          tab_at))
         specs.append(mine)
 
-    def bind() -> Callable[[int], list]:
-        dev = job.pools[0].device
-        words = None if jc is None else jc.bind(dev, False).words
-        t = tables.upload(dev)  # one upload, on the prepare stream
-        built: dict[int, list] = {}
+    words = None if jc is None else jc.bind(job.pools[0].device, False).words
+    t = tables.upload(job.pools[0].device)  # one upload, on the prepare stream
+    built: dict[int, list] = {}
 
-        def unpack(k: int) -> list:
-            launches = built.get(k)
-            if launches is not None:
-                return launches
-            launches = built[k] = []
-            for p, p0, lg, i0, i1, ids_at, off_at, res_at, chk_at, tab_at in specs[k]:
-                m = i1 - i0
-                if p0 is not None:
-                    p = replace(p, pools=(p0,), base=p0.base)
-                check = None if jc is None else (words, t[res_at : res_at + lg],
-                                                 t[chk_at : chk_at + 3 * m])
-                launches.append(_launch.Launch(p, r.buf, t[ids_at : ids_at + m],
-                                               t[off_at : off_at + lg * m],
-                                               t[tab_at : tab_at + p.table.size], check))
+    def unpack(k: int) -> list:
+        launches = built.get(k)
+        if launches is not None:
             return launches
+        launches = built[k] = []
+        for p, p0, lg, i0, i1, ids_at, off_at, res_at, chk_at, tab_at in specs[k]:
+            m = i1 - i0
+            if p0 is not None:
+                p = replace(p, pools=(p0,), base=p0.base)
+            check = None if jc is None else (words, t[res_at : res_at + lg],
+                                             t[chk_at : chk_at + 3 * m])
+            launches.append(_launch.Launch(p, r.buf, t[ids_at : ids_at + m],
+                                           t[off_at : off_at + lg * m],
+                                           t[tab_at : tab_at + p.table.size], check))
+        return launches
 
-        return unpack
-
-    return bind
+    return unpack
 
 
 def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool,
