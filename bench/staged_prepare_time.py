@@ -1,0 +1,60 @@
+"""Host time of planning a staged restore (``xkv.kernels.staged_restore.prepare``) against the
+Triton restore's prepare, for a 32k-token Llama-3-8B-shaped light step (32 layers x 2048 pages of
+64 KiB in two 32 KiB runs, the halving layer groups, verified), on this machine's CPU: no GPU (a
+stand-in copy; the tables go to host memory). The staged plan runs before its first copy, so it
+adds to the restore (bench/RESULTS.md "stop 40").
+
+    TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from xkv.connector.light_steps import load_layer_groups  # noqa: E402
+from xkv.kernels import prepared, staged_restore  # noqa: E402
+from xkv.kernels.jobs import build_job, offsets_arg  # noqa: E402
+from xkv.kernels.ring import Ring  # noqa: E402
+from xkv.kernels.verify import Checks  # noqa: E402
+from xkv.layout import PagePool  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    L, n, bb = 32, 2048, 65536
+    # untouched host allocations stand in for the layers' caches (only addresses are read)
+    pools = [PagePool(torch.empty(n * bb + 64, dtype=torch.uint8), n, bb, bb,
+                      ((0, bb // 2), (bb // 2, bb // 2))) for _ in range(L)]
+    flat = torch.empty(L * n * bb // 16, dtype=torch.uint8)
+    offs = (np.arange(L * n, dtype=np.int64) * bb % (flat.numel() - bb)).reshape(L, n)
+    ids = np.random.default_rng(0).permutation(n)
+    C = n // 16
+    checks = Checks(np.arange(n) // 16, np.arange(n) % 16, C, expected=np.zeros((L, C), np.uint32))
+    groups = load_layer_groups(L)
+    ring = Ring(torch.device("cpu"), 16 << 20)
+    for rep in range(a.reps + 1):  # the first: imports and caches
+        job = build_job(pools, ids, flat, offsets_arg(offs, L, "o"), save=False, checks=checks)
+        t0 = time.perf_counter()
+        staged_restore.prepare(job, 64, groups, dma=lambda *x: None, the_ring=ring)
+        t1 = time.perf_counter()
+        job = build_job(pools, ids, flat, offsets_arg(offs, L, "o"), save=False, checks=checks)
+        t2 = time.perf_counter()
+        prepared._prepare(job, "triton", 64, groups)
+        t3 = time.perf_counter()
+        if rep:
+            print(f"staged prepare {1e3 * (t1 - t0):.1f} ms   triton prepare "
+                  f"{1e3 * (t3 - t2):.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
