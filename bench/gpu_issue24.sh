@@ -114,6 +114,7 @@ for spec in "$@"; do
         tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py tests/kernels/test_pinned.py \
         tests/kernels/test_hash_pages.py tests/kernels/test_verify.py tests/kernels/test_page_copy.py \
         tests/kernels/test_staged.py tests/kernels/test_staged_restore.py tests/kernels/test_fault_injection.py \
+        tests/kernels/test_ring_choice.py \
         > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
     checksums) mkdir -p "$OUT/$step"

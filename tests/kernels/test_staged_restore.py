@@ -219,8 +219,9 @@ def test_auto_restores_large_copies_through_the_reserved_ring():
     """``engine="auto"`` takes the staged path for a restore of >= 8 MiB from pinned memory (and
     the Triton kernel below that); the worker's ``reserve_staging`` ring is the one it uses, so
     the first restore allocates no ring."""
-    from xkv.kernels import ring
+    from xkv.kernels import ring, ring_choice
 
+    ring_choice.set_choice(None, "cuda")  # unprobed: the ring (test_ring_choice.py: a probe's verdict)
     r = K.reserve_staging(torch.device("cuda"))
     g = Geometry(300, 65536, ((0, 32768), (32768, 32768)))
     ids = np.random.default_rng(2).permutation(g.num_blocks)[:200]
@@ -254,6 +255,7 @@ def test_auto_prefers_the_ring_for_large_restores_from_host_memory(monkeypatch):
 
     monkeypatch.setattr(copy_engine, "available", lambda: True)
     monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
+    monkeypatch.setattr(staged_restore, "ring_wins", lambda dev: True)  # test_ring_choice.py
     cuda, cpu = NS(type="cuda"), NS(type="cpu")
 
     def job(L=32, n=128, bb=65536, dev=cuda, flat=cpu, save=False, sliced=False):

@@ -205,6 +205,7 @@ class WorkerSide:
             # ones of light steps and tails too. Zero-row launches: no byte of the caches or the
             # card moves.
             t0 = time.perf_counter()
+            self._choose_restore_path()
             align = min(p.slot_alignment for p in self.registry.groups)
             groups = light_steps.warm_groups(self.registry, list(self.pools),
                                              grouped=light_steps.group_mode() == "auto",
@@ -231,13 +232,31 @@ class WorkerSide:
             # allocation inside a step would make the host wait for the copies queued before it
             kernels.pinned.reserve_for(max(p.num_blocks for p in self.pools.values()),
                                        len(self.pools))
-            if getattr(self.handler, "load_engine", None) in ("auto", "staged"):
-                # the staging ring of restores through the copy engine (48 MiB), its events and
-                # the driver's batch-copy entry point, now rather than in the first restore
-                kernels.reserve_staging(next(iter(self.pools.values())).device)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
+        lines += [self._ring_line] if getattr(self, "_ring_line", None) else []
         lines += [self._save_line] if self._save_line else []
         return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()
+
+    def _choose_restore_path(self) -> None:
+        """``auto`` / ``staged``: the copy engine's staging ring now, not in the first restore;
+        ``auto``: the start-up probe (``kernels.probe_ring``) decides whether restores take it.
+        Before warmup: the probe's own compiles are not mid-serving ones. It overwrites the first
+        pages of one cache, harmless before anything is served."""
+        self._ring_line = None
+        engine = getattr(self.handler, "load_engine", None)
+        if engine not in ("auto", "staged"):
+            return
+        kernels.reserve_staging(next(iter(self.pools.values())).device)
+        fit = [p for p in self.pools.values() if p.block_bytes <= kernels.RING_PAGE_BYTES]
+        if engine != "auto" or self.session.card is None or not fit:
+            return
+        p = kernels.probe_ring(fit[0], self.session.card, kernels.light_restore_programs())
+        if p is not None:
+            self._ring_line = (
+                f"XKV: restores of >= 8 MiB through the copy engine and the ring: "
+                f"{'yes' if p.ring_wins else 'no, the Triton kernel'} (start-up probe of "
+                f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
+                f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x)")
 
     def _check_lines(self) -> list[str]:
         """What restores verify (``verify_checksums``), per group, for the start-up log."""

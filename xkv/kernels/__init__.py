@@ -18,7 +18,9 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.calibrate`: ``calibrate``, ``calibration``, ``set_calibration``;
 * :mod:`~xkv.kernels.host`: ``register_host``, ``unregister_host``, ``is_host_accessible``;
 * :mod:`~xkv.kernels.ring`: the GPU staging ring of restores through the copy engine
-  (:mod:`~xkv.kernels.staged_restore`); ``reserve_staging`` allocates it at start-up.
+  (:mod:`~xkv.kernels.staged_restore`); ``reserve_staging`` allocates it at start-up;
+* :mod:`~xkv.kernels.ring_choice`: ``probe_ring`` (at start-up: does the ring beat the Triton
+  kernel on this host by enough to take it, ``auto``'s choice from then on);
 * :mod:`~xkv.kernels.pinned`: the page-locked staging pool every copy step takes its tables,
   words and readbacks from (``pinned.reserve_for`` at start: no allocation inside a step);
 * ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
@@ -57,6 +59,9 @@ from xkv.kernels.page_copy import (
 )
 from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
 from xkv.kernels.ring import reserve as reserve_staging
+from xkv.kernels.ring_choice import MIN_GAIN as RING_MIN_GAIN
+from xkv.kernels.ring_choice import probe as probe_ring
+from xkv.kernels.staged_restore import MAX_PAGE_BYTES as RING_PAGE_BYTES
 from xkv.kernels.staging import pack, unpack
 from xkv.kernels.verify import Checks, CheckWords, mismatch_flags
 from xkv.kernels.warmup import warmup
@@ -84,7 +89,10 @@ __all__ = [
     "prepare_hashed_restore",
     "prepare_page_hash",
     "prepare_restore",
+    "RING_MIN_GAIN",
+    "RING_PAGE_BYTES",
     "prepare_save",
+    "probe_ring",
     "register_host",
     "reserve_staging",
     "restore",

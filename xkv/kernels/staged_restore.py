@@ -40,6 +40,7 @@ from xkv.kernels import _launch, copy_engine, host, staged
 from xkv.kernels.calibrate import calibration
 from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
+from xkv.kernels.ring_choice import ring_wins
 
 __all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "chunks", "preferred", "prepare",
            "ring_offset_gcd", "unpack_plan"]
@@ -166,16 +167,19 @@ def ring_offset_gcd(bb: int, r: Ring) -> int:
 def preferred(job: Job) -> bool:
     """Whether ``engine="auto"`` takes this path for ``job`` (every layer): a whole restore of
     at least ``staged.STAGED_MIN_BYTES`` from host memory into CUDA pages that fit a slot, the
-    copy engine's batch call available, and no calibration installed for the GPU (one decides
-    per fragment size instead). SMs read host memory at 0.6-0.93 of the copy engine's rate
-    (bench/RESULTS.md "stop 40"); the copy engine plus an unpack from GPU memory at ~0.97."""
+    copy engine's batch call available, no calibration installed for the GPU (one decides
+    per fragment size instead), and the GPU's start-up probe (:mod:`~xkv.kernels.ring_choice`)
+    found the ring at least ``MIN_GAIN`` x faster than the Triton kernel, or none ran. SMs read
+    host memory at 0.6-0.93 of the copy engine's rate by host (bench/RESULTS.md "stop 40",
+    "stop 41"); where they read nearly as fast, the ring's host work loses more than its copy
+    gains."""
     if job.save or job.sliced or not job.pools or job.n == 0:
         return False
     dev = job.pools[0].device
     return (dev.type == "cuda" and job.flat.device.type == "cpu"
             and job.block_bytes <= MAX_PAGE_BYTES
             and len(job.pools) * job.n * job.block_bytes >= staged.STAGED_MIN_BYTES
-            and copy_engine.available() and calibration(dev) is None)
+            and copy_engine.available() and calibration(dev) is None and ring_wins(dev))
 
 
 def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: int):

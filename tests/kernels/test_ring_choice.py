@@ -1,0 +1,103 @@
+"""The start-up probe that decides whether ``engine="auto"`` restores through the ring (xkv.kernels.ring_choice).
+
+CPU: the verdict's threshold, that it is kept per GPU, that ``staged_restore.preferred`` follows
+it, and that the probe declines what the ring cannot restore. ``gpu``: a real probe moves the
+card's bytes into the pages exactly, records its rates, and ``auto`` then follows the verdict.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from gpu_buffers import gpu_and_cpu
+from pools import POISON, Geometry, pool_over, random_bytes
+
+import xkv.kernels as K
+from xkv.kernels import ring_choice, staged, staged_restore
+from xkv.kernels.ring_choice import MIN_GAIN, Probe
+
+
+def test_the_ring_wins_from_min_gain_times_the_triton_rate():
+    assert Probe(triton_gbps=40.0, ring_gbps=40.0 * MIN_GAIN, nbytes=1).ring_wins
+    assert not Probe(triton_gbps=40.0, ring_gbps=40.0 * MIN_GAIN - 0.01, nbytes=1).ring_wins
+    # the two hosts measured: stop 41's H200 (page mover) loses, stop 40's H100 wins
+    assert not Probe(triton_gbps=50.8, ring_gbps=54.3, nbytes=1).ring_wins
+    assert Probe(triton_gbps=31.0, ring_gbps=53.0, nbytes=1).ring_wins
+    assert 1.07 < MIN_GAIN < 1.6
+
+
+def test_the_verdict_is_kept_per_gpu_and_unprobed_takes_the_ring():
+    try:
+        assert ring_choice.choice(7) is None and ring_choice.ring_wins(7)
+        lose = Probe(triton_gbps=50.0, ring_gbps=52.0, nbytes=64 << 20)
+        ring_choice.set_choice(lose, 7)
+        assert ring_choice.choice(7) is lose and not ring_choice.ring_wins(7)
+        assert ring_choice.ring_wins(6)  # another GPU: unprobed
+        ring_choice.set_choice(Probe(30.0, 53.0, 64 << 20), 7)
+        assert ring_choice.ring_wins(7)
+        ring_choice.set_choice(None, 7)
+        assert ring_choice.choice(7) is None and ring_choice.ring_wins(7)
+    finally:
+        ring_choice.set_choice(None, 7)
+
+
+def test_auto_follows_the_probe(monkeypatch):
+    """A restore ``preferred`` takes through the ring stays on the Triton kernel once the GPU's
+    probe found the ring not enough faster (the job is a stand-in: no GPU here)."""
+    from xkv.kernels import copy_engine
+
+    monkeypatch.setattr(copy_engine, "available", lambda: True)
+    monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
+    job = NS(save=False, sliced=False, pools=[NS(device=NS(type="cuda"))] * 32, n=128,
+             block_bytes=65536, flat=NS(device=NS(type="cpu")))
+    verdict = {"wins": True}
+    monkeypatch.setattr(staged_restore, "ring_wins", lambda dev: verdict["wins"])
+    assert staged_restore.preferred(job)
+    verdict["wins"] = False
+    assert not staged_restore.preferred(job)
+
+
+def test_the_probe_declines_what_the_ring_cannot_restore():
+    """CPU pages, or too few pages for a staged restore: nothing is timed or recorded."""
+    g = Geometry(64, 4096, ((0, 4096),))
+    pool = pool_over(torch.full((g.extent,), POISON, dtype=torch.uint8), 0, g)
+    card = torch.zeros(64 * 4096, dtype=torch.uint8)
+    assert ring_choice.probe(pool, card, 4) is None
+    assert ring_choice.choice(-1) is None
+    assert staged.STAGED_MIN_BYTES > 64 * 4096
+    if torch.cuda.is_available():  # CUDA pages, but 256 KiB: below a staged restore
+        _, _, _, pool_gpu = gpu_and_cpu(g, 1, fill=POISON)
+        assert ring_choice.probe(pool_gpu, card.pin_memory(), 4) is None
+        assert ring_choice.choice(pool_gpu.device) is None
+
+
+@pytest.mark.gpu
+def test_a_probe_restores_the_cards_bytes_and_auto_follows_its_verdict():
+    """The probe's restores (Triton, then the ring) leave the card's bytes in the first pages
+    exactly; its rates are recorded for the GPU and ``prepare_restore(engine="auto")`` takes the
+    ring for a large restore exactly when the verdict says so."""
+    dev = torch.device("cuda")
+    K.reserve_staging(dev)
+    g = Geometry(400, 65536, ((0, 32768), (32768, 32768)))
+    card = random_bytes(300 * 65536, 31).pin_memory()
+    raw_cpu, pool_cpu, raw_gpu, pool_gpu = gpu_and_cpu(g, 32, fill=POISON)
+    try:
+        p = K.probe_ring(pool_gpu, card, K.light_restore_programs(), nbytes=256 * 65536)
+        assert p is not None and p.nbytes == 256 * 65536
+        assert p.triton_gbps > 0 and p.ring_gbps > 0
+        assert ring_choice.choice(dev) is p
+        torch.cuda.synchronize()
+        got = raw_gpu.cpu()[: 256 * g.block_stride]
+        assert torch.equal(got, card[: 256 * 65536])
+        assert torch.equal(raw_gpu.cpu()[256 * g.block_stride :],
+                           raw_cpu[256 * g.block_stride :])  # untouched: still poison
+        ids = np.arange(200)
+        offs = (np.arange(200, dtype=np.int64) * 65536)[None]
+        prep = K.prepare_restore(card, offs, [pool_gpu], ids)  # 12.5 MiB >= STAGED_MIN_BYTES
+        assert staged.STAGED_MIN_BYTES <= 200 * 65536
+        assert prep.engines == (("staged",) if p.ring_wins else ("triton",))
+    finally:
+        ring_choice.set_choice(None, dev)
