@@ -7,6 +7,8 @@
 #                   none / xkv / offload, 2k and 16k: hook host time, CUDA events around every hook
 #                   (GPU position, stall on each layer's copy), a torch.profiler view per case
 #   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA); profile_mla_xkv: xkv only
+#   profile_qwen_2k  the same on bench/models/qwen3_8b at 2048 only, 5 reps: its restores took 25 or 42 ms
+#                   with the same copy (stop 41): where do the other 17 ms go
 #   profile_llama_2k  xkv (unchecked, checked) and the GPU hit at 2k only, 5 reps: where the
 #                   engine time of a full-hit restore goes beyond copy + issue (stop 33 note)
 #   stores_llama / stores_mla   profile_steps.py with kinds none, xkv@layer, xkv@step (save_mode,
@@ -104,6 +106,7 @@ for spec in "$@"; do
   case $step in
     profile_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv,offload ;;
     profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
+    profile_qwen_2k) prof "$step" "$secs" "${QW[@]}" --kinds none,xkv,offload --lens 2048 --reps 5 ;;
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
     profile_llama_2k) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@verify_checksums=off,xkv --lens 2048 --reps 5 ;;
     stores_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
