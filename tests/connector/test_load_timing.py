@@ -33,7 +33,15 @@ class FakeEvent:
 
 @pytest.fixture(autouse=True)
 def _fresh():
+    """Fresh fake clock; no real collection inside a test (it would add ``gc_ms`` to a line)."""
+    import gc
+
     FakeEvent.clock, FakeEvent.made = 0.0, []
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
 
 
 def test_one_step_line():
@@ -132,3 +140,47 @@ def test_timing_2_dumps_the_stacks_of_slow_launches(monkeypatch):
     t.watch()
     t.unwatch()
     assert armed == [("arm", load_timing.WATCH_S, False), "off"]
+
+
+def test_collections_inside_the_step_are_counted_and_long_ones_logged(monkeypatch, caplog):
+    """``gc_ms``: the collections between ``begin`` and ``report`` (not those before or after);
+    a collection of at least ``GC_LOG_MS`` logs a line saying whether a restore was open. The
+    collection's clock is driven by hand (``gc.callbacks`` phases)."""
+    import gc
+    import logging
+
+    from xkv.connector import load_timing
+
+    clock = [100.0]
+    monkeypatch.setattr(load_timing.time, "perf_counter", lambda: clock[0])
+    t = LoadTiming(True, FakeEvent)
+    off = LoadTiming(False, FakeEvent)
+    assert load_timing._on_gc in gc.callbacks
+
+    def collect(ms, gen=2):
+        load_timing._on_gc("start", {"generation": gen})
+        clock[0] += ms / 1e3
+        load_timing._on_gc("stop", {"generation": gen, "collected": 7})
+
+    with caplog.at_level(logging.INFO, logger="xkv.connector"):
+        collect(5.0)  # before the step: not counted
+        t.begin("load")
+        off.begin("load")
+        collect(1.0, gen=0)
+        collect(3.0)
+        FakeEvent.clock = 4.0
+        t.issued(1_000_000, 1, "load")
+        line = t.report()
+        collect(9.0)  # after: not counted
+    assert line.endswith(" gc_ms=4.00"), line
+    logged = [r.getMessage() for r in caplog.records if "XKV_TIMING gc" in r.getMessage()]
+    assert logged == [
+        "XKV_TIMING gc generation=2 ms=5.00 collected=7 in_restore=False",
+        "XKV_TIMING gc generation=2 ms=3.00 collected=7 in_restore=True",
+        "XKV_TIMING gc generation=2 ms=9.00 collected=7 in_restore=False",
+    ]
+    t.begin("load")
+    FakeEvent.clock = 8.0
+    t.issued(1_000_000, 1, "load")
+    assert "gc_ms" not in t.report()  # a step without a collection: no field
+    assert off.gc_s == 0.0

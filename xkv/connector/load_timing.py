@@ -13,6 +13,12 @@ the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail
 end (xkv's or vLLM's, the forward included): a first-time cost inside the step (a first restore
 once imported ``numpy.ma`` through ``np.unique``, ~8 ms; ``xkv.kernels._arrays``).
 
+``gc_ms`` (only when any): Python garbage collection inside the window ``begin`` .. ``report``
+(``gc.callbacks``); and any collection of at least :data:`GC_LOG_MS` anywhere in the process logs
+its own ``XKV_TIMING gc`` line (generation, ms, objects collected): vLLM's own steps vary by up to
+17 ms with the same copy (bench/RESULTS.md "stop 33", "stop 41"), and a collection is one
+candidate the step's other timings cannot name.
+
 ``XKV_TIMING=2`` (``watch=True``, :meth:`LoadTiming.watch`): also, when a step's launches take more than
 :data:`WATCH_S`, ``faulthandler`` writes every thread's Python stack to stderr (the engine log)
 while they still run: what the engine thread waits for, and what the other threads do then.
@@ -21,12 +27,44 @@ while they still run: what the engine thread waits for, and what the other threa
 from __future__ import annotations
 
 import faulthandler
+import gc
+import logging
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 WATCH_S = 0.1  # XKV_TIMING=2: launches slower than this dump every thread's stack
+GC_LOG_MS = 2.0  # a collection at least this long logs its own line
+
+log = logging.getLogger("xkv.connector")
+
+_TIMINGS: weakref.WeakSet = weakref.WeakSet()  # enabled timings (the handlers')
+_gc_t0 = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """``gc.callbacks``: a collection's time goes to every timing with a step open; a long one
+    logs its own line."""
+    if phase == "start":
+        _gc_t0[0] = time.perf_counter()
+        return
+    dt = time.perf_counter() - _gc_t0[0]
+    inside = False
+    for t in list(_TIMINGS):
+        if t._open:
+            t.gc_s += dt
+            inside = True
+    if dt * 1e3 >= GC_LOG_MS:
+        log.info("XKV_TIMING gc generation=%s ms=%.2f collected=%s in_restore=%s",
+                 info.get("generation"), dt * 1e3, info.get("collected"), inside)
+
+
+def _watch_gc(timing: LoadTiming) -> None:
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+    _TIMINGS.add(timing)
 
 
 class LoadTiming:
@@ -37,6 +75,9 @@ class LoadTiming:
     def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False) -> None:
         self.enabled, self._event, self._watch = enabled, event, enabled and watch
         self._open = False
+        self.gc_s = 0.0
+        if enabled:
+            _watch_gc(self)
 
     def begin(self, stream) -> None:
         """A step's loads start on ``stream``."""
@@ -47,7 +88,7 @@ class LoadTiming:
         self._end = None
         self._host0 = self._host1 = time.perf_counter()
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
-        self.launch_s = self.readback_s = self.launch_max_s = 0.0
+        self.launch_s = self.readback_s = self.launch_max_s = self.gc_s = 0.0
         self._mods = set(sys.modules)
         self._open = True
 
@@ -103,6 +144,7 @@ class LoadTiming:
         ms = self._start.elapsed_time(self._end)
         new = sorted(set(sys.modules) - self._mods) if len(sys.modules) != len(self._mods) else []
         more = f" imported={','.join(new)[:400]}" if new else ""
+        more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
                 f"launch_ms={self.launch_s * 1e3:.2f} launch_max_ms={self.launch_max_s * 1e3:.2f} "
