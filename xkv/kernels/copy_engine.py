@@ -104,6 +104,7 @@ def batch_copy(
     device: torch.device,
     src_is_host: bool,
     stream: torch.cuda.Stream | None = None,
+    presplit: bool = False,
 ) -> None:
     """Copy ``sizes[k]`` bytes from address ``srcs[k]`` to ``dsts[k]`` for every k, on the current
     stream of ``device`` (or ``stream``, a non-default one), as one batch. Addresses are device pointers or (UVA) pinned host pointers.
@@ -112,15 +113,23 @@ def batch_copy(
     (``SRC_ACCESS_ORDER_ANY``, faster); a device source keeps stream order, since the model may
     still be writing it. A copy over the boundary of two registered pieces of host memory (a card
     pinned in segments) is cut there (``host.split_at``): the driver refuses one copy spanning two.
+    ``presplit``: the caller passes contiguous uint64 arrays already cut so (the staged restore's
+    plan, :func:`~xkv.kernels.staged_restore.absolute_ranges`): no conversion or cut per call.
     """
     fn = _resolve()
     if fn is None:
         raise RuntimeError("cuMemcpyBatchAsync is not available (needs a CUDA 12.8+ driver)")
     if int(sizes.size) == 0:
         return
-    d, s, z = host.split_at(np.ascontiguousarray(dsts, dtype=np.uint64),
-                            np.ascontiguousarray(srcs, dtype=np.uint64),
-                            np.ascontiguousarray(sizes, dtype=np.uint64), host.piece_boundaries())
+    if presplit:
+        d, s, z = dsts, srcs, sizes
+        if not all(a.dtype == np.uint64 and a.flags.c_contiguous for a in (d, s, z)):
+            raise ValueError("presplit copies take contiguous uint64 arrays")
+    else:
+        d, s, z = host.split_at(np.ascontiguousarray(dsts, dtype=np.uint64),
+                                np.ascontiguousarray(srcs, dtype=np.uint64),
+                                np.ascontiguousarray(sizes, dtype=np.uint64),
+                                host.piece_boundaries())
     count = int(z.size)
     attrs = _CUmemcpyAttributes(
         srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY

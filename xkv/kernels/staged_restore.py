@@ -42,8 +42,8 @@ from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
 from xkv.kernels.ring_choice import ring_wins
 
-__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "chunks", "preferred", "prepare",
-           "ring_offset_gcd", "unpack_plan"]
+__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "absolute_ranges", "chunks", "preferred",
+           "prepare", "ring_offset_gcd", "unpack_plan"]
 
 CHUNK_MIN_BYTES = 1 << 20  # a smaller copy-engine transfer loses to its per-copy cost
 #: pages up to a ring slot; larger ones (a big Mamba state) keep the per-launch staged engine
@@ -134,14 +134,47 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     for k, (gi, _, _, _) in enumerate(todo):
         out[gi].append(_Chunk(k, k % r.slots, per_chunk[k], unpack))
     if cuda:
-        bounds = host.piece_boundaries()
-        for mine in out:
-            for c in mine:
-                d, f, z = c.ranges
-                c.ranges = host.split_at((d + r.buf.data_ptr()).astype(np.uint64),
-                                         (f + job.flat.data_ptr()).astype(np.uint64),
-                                         z.astype(np.uint64), bounds)
+        every = [c for mine in out for c in mine]
+        for c, rg in zip(every, absolute_ranges([c.ranges for c in every], r.buf.data_ptr(),
+                                                job.flat.data_ptr(), host.piece_boundaries()),
+                         strict=True):
+            c.ranges = rg
     return [_issuer(mine, job, r, dev, cuda, dma) for mine in out]
+
+
+def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
+                    bounds: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per chunk, its ranges ``(ring offsets, flat offsets, sizes)`` (int64 bytes) as the copy
+    engine takes them: uint64 addresses ``ring_ptr + d``, ``flat_ptr + f`` and sizes, cut where a
+    range crosses a registration boundary (``bounds``, :func:`~xkv.kernels.host.piece_boundaries`)
+    exactly as :func:`~xkv.kernels.host.split_at` cuts it. One vectorised pass over every range
+    of the restore; only a chunk with a range over a boundary (rare) goes through ``split_at``.
+    A 32k restore has ~256 chunks: per chunk the conversion and the split cost the GPU host's
+    Python 6-13 ms before the first copy (bench/RESULTS.md "stop 41")."""
+    if not ranges:
+        return []
+    counts = np.array([rg[2].size for rg in ranges], np.int64)
+    d = np.concatenate([rg[0] for rg in ranges]).astype(np.uint64) + np.uint64(ring_ptr)
+    f = np.concatenate([rg[1] for rg in ranges]).astype(np.uint64) + np.uint64(flat_ptr)
+    z = np.concatenate([rg[2] for rg in ranges]).astype(np.uint64)
+    at = np.concatenate([[0], np.cumsum(counts)])
+    crossing = np.zeros(len(ranges), dtype=bool)
+    if bounds.size and z.size:
+        b = bounds.astype(np.uint64)
+        cut = np.zeros(z.shape, dtype=bool)
+        for a in (f, d):
+            cut |= np.searchsorted(b, a + z, side="left") > np.searchsorted(b, a, side="right")
+        if cut.any():
+            cs = np.concatenate([[0], np.cumsum(cut)])
+            crossing = cs[at[1:]] > cs[at[:-1]]
+    out = []
+    for k in range(len(ranges)):
+        sl = slice(at[k], at[k + 1])
+        if crossing[k]:
+            out.append(host.split_at(d[sl], f[sl], z[sl], bounds.astype(np.uint64)))
+        else:
+            out.append((d[sl], f[sl], z[sl]))
+    return out
 
 
 def unpack_plan(pools: list, r: Ring, gcd: int, max_programs: int,
@@ -299,7 +332,8 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
                 s = c.slot
                 side.wait_event(free[s])  # the slot's last unpack (none yet: no wait)
                 d, f, z = c.ranges
-                copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side)
+                copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side,
+                                       presplit=True)
                 landed[s].record(side)
                 cur.wait_event(landed[s])
                 c.launch()  # built the first time here, while the copy engine is busy
