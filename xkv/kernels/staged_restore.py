@@ -118,16 +118,18 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     chunk_bytes = max(bb, min(int(chunk_bytes), r.slot_bytes))
     todo = [(gi, ls, i0, i1) for gi, g in enumerate(groups)
             for ls, i0, i1 in chunks(g, n, bb, chunk_bytes)]
-    # every fragment's place in the ring: chunk k fills slot k % slots from its start
-    ring_off = np.empty((L, n), np.int64)
-    for k, (_, ls, i0, i1) in enumerate(todo):
-        m = i1 - i0
-        base = (k % r.slots) * r.slot_bytes
-        ring_off[ls[0] : ls[-1] + 1, i0:i1] = base + (
-            np.arange(len(ls) * m, dtype=np.int64) * bb).reshape(len(ls), m)
     # chunks follow the layer-major order of the fragments (groups are consecutive runs, each
-    # chunked layer by layer): in that order, fragment j belongs to chunk sel_k[j]
-    sel_k = np.repeat(np.arange(len(todo)), [len(ls) * (i1 - i0) for _, ls, i0, i1 in todo])
+    # chunked layer by layer): in that order, fragment q = l * n + j belongs to chunk sel_k[q]
+    c_l0 = np.array([ls[0] for _, ls, _, _ in todo], np.int64)
+    c_i0 = np.array([i0 for _, _, i0, _ in todo], np.int64)
+    c_m = np.array([i1 - i0 for _, _, i0, i1 in todo], np.int64)
+    sel_k = np.repeat(np.arange(len(todo)), [len(ls) for _, ls, _, _ in todo] * c_m)
+    # every fragment's place in the ring: chunk k fills slot k % slots from its start, its
+    # layers one after another ((l - l0) * m + (j - i0) pages in)
+    q = np.arange(L * n, dtype=np.int64)
+    base = (np.arange(len(todo), dtype=np.int64) % r.slots) * r.slot_bytes
+    ring_off = (base[sel_k] + ((q // n - c_l0[sel_k]) * c_m[sel_k] + (q % n - c_i0[sel_k]))
+                * bb).reshape(L, n)
     per_chunk = _ranges(job.flat_offsets().ravel(), ring_off.ravel(), sel_k, bb, len(todo))
     unpack = _unpacks(job, r, ring_off, todo, max_programs)
     out: list[list[_Chunk]] = [[] for _ in groups]
