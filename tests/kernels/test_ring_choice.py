@@ -27,6 +27,7 @@ def test_the_ring_wins_from_min_gain_times_the_triton_rate():
     assert not Probe(triton_gbps=50.8, ring_gbps=54.3, nbytes=1).ring_wins
     assert Probe(triton_gbps=31.0, ring_gbps=53.0, nbytes=1).ring_wins
     assert 1.07 < MIN_GAIN < 1.6
+    assert not Probe(triton_gbps=1.0, ring_gbps=99.0, nbytes=1, error="RuntimeError: x").ring_wins
 
 
 def test_the_verdict_is_kept_per_gpu_and_unprobed_takes_the_ring():
@@ -99,5 +100,26 @@ def test_a_probe_restores_the_cards_bytes_and_auto_follows_its_verdict():
         prep = K.prepare_restore(card, offs, [pool_gpu], ids)  # 12.5 MiB >= STAGED_MIN_BYTES
         assert staged.STAGED_MIN_BYTES <= 200 * 65536
         assert prep.engines == (("staged",) if p.ring_wins else ("triton",))
+    finally:
+        ring_choice.set_choice(None, dev)
+
+
+@pytest.mark.gpu
+def test_a_probe_that_raises_keeps_the_triton_kernel(monkeypatch):
+    """Whatever breaks in the ring's probe, the GPU serves without the ring (recorded with the
+    error) rather than failing its first large restore."""
+    dev = torch.device("cuda")
+    g = Geometry(300, 65536, ((0, 65536),))
+    card = random_bytes(256 * 65536, 33).pin_memory()
+    _, _, _, pool_gpu = gpu_and_cpu(g, 34, fill=POISON)
+
+    def broken(*a, **k):
+        raise RuntimeError("cuMemcpyBatchAsync failed: CUresult 1")
+
+    monkeypatch.setattr(staged_restore, "prepare", broken)
+    try:
+        p = K.probe_ring(pool_gpu, card, 4, nbytes=256 * 65536)
+        assert p is not None and "CUresult 1" in p.error and not p.ring_wins
+        assert not ring_choice.ring_wins(dev)
     finally:
         ring_choice.set_choice(None, dev)

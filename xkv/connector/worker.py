@@ -251,7 +251,9 @@ class WorkerSide:
         if engine != "auto" or self.session.card is None or not fit:
             return
         p = kernels.probe_ring(fit[0], self.session.card, kernels.light_restore_programs())
-        if p is not None:
+        if p is not None and p.error:
+            self._ring_line = f"XKV: restores stay on the Triton kernel (ring probe: {p.error})"
+        elif p is not None:
             self._ring_line = (
                 f"XKV: restores of >= 8 MiB through the copy engine and the ring: "
                 f"{'yes' if p.ring_wins else 'no, the Triton kernel'} (start-up probe of "

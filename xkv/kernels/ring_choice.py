@@ -44,10 +44,11 @@ class Probe:
     triton_gbps: float
     ring_gbps: float
     nbytes: int
+    error: str = ""  # the probe raised: the ring is not taken
 
     @property
     def ring_wins(self) -> bool:
-        return self.ring_gbps >= MIN_GAIN * self.triton_gbps
+        return not self.error and self.ring_gbps >= MIN_GAIN * self.triton_gbps
 
 
 _CHOICE: dict[int, Probe] = {}  # device index -> its probe
@@ -77,7 +78,8 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
     """Time an unchecked restore of up to ``nbytes`` from the start of ``flat`` (host memory the
     GPU reads: the card) into the first pages of ``pool`` (a CUDA layer cache) by the Triton
     kernel at ``max_programs`` and by the ring, each once to warm (and compile) and then ``reps``
-    times, wall time from planning to the last byte; record and return the result. **Overwrites
+    times, wall time from planning to the last byte; record and return the result (one that
+raised is recorded with its ``error``: the ring is not taken on this GPU). **Overwrites
     those pages**: call it at a worker's start, before anything is served. None (nothing
     recorded) where the ring cannot restore these pages or fewer than
     ``staged.STAGED_MIN_BYTES`` fit."""
@@ -102,17 +104,22 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
             call()
 
     rates = []
-    with torch.cuda.device(dev):
-        for go in (triton, ring):
-            go()
-            torch.cuda.synchronize(dev)
-            best = float("inf")
-            for _ in range(max(1, int(reps))):
-                t0 = time.perf_counter()
+    try:
+        with torch.cuda.device(dev):
+            for go in (triton, ring):
                 go()
                 torch.cuda.synchronize(dev)
-                best = min(best, time.perf_counter() - t0)
-            rates.append(n * bb / best / 1e9)
+                best = float("inf")
+                for _ in range(max(1, int(reps))):
+                    t0 = time.perf_counter()
+                    go()
+                    torch.cuda.synchronize(dev)
+                    best = min(best, time.perf_counter() - t0)
+                rates.append(n * bb / best / 1e9)
+    except Exception as e:  # noqa: BLE001 -- whatever broke, serve without the ring
+        p = Probe(0.0, 0.0, n * bb, error=f"{type(e).__name__}: {e}"[:300])
+        set_choice(p, dev)
+        return p
     p = Probe(triton_gbps=rates[0], ring_gbps=rates[1], nbytes=n * bb)
     set_choice(p, dev)
     return p
