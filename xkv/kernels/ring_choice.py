@@ -9,8 +9,9 @@ Python) made it 4-14 % slower at 2k-8k tokens on the Llama shape and 6-30 % slow
 measured length on the Qwen and MLA models. A copy rate 5-7 % higher does not pay for that work; a
 rate 1.6x higher does.
 
-:func:`probe` times both paths on one restore of real pages (a layer's cache, before serving)
-from the card and records the result per GPU; :func:`ring_wins` is what ``auto`` follows: the ring
+:func:`probe` times both paths' copies on one restore of real pages (a layer's cache, before
+serving) from the card, as the page mover does (bench/page_mover.py: prepared launches), and
+records the result per GPU; :func:`ring_wins` is what ``auto`` follows: the ring
 when it copied at least :data:`MIN_GAIN` x the Triton kernel's rate, the Triton kernel otherwise.
 Unprobed (no worker start, e.g. tests and the page mover) the ring is taken, as before the probe.
 """
@@ -77,8 +78,10 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
           nbytes: int = PROBE_BYTES, reps: int = 3) -> Probe | None:
     """Time an unchecked restore of up to ``nbytes`` from the start of ``flat`` (host memory the
     GPU reads: the card) into the first pages of ``pool`` (a CUDA layer cache) by the Triton
-    kernel at ``max_programs`` and by the ring, each once to warm (and compile) and then ``reps``
-    times, wall time from planning to the last byte; record and return the result (one that
+    kernel at ``max_programs`` and by the ring, each planned once, issued once to warm (and
+    compile) and then ``reps`` times, wall time from the issue to the last byte (planning aside:
+    at 64 MiB it would weigh as much as the copy, at 4 GB it does not); record and return the
+    result (one that
 raised is recorded with its ``error``: the ring is not taken on this GPU). **Overwrites
     those pages**: call it at a worker's start, before anything is served. None (nothing
     recorded) where the ring cannot restore these pages or fewer than
@@ -96,16 +99,22 @@ raised is recorded with its ``error``: the ring is not taken on this GPU). **Ove
     job = build_job([pool], np.arange(n, dtype=np.int64), flat,
                     offsets_arg(np.arange(n, dtype=np.int64) * bb, 1, "offsets"), save=False)
 
-    def triton() -> None:
-        _launch.run(job, max_programs)
-
-    def ring() -> None:
-        for call in staged_restore.prepare(job, max_programs):
-            call()
-
     rates = []
     try:
         with torch.cuda.device(dev):
+            # each path planned once, then only issued and timed: the copy rates decide; the
+            # threshold stands for the host work a restore adds (module docstring)
+            tri = _launch.launches(job, max_programs)
+            calls = staged_restore.prepare(job, max_programs)
+
+            def triton() -> None:
+                for launch in tri:
+                    launch()
+
+            def ring() -> None:
+                for call in calls:
+                    call()
+
             for go in (triton, ring):
                 go()
                 torch.cuda.synchronize(dev)
