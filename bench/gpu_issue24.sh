@@ -82,6 +82,9 @@ e2e() {  # name seconds args...
     --offload-gib 24 --gpu-util 0.55 "$@" > "$d/run.txt" 2>&1
   echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
   sed -n '/^TTFT, ms/,$p' "$d/run.txt" >> "$OUT/summary.txt"
+  # each xkv engine's start-up verdict on the ring (xkv.kernels.ring_choice) and long collections
+  grep -H -o 'XKV: restores [^(]*([^)]*)' "$d"/*.log 2>/dev/null | sed "s#^$d/##" >> "$OUT/summary.txt"
+  grep -H -c 'XKV_TIMING gc' "$d"/*.log 2>/dev/null | grep -v ':0$' | sed "s#^$d/#gc lines >= 2 ms: #" >> "$OUT/summary.txt"
   rm -f "$d"/*.png
 }
 # GiB of this GPU; fit G: how many engines of G GiB each start together on it (at least 1)
