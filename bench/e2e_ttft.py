@@ -46,6 +46,7 @@ from pathlib import Path
 import e2e_kinds
 import e2e_models
 import engine_children
+from e2e_targets import COLD_LONG, COLD_SHORT, EXPOSED_MS, EXPOSED_X, RATIO, target_marks
 
 KINDS = ("none", "xkv", "offload", "verify")
 # --runner: VLLM_USE_V2_MODEL_RUNNER in every engine child (None: unset, vLLM's own choice)
@@ -381,26 +382,24 @@ def _verify_totals(lines):
 
 
 def _targets(res, lens) -> list[str]:
-    """Issue 13's targets, checked against this run's own figures."""
+    """Issue 24's targets, checked against this run's own figures."""
     rows, a = res["rows"], res["args"]
     bw = res["info"].get("bw", {}).get("h2d_gbps")
     bpt = kv_bytes_per_token(a["model"])
-    out = ["", f"Targets (issue 13; mode {a.get('mode', 'eager')}, copy-engine H2D {bw} GB/s, "
+    out = ["", f"Targets (issue 24; mode {a.get('mode', 'eager')}, copy-engine H2D {bw} GB/s, "
            f"{bpt} KV bytes per token):", "",
-           "| tokens | xkv / Offloading (<= 0.85) | exposed restore = xkv - GPU hit, ms | bound 1.15 x bytes/bw + 3, ms | "
-           "cold overhead of xkv stores (<= 3%) |", "|---|---|---|---|---|"]
+           f"| tokens | xkv / Offloading (<= {RATIO:.2f}) | exposed restore = xkv - GPU hit, ms | "
+           f"bound {EXPOSED_X:.2f} x bytes/bw + {EXPOSED_MS:g}, ms | cold overhead of xkv stores "
+           f"(<= +{COLD_SHORT:.0%} below 4k, +{COLD_LONG:.0%} from 4k) |", "|---|---|---|---|---|"]
     for n in lens:
-        rs, of = _median(rows, "xkv", "restore", n), _median(rows, "offload", "restore", n)
-        hit, rc, xc = (_median(rows, "none", "gpu_hit", n), _median(rows, "none", "cold", n),
-                       _median(rows, "xkv", "cold", n))
-        cached = [r["cached"] for r in rows if r["kind"] == "xkv" and r["phase"] == "restore" and r["tokens"] == n]
-        bound = (1.15 * cached[0] * bpt / (bw * 1e6) + 3) if (cached and bw) else None
-        ex = rs - hit if rs is not None and hit is not None else None
-        f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
-        ratio = "—" if rs is None or not of else f"{rs / of:.3f} ({'met' if rs / of <= 0.85 else 'missed'})"
-        exs = "—" if ex is None or bound is None else f"{ex:.1f} ({'met' if ex <= bound else 'missed'})"
-        ov = "—" if xc is None or not rc else f"{(xc / rc - 1) * 100:+.1f}% ({'met' if xc / rc <= 1.03 else 'missed'})"
-        out.append(f"| {n} | {ratio} | {exs} | {f(bound)} | {ov} |")
+        cached = [r["cached"] for r in rows
+                  if r["kind"] == "xkv" and r["phase"] == "restore" and r["tokens"] == n]
+        marks = target_marks(n, _median(rows, "xkv", "restore", n),
+                             _median(rows, "offload", "restore", n),
+                             _median(rows, "none", "gpu_hit", n), _median(rows, "none", "cold", n),
+                             _median(rows, "xkv", "cold", n), cached[0] if cached else None, bpt,
+                             bw)
+        out.append(f"| {n} | " + " | ".join(marks) + " |")
     out += _after_kill(res, lens)
     for kind in ("xkv", "offload"):
         fr = [r["ttft_ms"] for r in rows if r["kind"] == kind and r["phase"] == "first_restore"]
