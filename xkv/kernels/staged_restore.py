@@ -151,8 +151,9 @@ def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
     range crosses a registration boundary (``bounds``, :func:`~xkv.kernels.host.piece_boundaries`)
     exactly as :func:`~xkv.kernels.host.split_at` cuts it. One vectorised pass over every range
     of the restore; only a chunk with a range over a boundary (rare) goes through ``split_at``.
-    A 32k restore has ~256 chunks: per chunk the conversion and the split cost the GPU host's
-    Python 6-13 ms before the first copy (bench/RESULTS.md "stop 41")."""
+    A 32k restore has ~256 chunks: done per chunk (and again per copy call) it took 4.0 ms on
+    the CPU box, 0.36 ms so; the GPU host planned that restore in 8.7-15.4 ms before its first
+    copy (bench/RESULTS.md "stop 41")."""
     if not ranges:
         return []
     counts = np.array([rg[2].size for rg in ranges], np.int64)
