@@ -5,6 +5,11 @@ stand-in copy; the tables go to host memory). The staged plan runs before its fi
 adds to the restore (bench/RESULTS.md "stop 40").
 
     TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5]
+
+Then the CUDA-only part of a staged plan, which the first part (run without CUDA) never reaches:
+the copy engine's addresses of that restore's 256 chunks (16 ranges of 1 MiB each, a 12 GiB card registered in 1 GiB pieces),
+converted and cut at the pieces' boundaries per chunk twice (at plan and again in each copy call,
+as before stop 41) against ``staged_restore.absolute_ranges`` (one pass at plan time).
 """
 
 from __future__ import annotations
@@ -56,5 +61,33 @@ def main() -> None:
                   f"{1e3 * (t3 - t2):.1f} ms", flush=True)
 
 
+def ranges_time(reps: int) -> None:
+    from xkv.kernels import host
+
+    rng = np.random.default_rng(0)
+    ranges = [(np.arange(16, dtype=np.int64) << 20,
+               rng.integers(0, 12 << 30, 16).astype(np.int64) >> 16 << 16,
+               np.full(16, 1 << 20, np.int64)) for _ in range(256)]
+    flat_ptr, ring_ptr = 1 << 32, 1 << 44
+    bounds = np.array([flat_ptr + (i << 30) for i in range(1, 12)], np.uint64)
+
+    def per_chunk() -> None:
+        for d, f, z in ranges:
+            a = host.split_at((d + ring_ptr).astype(np.uint64), (f + flat_ptr).astype(np.uint64),
+                              z.astype(np.uint64), bounds)
+            host.split_at(*(np.ascontiguousarray(x, dtype=np.uint64) for x in a), bounds)
+
+    for name, go in (("per chunk, twice", per_chunk),
+                     ("absolute_ranges", lambda: staged_restore.absolute_ranges(
+                         ranges, ring_ptr, flat_ptr, bounds))):
+        go()
+        t0 = time.perf_counter()
+        for _ in range(reps * 4):
+            go()
+        print(f"copy-engine addresses of 256 chunks, {name}: "
+              f"{1e3 * (time.perf_counter() - t0) / (reps * 4):.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    ranges_time(5)

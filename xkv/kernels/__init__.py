@@ -67,6 +67,8 @@ from xkv.kernels.verify import Checks, CheckWords, mismatch_flags
 from xkv.kernels.warmup import warmup
 
 __all__ = [
+    "RING_MIN_GAIN",
+    "RING_PAGE_BYTES",
     "CheckWords",
     "Checks",
     "Calibration",
@@ -89,8 +91,6 @@ __all__ = [
     "prepare_hashed_restore",
     "prepare_page_hash",
     "prepare_restore",
-    "RING_MIN_GAIN",
-    "RING_PAGE_BYTES",
     "prepare_save",
     "probe_ring",
     "register_host",

@@ -7,7 +7,8 @@ calibration CUDA copies use Triton; CPU copies always use the torch engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from xkv.kernels import _launch, copy_engine, staged
 from xkv.kernels.jobs import Job, build_job, offsets_arg
 
-__all__ = ["Calibration", "auto_engine", "calibrate", "calibration", "device_index",
+__all__ = ["Calibration", "auto_engine", "calibrate", "calibration", "copy_gbps", "device_index",
            "set_calibration"]
 
 
@@ -87,24 +88,29 @@ def auto_engine(job: Job) -> str:
     return cal.engine_for(job.save, run, total, job.flat.device.type == "cpu")
 
 
+def copy_gbps(go: Callable[[], None], nbytes: int, dev: torch.device, reps: int = 3) -> float:
+    """GB/s of ``go()`` (issues one copy of ``nbytes`` on ``dev``'s streams): one warm-up (and
+    compile), then the best of ``reps`` timed issues, each to the last byte (synchronized)."""
+    with torch.cuda.device(dev):
+        go()
+        torch.cuda.synchronize(dev)
+        best = float("inf")
+        for _ in range(max(1, int(reps))):
+            t0 = time.perf_counter()
+            go()
+            torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def _time(job: Job, eng: str, budget: int, dev: torch.device) -> float:
-    """GB/s of ``engine`` on ``job``: one warm-up (and compile), then three timed copies."""
+    """GB/s of ``engine`` on ``job`` (:func:`copy_gbps`)."""
     go = {
         "triton": lambda: _launch.run(job, budget),
         "copy_engine": lambda: copy_engine.run(job),
         "staged": lambda: staged.run(job, budget),
     }[eng]
-    with torch.cuda.device(dev):
-        go()
-        torch.cuda.synchronize(dev)
-        t0 = torch.cuda.Event(enable_timing=True)
-        t1 = torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(3):
-            go()
-        t1.record()
-        torch.cuda.synchronize(dev)
-    return 3 * job.n * job.block_bytes / (t0.elapsed_time(t1) * 1e-3) / 1e9
+    return copy_gbps(go, job.n * job.block_bytes, dev)
 
 
 def calibrate(

@@ -18,14 +18,13 @@ Unprobed (no worker start, e.g. tests and the page mover) the ring is taken, as 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from xkv.kernels import _launch
-from xkv.kernels.calibrate import device_index
+from xkv.kernels.calibrate import copy_gbps, device_index
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
 
@@ -40,7 +39,7 @@ PROBE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Probe:
-    """Rates of one probe restore (GB/s, best of its repetitions; host planning included)."""
+    """Rates of one probe restore (GB/s, best of its repetitions; each path planned beforehand)."""
 
     triton_gbps: float
     ring_gbps: float
@@ -78,14 +77,12 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
           nbytes: int = PROBE_BYTES, reps: int = 3) -> Probe | None:
     """Time an unchecked restore of up to ``nbytes`` from the start of ``flat`` (host memory the
     GPU reads: the card) into the first pages of ``pool`` (a CUDA layer cache) by the Triton
-    kernel at ``max_programs`` and by the ring, each planned once, issued once to warm (and
-    compile) and then ``reps`` times, wall time from the issue to the last byte (planning aside:
-    at 64 MiB it would weigh as much as the copy, at 4 GB it does not); record and return the
-    result (one that
-raised is recorded with its ``error``: the ring is not taken on this GPU). **Overwrites
-    those pages**: call it at a worker's start, before anything is served. None (nothing
-    recorded) where the ring cannot restore these pages or fewer than
-    ``staged.STAGED_MIN_BYTES`` fit."""
+    kernel at ``max_programs`` and by the ring, each planned once, then timed as issued
+    (:func:`~xkv.kernels.calibrate.copy_gbps`: planning aside, at 64 MiB it would weigh as much as
+    the copy); record and return the result. A probe that raised is recorded with its
+    ``error``: the ring is not taken on this GPU. **Overwrites those pages**: call it at a
+    worker's start, before anything is served. None (nothing recorded) where the ring cannot
+    restore these pages or fewer than ``staged.STAGED_MIN_BYTES`` fit."""
     from xkv.kernels import copy_engine, staged, staged_restore
 
     dev = pool.device
@@ -99,32 +96,14 @@ raised is recorded with its ``error``: the ring is not taken on this GPU). **Ove
     job = build_job([pool], np.arange(n, dtype=np.int64), flat,
                     offsets_arg(np.arange(n, dtype=np.int64) * bb, 1, "offsets"), save=False)
 
-    rates = []
     try:
         with torch.cuda.device(dev):
             # each path planned once, then only issued and timed: the copy rates decide; the
             # threshold stands for the host work a restore adds (module docstring)
             tri = _launch.launches(job, max_programs)
             calls = staged_restore.prepare(job, max_programs)
-
-            def triton() -> None:
-                for launch in tri:
-                    launch()
-
-            def ring() -> None:
-                for call in calls:
-                    call()
-
-            for go in (triton, ring):
-                go()
-                torch.cuda.synchronize(dev)
-                best = float("inf")
-                for _ in range(max(1, int(reps))):
-                    t0 = time.perf_counter()
-                    go()
-                    torch.cuda.synchronize(dev)
-                    best = min(best, time.perf_counter() - t0)
-                rates.append(n * bb / best / 1e9)
+        rates = [copy_gbps(lambda: [launch() for launch in tri], n * bb, dev, reps),
+                 copy_gbps(lambda: [call() for call in calls], n * bb, dev, reps)]
     except Exception as e:  # noqa: BLE001 -- whatever broke, serve without the ring
         p = Probe(0.0, 0.0, n * bb, error=f"{type(e).__name__}: {e}"[:300])
         set_choice(p, dev)

@@ -152,8 +152,8 @@ def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
     exactly as :func:`~xkv.kernels.host.split_at` cuts it. One vectorised pass over every range
     of the restore; only a chunk with a range over a boundary (rare) goes through ``split_at``.
     A 32k restore has ~256 chunks: done per chunk (and again per copy call) it took 4.0 ms on
-    the CPU box, 0.36 ms so; the GPU host planned that restore in 8.7-15.4 ms before its first
-    copy (bench/RESULTS.md "stop 41")."""
+    the CPU box, 0.36 ms so (``bench/staged_prepare_time.py``); the GPU host planned that restore
+    in 8.7-15.4 ms before its first copy (bench/RESULTS.md "stop 41")."""
     if not ranges:
         return []
     counts = np.array([rg[2].size for rg in ranges], np.int64)
@@ -162,8 +162,8 @@ def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
     z = np.concatenate([rg[2] for rg in ranges]).astype(np.uint64)
     at = np.concatenate([[0], np.cumsum(counts)])
     crossing = np.zeros(len(ranges), dtype=bool)
-    if bounds.size and z.size:
-        b = bounds.astype(np.uint64)
+    b = bounds.astype(np.uint64)
+    if b.size and z.size:
         cut = np.zeros(z.shape, dtype=bool)
         for a in (f, d):
             cut |= np.searchsorted(b, a + z, side="left") > np.searchsorted(b, a, side="right")
@@ -174,7 +174,7 @@ def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
     for k in range(len(ranges)):
         sl = slice(at[k], at[k + 1])
         if crossing[k]:
-            out.append(host.split_at(d[sl], f[sl], z[sl], bounds.astype(np.uint64)))
+            out.append(host.split_at(d[sl], f[sl], z[sl], b))
         else:
             out.append((d[sl], f[sl], z[sl]))
     return out
