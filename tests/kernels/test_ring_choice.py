@@ -30,6 +30,54 @@ def test_the_ring_wins_from_min_gain_times_the_triton_rate():
     assert not Probe(triton_gbps=1.0, ring_gbps=99.0, nbytes=1, error="RuntimeError: x").ring_wins
 
 
+class _Host:
+    """A virtual clock and copies whose duration triples while a load beside them runs (until
+    ``busy_until``): what one engine's probe saw while another engine started (stop 42)."""
+
+    def __init__(self, busy_until: float):
+        self.t, self.busy_until, self.calls = 0.0, busy_until, []
+
+    def copy(self, name: str, seconds: float):
+        def go():
+            self.calls.append(name)
+            self.t += seconds * (3.0 if self.t < self.busy_until else 1.0)
+        return go
+
+
+@pytest.mark.parametrize("busy_until", [0.0, 4.0, 12.0, 15.0])
+def test_the_paths_are_timed_in_alternating_rounds_so_a_load_beside_slows_both(busy_until):
+    """The probe compares two rates: a load that lasts the first rounds must not fall on one
+    path's repetitions only (timed one path after the other, a load over the first 12 s gives
+    the Triton kernel 1/3 of its rate here and flips the verdict)."""
+    from xkv.kernels.calibrate import copy_rates
+
+    host = _Host(busy_until)
+    tri, ring = host.copy("triton", 1.0), host.copy("ring", 1.0 / 1.1)
+    rates = copy_rates([tri, ring], 10**9, None, reps=5, sync=lambda: None,
+                       clock=lambda: host.t)
+    assert rates == pytest.approx([1.0, 1.1])  # each path's unloaded rate, GB/s
+    assert not Probe(triton_gbps=rates[0], ring_gbps=rates[1], nbytes=1).ring_wins
+    # one warm-up each, then 5 rounds of both, the first of a round alternating
+    assert host.calls == ["triton", "ring"] + ["triton", "ring", "ring", "triton"] * 2 + [
+        "triton", "ring"]
+    if busy_until == 12.0:  # what the probe did before: one path's 3 repetitions, then the other's
+        host = _Host(busy_until)
+        one_by_one = [copy_rates([host.copy(n, s)], 10**9, None, reps=3, sync=lambda: None,
+                                 clock=lambda: host.t)[0] for n, s in (("t", 1.0), ("r", 1 / 1.1))]
+        assert one_by_one == pytest.approx([1 / 3, 1.1])
+        assert Probe(triton_gbps=one_by_one[0], ring_gbps=one_by_one[1], nbytes=1).ring_wins
+
+
+def test_copy_rates_of_one_path_is_copy_gbps_and_refuses_nothing_odd():
+    from xkv.kernels.calibrate import copy_rates
+
+    host = _Host(0.0)
+    assert copy_rates([host.copy("a", 0.5)], 2 * 10**9, None, reps=0, sync=lambda: None,
+                      clock=lambda: host.t) == pytest.approx([4.0])
+    assert host.calls == ["a", "a"]  # warm-up, then at least one timed round
+    assert copy_rates([], 1, None, sync=lambda: None) == []
+
+
 def test_the_verdict_is_kept_per_gpu_and_unprobed_takes_the_ring():
     try:
         assert ring_choice.choice(7) is None and ring_choice.ring_wins(7)

@@ -17,8 +17,8 @@ import torch
 from xkv.kernels import _launch, copy_engine, staged
 from xkv.kernels.jobs import Job, build_job, offsets_arg
 
-__all__ = ["Calibration", "auto_engine", "calibrate", "calibration", "copy_gbps", "device_index",
-           "set_calibration"]
+__all__ = ["Calibration", "auto_engine", "calibrate", "calibration", "copy_gbps", "copy_rates",
+           "device_index", "set_calibration"]
 
 
 @dataclass(frozen=True)
@@ -91,16 +91,35 @@ def auto_engine(job: Job) -> str:
 def copy_gbps(go: Callable[[], None], nbytes: int, dev: torch.device, reps: int = 3) -> float:
     """GB/s of ``go()`` (issues one copy of ``nbytes`` on ``dev``'s streams): one warm-up (and
     compile), then the best of ``reps`` timed issues, each to the last byte (synchronized)."""
-    with torch.cuda.device(dev):
+    return copy_rates([go], nbytes, dev, reps)[0]
+
+
+def copy_rates(gos: Sequence[Callable[[], None]], nbytes: int, dev: torch.device | None,
+               reps: int = 3, *, sync: Callable[[], None] | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """GB/s of each ``gos[i]()`` (each issues one copy of ``nbytes``): one warm-up of each, then
+    ``reps`` rounds that time every one once, each to the last byte, the order rotated from round
+    to round; the best of each. Interleaved because what the rates are compared for is their
+    ratio: a transient load on the GPU or the host's memory (another engine starting beside this
+    one, the other TP ranks probing) then falls on every path alike instead of on one path's
+    repetitions (stop 42: two engines starting together, one timed the Triton kernel at 18.1
+    GB/s, the other at 48.4). ``sync`` (default: synchronize ``dev``) and ``clock``: tests."""
+    if sync is None:
+        with torch.cuda.device(dev):
+            return copy_rates(gos, nbytes, dev, reps, clock=clock,
+                              sync=lambda: torch.cuda.synchronize(dev))
+    for go in gos:
         go()
-        torch.cuda.synchronize(dev)
-        best = float("inf")
-        for _ in range(max(1, int(reps))):
-            t0 = time.perf_counter()
-            go()
-            torch.cuda.synchronize(dev)
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    sync()
+    best = [float("inf")] * len(gos)
+    for r in range(max(1, int(reps))):
+        for k in range(len(gos)):
+            i = (r + k) % len(gos)
+            t0 = clock()
+            gos[i]()
+            sync()
+            best[i] = min(best[i], clock() - t0)
+    return [nbytes / b / 1e9 for b in best]
 
 
 def _time(job: Job, eng: str, budget: int, dev: torch.device) -> float:

@@ -7,7 +7,9 @@ the Triton restore read 50.8 GB/s against 53.4-54.3 for the ring, and in the eng
 host work (its plan before the first copy, then each chunk's copy, events and unpack issued by
 Python) made it 4-14 % slower at 2k-8k tokens on the Llama shape and 6-30 % slower at every
 measured length on the Qwen and MLA models. A copy rate 5-7 % higher does not pay for that work; a
-rate 1.6x higher does.
+rate 1.6x higher does. Stop 42's H100 (another machine) read 43-48 GB/s with SMs against 48-52 for the
+ring (1.04-1.13x): the probe kept the Triton kernel, and the ring forced was 15 % / 3 % slower at
+2k / 8k tokens and 3 % faster at 32k in the same call.
 
 :func:`probe` times both paths' copies on one restore of real pages (a layer's cache, before
 serving) from the card, as the page mover does (bench/page_mover.py: prepared launches), and
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from xkv.kernels import _launch
-from xkv.kernels.calibrate import copy_gbps, device_index
+from xkv.kernels.calibrate import copy_rates, device_index
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
 
@@ -74,12 +76,13 @@ def ring_wins(device) -> bool:
 
 
 def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
-          nbytes: int = PROBE_BYTES, reps: int = 3) -> Probe | None:
+          nbytes: int = PROBE_BYTES, reps: int = 5) -> Probe | None:
     """Time an unchecked restore of up to ``nbytes`` from the start of ``flat`` (host memory the
     GPU reads: the card) into the first pages of ``pool`` (a CUDA layer cache) by the Triton
-    kernel at ``max_programs`` and by the ring, each planned once, then timed as issued
-    (:func:`~xkv.kernels.calibrate.copy_gbps`: planning aside, at 64 MiB it would weigh as much as
-    the copy); record and return the result. A probe that raised is recorded with its
+    kernel at ``max_programs`` and by the ring, each planned once, then timed as issued, the two
+    paths in alternating rounds (:func:`~xkv.kernels.calibrate.copy_rates`: planning aside, at 64
+    MiB it would weigh as much as the copy; alternating, a load beside the probe slows both
+    paths, not one); record and return the result. A probe that raised is recorded with its
     ``error``: the ring is not taken on this GPU. **Overwrites those pages**: call it at a
     worker's start, before anything is served. None (nothing recorded) where the ring cannot
     restore these pages or fewer than ``staged.STAGED_MIN_BYTES`` fit."""
@@ -102,8 +105,8 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
             # threshold stands for the host work a restore adds (module docstring)
             tri = _launch.launches(job, max_programs)
             calls = staged_restore.prepare(job, max_programs)
-        rates = [copy_gbps(lambda: [launch() for launch in tri], n * bb, dev, reps),
-                 copy_gbps(lambda: [call() for call in calls], n * bb, dev, reps)]
+        rates = copy_rates([lambda: [launch() for launch in tri],
+                            lambda: [call() for call in calls]], n * bb, dev, reps)
     except Exception as e:  # noqa: BLE001 -- whatever broke, serve without the ring
         p = Probe(0.0, 0.0, n * bb, error=f"{type(e).__name__}: {e}"[:300])
         set_choice(p, dev)
