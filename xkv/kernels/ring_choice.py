@@ -8,7 +8,7 @@ host work (its plan before the first copy, then each chunk's copy, events and un
 Python) made it 4-14 % slower at 2k-8k tokens on the Llama shape and 6-30 % slower at every
 measured length on the Qwen and MLA models. A copy rate 5-7 % higher does not pay for that work; a
 rate 1.6x higher does. Stop 42's H100 (another machine) read 43-48 GB/s with SMs against 48-52 for the
-ring (1.04-1.13x): the probe kept the Triton kernel, and the ring forced was 15 % / 3 % slower at
+ring (1.02-1.13x): the probe kept the Triton kernel, and the ring forced was 15 % / 3 % slower at
 2k / 8k tokens and 3 % faster at 32k in the same call.
 
 :func:`probe` times both paths' copies on one restore of real pages (a layer's cache, before
