@@ -71,6 +71,11 @@ def _args(argv=None):
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--mode", choices=("graphs", "eager"), default="graphs",
                     help="graphs: vLLM's default (CUDA graphs, torch.compile); eager: enforce_eager")
+    ap.add_argument("--none-graphs", choices=("default", "piecewise"), default="default",
+                    help="graphs mode, the no-connector engine only: piecewise asks vLLM for "
+                         "PIECEWISE graphs, the mode xkv's engines run in (vLLM downgrades them "
+                         "for layer-wise connectors); stop 41/42: the MLA model's no-connector "
+                         "engine died capturing its full graphs on an H200 and an H100")
     ap.add_argument("--runner", choices=RUNNERS, default="v1",
                     help="engine children's VLLM_USE_V2_MODEL_RUNNER: v1 =0, v2 =1, default unset")
     ap.add_argument("--gpu-util", type=float, default=0.6)
@@ -104,6 +109,12 @@ def _args(argv=None):
 def _engine(a, label, max_len):
     from vllm import LLM
 
+    return LLM(**engine_kwargs(a, label, max_len))
+
+
+def engine_kwargs(a, label, max_len) -> dict:
+    """``vllm.LLM``'s keywords for the engine of kind ``label`` (options ``a``, prompts of up to
+    ``max_len`` tokens)."""
     kind = e2e_kinds.base(label)
 
     kw = dict(model=a.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -114,6 +125,8 @@ def _engine(a, label, max_len):
     if a.backend:
         kw["attention_backend"] = a.backend
     kw.update(e2e_models.engine_kwargs(a))
+    if kind == "none" and a.mode == "graphs" and getattr(a, "none_graphs", "default") == "piecewise":
+        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if kind in ("xkv", "verify"):
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
@@ -130,7 +143,7 @@ def _engine(a, label, max_len):
     elif kind == "offload":
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"cpu_bytes_to_use": int(a.offload_gib * 2**30)}}
-    return LLM(**kw)
+    return kw
 
 
 def _sp(max_tokens=1, logprobs=None):
@@ -386,7 +399,10 @@ def _targets(res, lens) -> list[str]:
     rows, a = res["rows"], res["args"]
     bw = res["info"].get("bw", {}).get("h2d_gbps")
     bpt = kv_bytes_per_token(a["model"])
-    out = ["", f"Targets (issue 24; mode {a.get('mode', 'eager')}, copy-engine H2D {bw} GB/s, "
+    mode = a.get("mode", "eager")
+    if mode == "graphs" and a.get("none_graphs") == "piecewise":
+        mode += ", the no-connector engine PIECEWISE"
+    out = ["", f"Targets (issue 24; mode {mode}, copy-engine H2D {bw} GB/s, "
            f"{bpt} KV bytes per token):", "",
            f"| tokens | xkv / Offloading (<= {RATIO:.2f}) | exposed restore = xkv - GPU hit, ms | "
            f"bound {EXPOSED_X:.2f} x bytes/bw + {EXPOSED_MS:g}, ms | cold overhead of xkv stores "

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import e2e_targets  # noqa: E402
+import e2e_ttft  # noqa: E402
 from e2e_targets import target_marks  # noqa: E402
 
 
@@ -31,3 +32,17 @@ def test_a_row_marks_each_target_met_or_missed_at_its_edge():
 def test_missing_figures_give_dashes():
     assert target_marks(2048, None, None, None, None, None, None, 131072, None) == ("—",) * 4
     assert target_marks(2048, 20.0, 0.0, 10.0, 0.0, 50.0, 2048, 131072, None) == ("—",) * 4
+
+
+def test_none_graphs_piecewise_changes_only_the_no_connector_engine_in_graphs_mode():
+    """``--none-graphs piecewise``: the baseline engine runs the graph mode xkv's engines get."""
+    a = e2e_ttft._args(["--none-graphs", "piecewise", "--kv-gib", "4"])
+    kw = e2e_ttft.engine_kwargs(a, "none", 4096)
+    assert kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert kw["kv_cache_memory_bytes"] == 4 << 30 and not kw["enforce_eager"]
+    for kind in ("xkv", "offload", "xkv@verify_checksums=off"):
+        assert "compilation_config" not in e2e_ttft.engine_kwargs(a, kind, 4096)
+    assert "kv_transfer_config" not in kw
+    eager = e2e_ttft._args(["--none-graphs", "piecewise", "--mode", "eager"])
+    assert "compilation_config" not in e2e_ttft.engine_kwargs(eager, "none", 4096)
+    assert "compilation_config" not in e2e_ttft.engine_kwargs(e2e_ttft._args([]), "none", 4096)
