@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+import e2e_ab
 import e2e_kinds
 import e2e_models
 import engine_children
@@ -76,6 +77,9 @@ def _args(argv=None):
                          "PIECEWISE graphs, the mode xkv's engines run in (vLLM downgrades them "
                          "for layer-wise connectors); stop 41/42: the MLA model's no-connector "
                          "engine died capturing its full graphs on an H200 and an H100")
+    ap.add_argument("--ab-unverified", action="store_true",
+                    help="xkv kinds: every restore repetition also restores the prompt without "
+                         "checks in the same engine (allow_unverified_requests; bench/e2e_ab.py)")
     ap.add_argument("--runner", choices=RUNNERS, default="v1",
                     help="engine children's VLLM_USE_V2_MODEL_RUNNER: v1 =0, v2 =1, default unset")
     ap.add_argument("--gpu-util", type=float, default=0.6)
@@ -138,6 +142,8 @@ def engine_kwargs(a, label, max_len) -> dict:
                                           "verify_restores": kind == "verify",
                                           "load_mode": a.load_mode,
                                           **e2e_models.connector_extra(a),
+                                          **({"allow_unverified_requests": True}
+                                             if getattr(a, "ab_unverified", False) else {}),
                                           **e2e_kinds.options(label)},
         }
     elif kind == "offload":
@@ -146,11 +152,12 @@ def engine_kwargs(a, label, max_len) -> dict:
     return kw
 
 
-def _sp(max_tokens=1, logprobs=None):
+def _sp(max_tokens=1, logprobs=None, params=None):
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
-                          logprobs=logprobs)
+                          logprobs=logprobs,
+                          extra_args=None if params is None else {"kv_transfer_params": params})
 
 
 def _rec(o, wall):
@@ -168,9 +175,10 @@ def _rec(o, wall):
                 out_tokens=list(o.outputs[0].token_ids), logprobs=lp)
 
 
-def _run(llm, prompts, logprobs=None):
+def _run(llm, prompts, logprobs=None, params=None):
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sp(1, logprobs), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sp(1, logprobs, params),
+                        use_tqdm=False)
     wall = (time.perf_counter() - t) * 1e3
     return [_rec(o, wall) for o in outs]
 
@@ -248,11 +256,13 @@ def _child(a):
             for _ in range(reps):
                 row("gpu_hit", n, _run(llm, [p])[0])
         else:
-            for _ in range(reps):
-                ok = reset()
-                r = _run(llm, [p])[0]
-                r["reset_ok"] = ok
-                row("restore", n, r)
+            ab = a.ab_unverified and kind == "xkv"
+            for i in range(reps):
+                for checked in (e2e_ab.order(i) if ab else (True,)):
+                    ok = reset()
+                    r = _run(llm, [p], params=None if checked else e2e_ab.UNCHECKED)[0]
+                    r["reset_ok"] = ok
+                    row(e2e_ab.phase(checked), n, r)
     if a.multi:
         # restores cost most when other requests decode beside them
         ps = [prompt(a.multi_len) for _ in range(a.multi)]
@@ -453,6 +463,13 @@ def _after_kill(res, lens) -> list[str]:
                f"{'met' if idle[0] - cold <= 100 else 'missed'})" if idle else "")]
 
 
+def _bytes_per_token(a) -> int:
+    try:
+        return kv_bytes_per_token(a["model"])
+    except (OSError, KeyError, ValueError):  # a report rebuilt without the model's config
+        return 0
+
+
 def _report(res, out):
     rows = res["rows"]
     lens = sorted({r["tokens"] for r in rows if r["phase"] in ("cold", "restore", "gpu_hit")})
@@ -470,6 +487,7 @@ def _report(res, out):
         lines.append(f"| {n} | {f(rc)} | {f(hit)} | {f(rs)} | {f(of)} | {q(rs, rc)} | {q(rs, of)} | "
                      f"{f(xc)} ({pc(xc, rc)}) | {f(oc)} ({pc(oc, rc)}) |")
     lines += e2e_kinds.report(rows, lens, _median)
+    lines += e2e_ab.report(rows, lens, res.get("timing"), _bytes_per_token(res["args"]))
     lines += ["", "Engine scheduled-to-first-token, ms (median): "
               + "; ".join(f"{n}: none cold {f(_median(rows, 'none', 'cold', n, 'engine_ms'))}, hit "
                           f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "

@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import e2e_ab  # noqa: E402
 import e2e_targets  # noqa: E402
 import e2e_ttft  # noqa: E402
 from e2e_targets import target_marks  # noqa: E402
@@ -46,3 +47,43 @@ def test_none_graphs_piecewise_changes_only_the_no_connector_engine_in_graphs_mo
     eager = e2e_ttft._args(["--none-graphs", "piecewise", "--mode", "eager"])
     assert "compilation_config" not in e2e_ttft.engine_kwargs(eager, "none", 4096)
     assert "compilation_config" not in e2e_ttft.engine_kwargs(e2e_ttft._args([]), "none", 4096)
+
+
+def test_ab_unverified_engine_allows_the_field_and_alternates_the_order():
+    a = e2e_ttft._args(["--ab-unverified"])
+    assert e2e_ttft.engine_kwargs(a, "xkv", 4096)["kv_transfer_config"][
+        "kv_connector_extra_config"]["allow_unverified_requests"] is True
+    plain = e2e_ttft.engine_kwargs(e2e_ttft._args([]), "xkv", 4096)
+    assert "allow_unverified_requests" not in plain["kv_transfer_config"]["kv_connector_extra_config"]
+    assert [e2e_ab.order(i) for i in range(3)] == [(True, False), (False, True), (True, False)]
+    assert e2e_ab.UNCHECKED == {"xkv_verify": False}
+
+
+def test_ab_report_pairs_each_repetitions_two_restores():
+    def r(phase, ms, eng, kind="xkv", n=4096):
+        return dict(kind=kind, phase=phase, tokens=n, ttft_ms=ms, engine_ms=eng, cached=4095)
+
+    rows = [r("cold", 100.0, 99.0), r("restore", 31.0, 27.0), r("restore_unverified", 30.0, 27.0),
+            r("restore_unverified", 40.0, 36.0), r("restore", 41.0, 36.0),
+            r("restore", 30.0, 26.0), r("restore_unverified", 33.0, 30.0),
+            r("restore", 50.0, 45.0, kind="offload")]
+    (blank, line) = e2e_ab.report(rows, [4096])
+    assert blank == ""
+    assert line.startswith("same-engine checked / unchecked restore (xkv, 4096 tokens, 3 pairs): "
+                           "TTFT median 31.0 / 33.0 ms, median of the pairs' ratios 1.025")
+    assert "(engine-side 1.000)" in line
+    assert e2e_ab.report([x for x in rows if x["phase"] != "restore_unverified"], [4096]) == []
+
+
+def test_ab_report_adds_the_restores_copy_times_by_length_and_check():
+    bpt = 131072
+    tl = lambda n, ms, ck, extra=0: (f"XKV_TIMING restore bytes={n * bpt + extra} copy_ms={ms} "  # noqa: E731
+                                     f"issue_ms=5.0 plan_ms=1.0 launches=6 checked={ck}/1 GBps=30.0")
+    lines = [tl(4096, 15.0, 1, 2 << 20), tl(4096, 16.0, 0), tl(4096, 17.0, 1, 2 << 20),
+             tl(4096, 15.5, 0), tl(512, 3.0, 1), "XKV_TIMING gc generation=0 ms=3.1"]
+    ct = e2e_ab.copy_times(lines, [512, 4096], bpt)
+    assert ct == {(4096, True): [15.0, 17.0], (4096, False): [16.0, 15.5], (512, True): [3.0]}
+    rows = [dict(kind="xkv", phase=p, tokens=4096, ttft_ms=30.0, engine_ms=26.0, cached=4095)
+            for p in ("restore", "restore_unverified")]
+    (_, line) = e2e_ab.report(rows, [4096], {"xkv": lines}, bpt)
+    assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps)")

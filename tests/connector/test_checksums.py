@@ -139,6 +139,38 @@ def test_a_flipped_bit_fails_exactly_its_object_and_reports_it(fake_gateway, lla
                                                            H.page(kv, 0).numel()))
 
 
+@pytest.mark.parametrize(("allow", "params", "checked"),
+                         [(True, {"xkv_verify": False}, False), (False, {"xkv_verify": False}, True),
+                          (True, None, True), (True, {"xkv_verify": 0}, True),
+                          (True, {"xkv_verify": "false"}, True), (True, {"xkv_verify": True}, True)])
+def test_a_request_skips_its_checks_only_where_the_engine_allows_it(fake_gateway, llama_dir,
+                                                                    allow, params, checked):
+    """``allow_unverified_requests`` (benchmarks: checked and unchecked restores in one engine):
+    a request with ``{"xkv_verify": false}`` restores without checks, so a flipped bit on the
+    card reaches its pages; without the setting, or with any other value, the same request is
+    checked and the damaged object's blocks are load errors."""
+    s1, w1, c1, bs = _engine(llama_dir)
+    p = _prompt(300)
+    _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
+    key = sorted(k for (i, k) in fake_gateway.objects if i == 1)[0]
+    fake_gateway.card[fake_gateway.objects[(1, key)]["offsets"][0] + 101] ^= 0x10
+    s2, w2, c2, _ = _engine(llama_dir, extra={"allow_unverified_requests": allow})
+    s2.add_request(H.make_request("b", p, block_size=bs, params=params))
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    w2._worker.outcomes.wait_reports(10)
+    st = out.kv_connector_stats.data
+    assert st["blocks_restored"] > 0
+    if checked:
+        assert meta.loads[0].groups[0].checks
+        assert st["checksum_mismatches"] == 1 and st["load_errors"] > 0
+        assert st.get("blocks_unverified", 0) == 0 and out.invalid_block_ids
+    else:
+        assert not meta.loads[0].groups[0].checks
+        assert st.get("checksum_mismatches", 0) == 0 and not out.invalid_block_ids
+        assert st["blocks_unverified"] == st["blocks_restored"]
+        assert (1, key) in fake_gateway.objects  # nothing reported: nothing was checked
+
+
 def test_verify_off_sends_no_words(fake_gateway, llama_dir):
     s1, w1, c1, bs = _engine(llama_dir, extra={"verify_checksums": False})
     _run(s1, w1, c1, bs, H.make_request("a", _prompt(200), block_size=bs))

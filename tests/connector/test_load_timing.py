@@ -10,7 +10,7 @@ from xkv.connector.load_timing import LoadTiming
 LINE = re.compile(r"^XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+) issue_ms=([\d.]+) "
                   r"plan_ms=([\d.]+) launch_ms=([\d.]+) launch_max_ms=([\d.]+) readback_ms=([\d.]+) "
                   r"tail_ms=([\d.]+) "
-                  r"launches=(\d+) GBps=([\d.]+)$")
+                  r"launches=(\d+) checked=(\d+)/(\d+) GBps=([\d.]+)$")
 
 
 class FakeEvent:
@@ -51,7 +51,7 @@ def test_one_step_line():
     t.launched(0.0002, 0.00015)
     t.read_back(0.0001)
     FakeEvent.clock = 4.0
-    t.issued(200_000_000, 4, "load")
+    t.issued(200_000_000, 4, "load", checked=True)
     t.tail(1_000_000, 0.0007)
     t.planned(0.0005)
     t.launched(0.0003, 0.0001)
@@ -61,8 +61,9 @@ def test_one_step_line():
     m = LINE.match(t.report())
     assert m, t.report
     (nbytes, copy_ms, issue_ms, plan_ms, launch_ms, launch_max_ms, readback_ms, tail_ms, launches,
-     gbps) = m.groups()
+     checked, groups, gbps) = m.groups()
     assert int(nbytes) == 269_000_000 and float(copy_ms) == 8.0 and int(launches) == 6
+    assert (int(checked), int(groups)) == (1, 2)  # the first group verified, the second not
     assert float(plan_ms) == 2.0 and float(tail_ms) == 0.7
     assert float(launch_ms) == 0.5 and float(readback_ms) == 0.5 and float(launch_max_ms) == 0.15
     assert float(issue_ms) >= 0 and float(gbps) == pytest.approx(269_000_000 / 8.0 / 1e6, abs=0.05)

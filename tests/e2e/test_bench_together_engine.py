@@ -27,7 +27,7 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
            "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
            "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
            "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together",
-           "--gpu-util", "0.1"]
+           "--gpu-util", "0.1", "--ab-unverified"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -47,6 +47,12 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     # restores are whole 128-token chunks (2 of the 300 tokens), whatever block size the CPU's
     # backend chose
     assert {r["cached"] for r in res["rows"] if r["phase"] == "restore"} == {256}
+    # --ab-unverified: each xkv restore repetition also restored unchecked in the same engine
+    ab = [r["phase"] for r in res["rows"] if r["kind"] == "xkv"
+          and r["phase"] in ("restore", "restore_unverified")]
+    assert ab == ["restore", "restore_unverified", "restore_unverified", "restore"]
+    assert {r["cached"] for r in res["rows"] if r["phase"] == "restore_unverified"} == {256}
+    assert "same-engine checked / unchecked restore (xkv, 300 tokens, 2 pairs)" in p.stdout
     # the restored first token's logprobs equal the no-connector run's, for both xkv kinds (the
     # hit's cached count is vLLM's block-granular one: read from the run)
     for k in kinds[1:]:

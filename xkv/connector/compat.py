@@ -463,6 +463,17 @@ def request_opted_out(request: Any) -> bool:
     return params["xkv_store"] is not True
 
 
+def request_skips_checks(request: Any) -> bool:
+    """``kv_transfer_params: {"xkv_verify": false}``: the request asks to restore without
+    checksum checks (honoured only with ``allow_unverified_requests``, a benchmark setting).
+
+    Only the literal ``False`` counts: any other value keeps the checks, so an unexpected value
+    can never turn one off.
+    """
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and params.get("xkv_verify") is False
+
+
 def skips_prefix_read(request: Any) -> bool:
     """The request asked vLLM not to read any prefix cache (``skip_reading_prefix_cache``,
     where this vLLM has it): the connector offers no hit either."""

@@ -64,6 +64,7 @@ OPTIONS: dict[str, Option] = {
     "gateway_timeout_ms": Option(1000.0, (int, float), "deadline of HELLO/RESERVE/COMMIT"),
     "verify_restores": Option(False, (bool,), "debug: compare restored/saved pages with the card"),
     "verify_checksums": Option(True, (bool,), "check every restored page against the checksum its save computed (on by default; its H200 cost: docs/verification.md)"),
+    "allow_unverified_requests": Option(False, (bool,), "benchmarks: a request whose kv_transfer_params hold {\"xkv_verify\": false} restores without its checks (same-engine checked/unchecked comparison); off: that field is ignored"),
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
@@ -90,6 +91,7 @@ class ConnectorConfig:
     gateway_timeout_ms: float = 1000.0
     verify_restores: bool = False
     verify_checksums: bool = True
+    allow_unverified_requests: bool = False
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True

@@ -8,7 +8,8 @@ the hashes the load stream waits for are inside it); ``issue_ms``, host time fro
 the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
 the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
 the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail) launches;
-``launches``, the step's load launches (the tail's aside); ``GBps`` = bytes / copy_ms;
+``launches``, the step's load launches (the tail's aside); ``checked=a/b``, the step's group
+restores verified by checksums of those issued; ``GBps`` = bytes / copy_ms;
 ``imported=a,b`` (only when any): modules first imported between the step's first load and its
 end (xkv's or vLLM's, the forward included): a first-time cost inside the step (a first restore
 once imported ``numpy.ma`` through ``np.unique``, ~8 ms; ``xkv.kernels._arrays``).
@@ -89,6 +90,7 @@ class LoadTiming:
         self._host0 = self._host1 = time.perf_counter()
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
         self.launch_s = self.readback_s = self.launch_max_s = self.gc_s = 0.0
+        self.groups = self.checked = 0
         self._mods = set(sys.modules)
         self._open = True
 
@@ -117,13 +119,16 @@ class LoadTiming:
         if self._open:
             self.readback_s += seconds
 
-    def issued(self, nbytes: int, launches: int, stream) -> None:
-        """A group's copies are issued on ``stream``: ``nbytes``, in ``launches`` launches."""
+    def issued(self, nbytes: int, launches: int, stream, checked: bool = False) -> None:
+        """A group's copies are issued on ``stream``: ``nbytes``, in ``launches`` launches,
+        ``checked`` (verified by checksums) or not."""
         if not self._open:
             return
         self._host1 = time.perf_counter()
         self.nbytes += nbytes
         self.launches += launches
+        self.groups += 1
+        self.checked += int(checked)
         self._end = self._event()
         self._end.record(stream)
 
@@ -150,4 +155,5 @@ class LoadTiming:
                 f"launch_ms={self.launch_s * 1e3:.2f} launch_max_ms={self.launch_max_s * 1e3:.2f} "
                 f"readback_ms={self.readback_s * 1e3:.2f} "
                 f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "
+                f"checked={self.checked}/{self.groups} "
                 f"GBps={self.nbytes / ms / 1e6 if ms else 0.0:.1f}{more}")

@@ -74,6 +74,10 @@ class SchedulerSide:
         pending, and is on again when it answers (``cfg.reattach``: a restarted gateway, another
         epoch, too; the old one's leases are then forgotten, never released on the new one)."""
         self.cfg = cfg
+        if cfg.allow_unverified_requests and cfg.verify_checksums:
+            log.warning("XKV: allow_unverified_requests is on: a request whose kv_transfer_params "
+                        "hold {\"xkv_verify\": false} restores WITHOUT checksum checks (a "
+                        "benchmark setting)")
         self.load, self.save = load, save  # kv_role: consumer loads only, producer saves only
         self.registry = registry
         self.chunk_size = registry.groups[0].chunk_size
@@ -211,7 +215,8 @@ class SchedulerSide:
             keys=keys,
             state_lease_id=state_lease,
             state_slots=state_slots,
-            checks=self._lookup_checks(res, keys, hits, got["state_checks"]),
+            checks=({} if self.cfg.allow_unverified_requests and compat.request_skips_checks(
+                request) else self._lookup_checks(res, keys, hits, got["state_checks"])),
             load_async=self._async.choose(ext, busy=self.ledger.others_admitted(req_id)),
         )))
         return ext

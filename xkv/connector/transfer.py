@@ -364,7 +364,7 @@ class CudaTransferHandler(TransferHandler):
         self._preps.append(prep)  # tables and buffers referenced until sync_loads
         # the end of the copies (not of the step: sync_loads comes after the forward)
         self._timing.issued(int(block_ids.numel()) * sum(p.block_bytes for p in pools),
-                            len(groups), self.load_stream)
+                            len(groups), self.load_stream, checked)
         return flags
 
     def load_before_forward(self, names, card, offsets, pools, block_ids) -> None:
