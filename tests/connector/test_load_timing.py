@@ -8,7 +8,7 @@ import pytest
 from xkv.connector.load_timing import LoadTiming
 
 LINE = re.compile(r"^XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+) issue_ms=([\d.]+) "
-                  r"plan_ms=([\d.]+) launch_ms=([\d.]+) launch_max_ms=([\d.]+) readback_ms=([\d.]+) "
+                  r"issue_cpu_ms=([\d.]+) pre_ms=([\d.]+) plan_ms=([\d.]+) launch_ms=([\d.]+) launch_max_ms=([\d.]+) readback_ms=([\d.]+) "
                   r"tail_ms=([\d.]+) "
                   r"launches=(\d+) checked=(\d+)/(\d+) GBps=([\d.]+)$")
 
@@ -45,23 +45,31 @@ def _fresh():
 
 
 def test_one_step_line():
+    import time
+
     t = LoadTiming(True, FakeEvent)
     t.begin("load")
-    t.planned(0.0015)
+    spin = time.perf_counter() + 0.002  # 2 ms on the CPU before the first group's planning
+    while time.perf_counter() < spin:
+        pass
+    t.planned(0.0015, time.perf_counter())
     t.launched(0.0002, 0.00015)
     t.read_back(0.0001)
     FakeEvent.clock = 4.0
     t.issued(200_000_000, 4, "load", checked=True)
     t.tail(1_000_000, 0.0007)
-    t.planned(0.0005)
+    t.planned(0.0005, time.perf_counter())  # a second group's start: not the first
     t.launched(0.0003, 0.0001)
     t.read_back(0.0004)
     FakeEvent.clock = 8.0
     t.issued(68_000_000, 2, "load")  # a second group: the end moves, bytes and launches add
     m = LINE.match(t.report())
     assert m, t.report
-    (nbytes, copy_ms, issue_ms, plan_ms, launch_ms, launch_max_ms, readback_ms, tail_ms, launches,
-     checked, groups, gbps) = m.groups()
+    (nbytes, copy_ms, issue_ms, issue_cpu_ms, pre_ms, plan_ms, launch_ms, launch_max_ms,
+     readback_ms, tail_ms, launches, checked, groups, gbps) = m.groups()
+    # the thread spun 2 ms before planning: on the CPU all along (a loaded CI box may steal some)
+    assert 2.0 <= float(pre_ms) <= float(issue_ms)
+    assert 0.5 <= float(issue_cpu_ms) <= float(issue_ms) + 0.5
     assert int(nbytes) == 269_000_000 and float(copy_ms) == 8.0 and int(launches) == 6
     assert (int(checked), int(groups)) == (1, 2)  # the first group verified, the second not
     assert float(plan_ms) == 2.0 and float(tail_ms) == 0.7
@@ -114,7 +122,7 @@ def test_no_group_issued_gives_no_line():
     t.issued(2_000_000, 1, "load")
     m = LINE.match(t.report())
     assert m and int(m.group(1)) == 2_000_000 and float(m.group(2)) == 2.0
-    assert float(m.group(5)) == 0.0
+    assert float(m.group(7)) == 0.0
 
 
 def test_timing_2_dumps_the_stacks_of_slow_launches(monkeypatch):

@@ -5,7 +5,10 @@ Fields: ``bytes`` restored (the before-forward tail's included); ``copy_ms``, GP
 stream from :meth:`LoadTiming.begin` (after the compute stream's work queued before the loads) to
 the end of the last group's copies (two timing events; with ``checksum_pass`` "hbm" or "end"
 the hashes the load stream waits for are inside it); ``issue_ms``, host time from ``begin`` to
-the last launch issued; of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
+the last launch issued (``issue_cpu_ms``: the engine thread's CPU time in that window, so
+``issue_ms - issue_cpu_ms`` is time it waited: for the GIL held by another thread, or off the CPU;
+``pre_ms``: from ``begin`` to the first group's planning, the tail's copy and the tables' building
+among it); of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
 the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
 the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail) launches;
 ``launches``, the step's load launches (the tail's aside); ``checked=a/b``, the step's group
@@ -88,16 +91,21 @@ class LoadTiming:
         self._start.record(stream)
         self._end = None
         self._host0 = self._host1 = time.perf_counter()
+        self._cpu0 = self._cpu1 = time.thread_time()
+        self._first_plan: float | None = None
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
         self.launch_s = self.readback_s = self.launch_max_s = self.gc_s = 0.0
         self.groups = self.checked = 0
         self._mods = set(sys.modules)
         self._open = True
 
-    def planned(self, seconds: float) -> None:
-        """Host time spent validating and uploading a group's copies."""
+    def planned(self, seconds: float, started: float | None = None) -> None:
+        """Host time spent validating and uploading a group's copies (from ``started``, a
+        ``time.perf_counter()`` reading: the first group's gives ``pre_ms``)."""
         if self._open:
             self.plan_s += seconds
+            if started is not None and self._first_plan is None:
+                self._first_plan = started
 
     def watch(self) -> None:
         """``XKV_TIMING=2``: arm the stack dump for the launches about to be issued."""
@@ -125,6 +133,7 @@ class LoadTiming:
         if not self._open:
             return
         self._host1 = time.perf_counter()
+        self._cpu1 = time.thread_time()
         self.nbytes += nbytes
         self.launches += launches
         self.groups += 1
@@ -147,11 +156,14 @@ class LoadTiming:
         if self._end is None:
             return None
         ms = self._start.elapsed_time(self._end)
+        pre = (self._first_plan if self._first_plan is not None else self._host1) - self._host0
         new = sorted(set(sys.modules) - self._mods) if len(sys.modules) != len(self._mods) else []
         more = f" imported={','.join(new)[:400]}" if new else ""
         more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
-                f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} plan_ms={self.plan_s * 1e3:.2f} "
+                f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} "
+                f"issue_cpu_ms={(self._cpu1 - self._cpu0) * 1e3:.2f} pre_ms={pre * 1e3:.2f} "
+                f"plan_ms={self.plan_s * 1e3:.2f} "
                 f"launch_ms={self.launch_s * 1e3:.2f} launch_max_ms={self.launch_max_s * 1e3:.2f} "
                 f"readback_ms={self.readback_s * 1e3:.2f} "
                 f"tail_ms={self.tail_s * 1e3:.2f} launches={self.launches} "

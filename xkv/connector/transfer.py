@@ -335,7 +335,7 @@ class CudaTransferHandler(TransferHandler):
                                          checksum_pass=self.checksum_pass, layer_groups=groups)
             groups = groups or [[i] for i in range(len(pools))]
             t1 = time.perf_counter()
-            self._timing.planned(t1 - t0)
+            self._timing.planned(t1 - t0, t0)
             longest = 0.0
             self._timing.watch()
             for g, idx in enumerate(groups):
