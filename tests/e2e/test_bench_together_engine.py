@@ -53,6 +53,7 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     assert ab == ["restore", "restore_unverified", "restore_unverified", "restore"]
     assert {r["cached"] for r in res["rows"] if r["phase"] == "restore_unverified"} == {256}
     assert "same-engine checked / unchecked restore (xkv, 300 tokens, 2 pairs)" in p.stdout
+    assert "allow_unverified_requests is on" in (out / "xkv.log").read_text()
     # the restored first token's logprobs equal the no-connector run's, for both xkv kinds (the
     # hit's cached count is vLLM's block-granular one: read from the run)
     for k in kinds[1:]:
