@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from xkv.connector import compat, setup
+from xkv.connector import compat, issue_profile, setup
 from xkv.connector.metadata import StepMetadata, WorkerReport
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import PromMetricsMixin, StatsMixin
@@ -107,6 +107,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             self._tp_rank = compat.tp_rank()
             self._worker = setup.worker_side(s, vllm_config, kv_cache_config, self._tp_rank)
             self._start_lines = [s.chunk_line, runner_line(vllm_config)]
+            self._issue_profile = issue_profile.from_env()  # XKV_PROFILE_ISSUE: a diagnostic
 
     # ================================================================ scheduler role
 
@@ -189,17 +190,17 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         full ``cudagraph_mode`` into PIECEWISE). ``None`` (tests driving the hooks by hand)
         fences nothing."""
         assert self._worker is not None
-        self._worker.start_load_kv()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
+        self._issue_profile.call(self._worker.start_load_kv, loads=loads)
         self._worker.start_async_loads()
-        if forward_context is not None and (
+        if loads and forward_context is not None and (
                 getattr(forward_context, "attn_metadata", None) is None
                 or getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name",
                            None) == "FULL"):
-            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-            if isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads:
-                for plan in self._registry.groups:
-                    for name in plan.group.layer_names:
-                        self._worker.wait_for_layer_load(name)
+            for plan in self._registry.groups:
+                for name in plan.group.layer_names:
+                    self._worker.wait_for_layer_load(name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None

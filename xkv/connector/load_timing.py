@@ -51,6 +51,8 @@ _gc_t0 = [0.0]
 def _on_gc(phase: str, info: dict) -> None:
     """``gc.callbacks``: a collection's time goes to every timing with a step open; a long one
     logs its own line."""
+    if not _TIMINGS:  # no enabled timing alive (tests, shutdown): nothing to time or log
+        return
     if phase == "start":
         _gc_t0[0] = time.perf_counter()
         return

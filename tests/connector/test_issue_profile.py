@@ -1,0 +1,69 @@
+"""``XKV_PROFILE_ISSUE`` (xkv/connector/issue_profile.py): which steps run under cProfile, the
+one summed profile logged after the last, and a clear error for a bad value."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from xkv.connector import issue_profile
+from xkv.connector.issue_profile import IssueProfiler
+
+
+def _planning_work():
+    return sum(i * i for i in range(2000))
+
+
+def test_off_by_default_and_for_zero():
+    for env in ({}, {"XKV_PROFILE_ISSUE": "0"}, {"XKV_PROFILE_ISSUE": " 0 "}):
+        p = issue_profile.from_env(env)
+        assert not p.enabled
+    p = issue_profile.from_env({"XKV_PROFILE_ISSUE": "20,3"})
+    assert (p.steps, p.skip, p.enabled) == (20, 3, True)
+    assert issue_profile.from_env({"XKV_PROFILE_ISSUE": "7"}).skip == issue_profile.SKIP
+
+
+@pytest.mark.parametrize("bad", ["x", "1,2,3", "-1", "2,-1", "1.5", ""])
+def test_a_bad_value_names_itself(bad):
+    with pytest.raises(ValueError, match="XKV_PROFILE_ISSUE"):
+        issue_profile.from_env({"XKV_PROFILE_ISSUE": bad})
+
+
+def test_the_steps_after_skip_are_profiled_and_logged_once(caplog):
+    p = IssueProfiler(steps=2, skip=1)
+    calls = []
+
+    def step():
+        calls.append(1)
+        _planning_work()
+
+    with caplog.at_level(logging.INFO, logger="xkv.connector"):
+        p.call(step, loads=False)  # no loads: neither counted nor profiled
+        p.call(step, loads=True)  # skipped (warmup)
+        assert p._prof is None
+        p.call(step, loads=True)  # profiled
+        assert p._prof is not None and not caplog.records
+        p.call(step, loads=True)  # profiled, the last: the summed profile is logged
+        lines = [r.getMessage() for r in caplog.records]
+        p.call(step, loads=True)  # done: plain again, nothing more logged
+    assert len(calls) == 5 and not p.enabled and p._prof is None
+    assert len(caplog.records) == len(lines)
+    assert all(ln.startswith("XKV_PROFILE_ISSUE ") for ln in lines)
+    heads = [ln for ln in lines if "restore steps' start_load_kv, by" in ln]
+    assert heads == ["XKV_PROFILE_ISSUE 2 restore steps' start_load_kv, by tottime:",
+                     "XKV_PROFILE_ISSUE 2 restore steps' start_load_kv, by cumulative:"]
+    # the profiled function and its callee are named, with 2 calls each
+    assert any("_planning_work" in ln for ln in lines)
+    assert any("step)" in ln and ln.split()[1] == "2" for ln in lines)
+
+
+def test_a_step_that_raises_still_counts_and_the_error_passes():
+    p = IssueProfiler(steps=1, skip=0)
+
+    def boom():
+        raise RuntimeError("issue failed")
+
+    with pytest.raises(RuntimeError, match="issue failed"):
+        p.call(boom, loads=True)
+    assert not p.enabled and p._prof is None
