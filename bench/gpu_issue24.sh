@@ -74,6 +74,9 @@ prof() {  # name seconds args...
     --reps 3 --child-timeout 170 --runner default --tag "${TAG:-now}" "$@" ${PROF_ARGS:-} > "$d/run.txt" 2>&1
   echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
   cat "$d/profile.md" >> "$OUT/summary.txt" 2>/dev/null
+  # XKV_PROFILE_ISSUE=N (xkv/connector/issue_profile.py): each engine's summed cProfile of its issue
+  grep -H 'XKV_PROFILE_ISSUE' "$d"/*.log 2>/dev/null | sed "s#^$d/##; s#^\([^:]*\):.*XKV_PROFILE_ISSUE#\1:#" \
+    | cut -c1-220 >> "$OUT/summary.txt"
 }
 e2e() {  # name seconds args...
   local name=$1 secs=$2 d="$OUT/$1"; shift 2
