@@ -67,3 +67,20 @@ def test_a_step_that_raises_still_counts_and_the_error_passes():
     with pytest.raises(RuntimeError, match="issue failed"):
         p.call(boom, loads=True)
     assert not p.enabled and p._prof is None
+
+
+def test_fewer_steps_than_asked_are_logged_by_flush(caplog):
+    """An engine that ends before the N-th step (at exit: ``atexit`` calls ``flush``)."""
+    p = IssueProfiler(steps=20, skip=0)
+    with caplog.at_level(logging.INFO, logger="xkv.connector"):
+        p.flush()  # nothing profiled: nothing logged
+        assert not caplog.records
+        p.call(_planning_work, loads=True)
+        p.call(_planning_work, loads=True)
+        assert not caplog.records and p.enabled
+        p.flush()
+        n = len(caplog.records)
+        p.flush()  # once
+    assert n > 4 and len(caplog.records) == n
+    assert caplog.records[0].getMessage() == (
+        "XKV_PROFILE_ISSUE 2 restore steps' start_load_kv, by tottime:")

@@ -7,12 +7,13 @@ launches, the checksum readback and the tail's copy explain 3.7 ms; the same hos
 names the functions: the ``N`` steps with loads after the first ``SKIP`` (default 4: the engine's
 warmup restores) run ``start_load_kv`` under ``cProfile``, and once the ``N``-th is done their
 summed profile is logged, as ``XKV_PROFILE_ISSUE`` lines (the top functions by own time, then by
-cumulative time). The profiled steps are slower (cProfile's own cost): use it in a profiling
+cumulative time); a process that ends before the ``N``-th logs the steps it profiled at exit. The profiled steps are slower (cProfile's own cost): use it in a profiling
 run (``bench/profile_steps.py``), not when measuring TTFT. Unset or ``0``: nothing is wrapped.
 """
 
 from __future__ import annotations
 
+import atexit
 import cProfile
 import io
 import logging
@@ -62,21 +63,24 @@ class IssueProfiler:
             return
         if self._prof is None:
             self._prof = cProfile.Profile()
+            atexit.register(self.flush)  # fewer steps than N before the process ends
         try:
             self._prof.runcall(fn)
         finally:
             if self._seen == self.skip + self.steps:
-                self._log()
+                self.flush()
 
-    def _log(self) -> None:
+    def flush(self) -> None:
+        """Log the steps profiled so far (once; nothing when none was)."""
         prof, self._prof = self._prof, None
         if prof is None:
             return
+        atexit.unregister(self.flush)
+        done = self._seen - self.skip
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(order).print_stats(TOP)
-            log.info("XKV_PROFILE_ISSUE %d restore steps' start_load_kv, by %s:", self.steps,
-                     order)
+            log.info("XKV_PROFILE_ISSUE %d restore steps' start_load_kv, by %s:", done, order)
             for line in buf.getvalue().splitlines():
                 if line.strip():
                     log.info("XKV_PROFILE_ISSUE %s", line.rstrip())
