@@ -158,6 +158,7 @@ class Child:
         self.gw = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.ready = False
+        self.killed = False  # drain() killed it at its time limit
         self.t_spawn = self.t_ready = self.t_go = self.t_end = None
         cmd = list(spec.cmd)
         if spec.gateway:
@@ -203,6 +204,7 @@ class Child:
                 print(f"[{self.spec.kind}] no end after {timeout_s:.0f} s: killed with its "
                       f"processes", flush=True)
                 kill_tree(self.proc.pid)
+                self.killed = True
                 deadline, killed = time.monotonic() + KILL_GRACE_S, True  # its last lines
                 continue
             if line is None:
@@ -252,7 +254,8 @@ def run(specs: list[Spec], out: Path, on_line: Callable[[str, str], None], timeo
     ``timeout_s``: one after the other, a child's limit for its whole run; started together,
     for its engine start and again, once told to go, for its measurements. ``wave`` (together
     only): at most this many children at once, in kind order, each wave measured and ended
-    before the next starts (0: all); children that died starting rerun alone after the last."""
+    before the next starts (0: all); children that died starting rerun alone after the last,
+    except one that started alone (a wave of one) and ran out of time."""
     if not together:
         for spec in specs:
             c = Child(spec, out / log_name(spec.kind), hold=False)
@@ -297,6 +300,15 @@ def _together(specs, out, on_line, timeout_s, on_done, caches: Path, first: int)
             c.go()
             c.drain(on_line, timeout_s)
         rc = c.finish()
+        if not c.ready and c.killed and len(kids) == 1:
+            # it started alone and ran out of time: alone again it would too (stop 42: an MLA
+            # engine took 129-136 s to start on an H100, the limit was 140 s, and its rerun
+            # spent the step's remaining time)
+            print(f"[{c.spec.kind}] did not start within {timeout_s:.0f} s alone: not run again "
+                  f"(a longer --child-timeout)", flush=True)
+            if on_done is not None:
+                on_done(c.spec.kind, rc, c.times())
+            continue
         if not c.ready:
             print(f"[{c.spec.kind}] died while starting beside the others (rc={rc}): it runs "
                   f"again alone at the end", flush=True)

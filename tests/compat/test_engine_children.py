@@ -108,6 +108,19 @@ def test_a_child_dying_beside_the_others_runs_again_alone(tmp_path):
     assert (tmp_path / "b.together.log").exists()
 
 
+def test_a_child_too_slow_to_start_alone_is_not_run_again(tmp_path):
+    """A wave of one that runs out of time while starting would run out again alone: it is
+    ended, reported, and the next kind goes on (a slow start beside others still reruns)."""
+    specs = _specs(tmp_path, ["a", "b"])
+    specs[0] = engine_children.Spec(kind="a", cmd=specs[0].cmd, env={**specs[0].env, "START": "30"})
+    t0 = time.time()
+    seen, done, m = _run(tmp_path, specs, together=True, timeout_s=4.0, wave=1)
+    assert "a" not in m and done["a"][0] != 0 and done["a"][1]["ready"] is None
+    assert "b" in m and done["b"][0] == 0
+    assert not (tmp_path / "a.together.log").exists()  # not moved aside for a rerun
+    assert time.time() - t0 < 4.0 + engine_children.KILL_GRACE_S + 10  # one limit, not two
+
+
 def test_waves_start_at_most_n_at_once(tmp_path):
     """--together-max 2 with five kinds: waves (a, b), (c, d), (e); a wave starts only once the
     one before has measured and ended; inside a wave starts overlap; a dying child of the
