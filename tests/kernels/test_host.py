@@ -67,6 +67,12 @@ def test_split_at_moves_the_same_bytes_and_no_copy_crosses_a_boundary(data, n, n
             assert not ((a < b) & (b < a + m)).any(), (b, a, m)
     if nb == 0:
         assert d2 is d and s2 is s and z2 is z
+    # crossing() names exactly the copies split_at cut: the others come back first, unchanged
+    cut = host.crossing(d, s, z, bounds)
+    assert cut.shape == z.shape and cut.dtype == bool
+    keep = ~cut
+    assert (d2[:keep.sum()] == d[keep]).all() and (z2[:keep.sum()] == z[keep]).all()
+    assert z2.size - keep.sum() > cut.sum() or not cut.any()  # each cut copy became >= 2
 
 
 def test_split_at_edges():
@@ -76,6 +82,8 @@ def test_split_at_edges():
     d, s, z = host.split_at(u(0, 200, 1000), u(50, 100, 90), u(50, 10, 40), b)
     assert (d.tolist(), s.tolist(), z.tolist()) == ([0, 200, 1000, 1010], [50, 100, 90, 100],
                                                     [50, 10, 10, 30])
+    assert host.crossing(u(0, 200, 1000), u(50, 100, 90), u(50, 10, 40), b).tolist() == [
+        False, False, True]
     d, s, z = host.split_at(u(95), u(0), u(10), b)  # the destination crosses
     assert (d.tolist(), s.tolist(), z.tolist()) == ([95, 100], [0, 5], [5, 5])
     e = np.zeros(0, dtype=np.uint64)

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "is_host_accessible", "piece_boundaries", "register_host",
+__all__ = ["copy_bytes", "crossing", "is_host_accessible", "piece_boundaries", "register_host",
            "registered_ranges", "split_at", "unregister_host"]
 
 _CUDA_HOST_REGISTER_DEFAULT = 0  # with UVA: mapped and portable, device pointer == host pointer
@@ -96,6 +96,23 @@ def piece_boundaries() -> np.ndarray:
         return _bounds
 
 
+def _inside(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, b: np.ndarray) -> list:
+    """Per side (source, then destination), the index range ``[lo, hi)`` of the boundaries
+    ``b`` strictly inside each copy's range: the copy crosses them where ``hi > lo``."""
+    return [(np.searchsorted(b, a, side="right"), np.searchsorted(b, a + sizes, side="left"))
+            for a in (srcs, dsts)]
+
+
+def crossing(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+             bounds: np.ndarray) -> np.ndarray:
+    """bool per copy: whether :func:`split_at` would cut it (a ``bounds`` address strictly inside
+    its source or destination range)."""
+    if bounds.size == 0 or sizes.size == 0:
+        return np.zeros(sizes.shape, dtype=bool)
+    (slo, shi), (dlo, dhi) = _inside(dsts, srcs, sizes, bounds.astype(dsts.dtype))
+    return (shi > slo) | (dhi > dlo)
+
+
 def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
              bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Copies ``sizes[k]`` bytes ``srcs[k] -> dsts[k]`` (addresses, one dtype), cut so that no
@@ -105,11 +122,8 @@ def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
     if bounds.size == 0 or sizes.size == 0:
         return dsts, srcs, sizes
     b = bounds.astype(dsts.dtype)
-    inside = [(np.searchsorted(b, a, side="right"), np.searchsorted(b, a + sizes, side="left"))
-              for a in (srcs, dsts)]
-    cut = np.zeros(sizes.shape, dtype=bool)
-    for lo, hi in inside:
-        cut |= hi > lo
+    inside = _inside(dsts, srcs, sizes, b)
+    cut = (inside[0][1] > inside[0][0]) | (inside[1][1] > inside[1][0])
     if not cut.any():
         return dsts, srcs, sizes
     keep = ~cut

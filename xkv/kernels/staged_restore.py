@@ -161,15 +161,9 @@ def absolute_ranges(ranges: list[tuple], ring_ptr: int, flat_ptr: int,
     f = np.concatenate([rg[1] for rg in ranges]).astype(np.uint64) + np.uint64(flat_ptr)
     z = np.concatenate([rg[2] for rg in ranges]).astype(np.uint64)
     at = np.concatenate([[0], np.cumsum(counts)])
-    crossing = np.zeros(len(ranges), dtype=bool)
     b = bounds.astype(np.uint64)
-    if b.size and z.size:
-        cut = np.zeros(z.shape, dtype=bool)
-        for a in (f, d):
-            cut |= np.searchsorted(b, a + z, side="left") > np.searchsorted(b, a, side="right")
-        if cut.any():
-            cs = np.concatenate([[0], np.cumsum(cut)])
-            crossing = cs[at[1:]] > cs[at[:-1]]
+    cs = np.concatenate([[0], np.cumsum(host.crossing(d, f, z, b))])
+    crossing = cs[at[1:]] > cs[at[:-1]]  # per chunk: any of its ranges cut
     out = []
     for k in range(len(ranges)):
         sl = slice(at[k], at[k + 1])
