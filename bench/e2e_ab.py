@@ -33,9 +33,11 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
     of ``tokens * bytes_per_token`` (a verified restore also counts its hash-only pages);
     ``checked``: every group of the step verified."""
     out: dict = {}
+    if not bytes_per_token:
+        return out
     for ln in lines:
         m = _TIMING.search(ln)
-        if not m or not bytes_per_token:
+        if not m:
             continue
         nbytes, ms, ck, groups = int(m[1]), float(m[2]), int(m[3]), int(m[4])
         for n in lens:
@@ -56,15 +58,15 @@ def report(rows: list[dict], lens: list[int], timing: dict | None = None,
         for n in lens:
             mine = [r for r in rows if r["kind"] == kind and r["tokens"] == n
                     and r["phase"] in ("restore", "restore_unverified")]
-            pairs = [(a, b) for a, b in zip(mine[::2], mine[1::2], strict=False)
-                     if {a["phase"], b["phase"]} == {"restore", "restore_unverified"}]
+            # (checked, unchecked) of each repetition, whichever went first
+            pairs = [(a, b) if a["phase"] == "restore" else (b, a)
+                     for a, b in zip(mine[::2], mine[1::2], strict=False) if a["phase"] != b["phase"]]
             if not pairs:
                 continue
-            ck = [a if a["phase"] == "restore" else b for a, b in pairs]
-            un = [b if a["phase"] == "restore" else a for a, b in pairs]
-            ratio = statistics.median(c["ttft_ms"] / u["ttft_ms"] for c, u in zip(ck, un, strict=True))
-            eng = [(c.get("engine_ms"), u.get("engine_ms")) for c, u in zip(ck, un, strict=True)]
-            eng = [c / u for c, u in eng if c and u]
+            ck, un = [c for c, _ in pairs], [u for _, u in pairs]
+            ratio = statistics.median(c["ttft_ms"] / u["ttft_ms"] for c, u in pairs)
+            eng = [c["engine_ms"] / u["engine_ms"] for c, u in pairs
+                   if c.get("engine_ms") and u.get("engine_ms")]
             out.append(
                 f"same-engine checked / unchecked restore ({kind}, {n} tokens, {len(pairs)} pairs): "
                 f"TTFT median {statistics.median(c['ttft_ms'] for c in ck):.1f} / "

@@ -129,7 +129,7 @@ def engine_kwargs(a, label, max_len) -> dict:
     if a.backend:
         kw["attention_backend"] = a.backend
     kw.update(e2e_models.engine_kwargs(a))
-    if kind == "none" and a.mode == "graphs" and getattr(a, "none_graphs", "default") == "piecewise":
+    if kind == "none" and a.mode == "graphs" and a.none_graphs == "piecewise":
         kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if kind in ("xkv", "verify"):
         kw["kv_transfer_config"] = {
@@ -143,7 +143,7 @@ def engine_kwargs(a, label, max_len) -> dict:
                                           "load_mode": a.load_mode,
                                           **e2e_models.connector_extra(a),
                                           **({"allow_unverified_requests": True}
-                                             if getattr(a, "ab_unverified", False) else {}),
+                                             if a.ab_unverified else {}),
                                           **e2e_kinds.options(label)},
         }
     elif kind == "offload":
@@ -404,11 +404,10 @@ def _verify_totals(lines):
     return tot
 
 
-def _targets(res, lens) -> list[str]:
-    """Issue 24's targets, checked against this run's own figures."""
+def _targets(res, lens, bpt: int) -> list[str]:
+    """Issue 24's targets, checked against this run's own figures (``bpt``: KV bytes per token)."""
     rows, a = res["rows"], res["args"]
     bw = res["info"].get("bw", {}).get("h2d_gbps")
-    bpt = kv_bytes_per_token(a["model"])
     mode = a.get("mode", "eager")
     if mode == "graphs" and a.get("none_graphs") == "piecewise":
         mode += ", the no-connector engine PIECEWISE"
@@ -463,15 +462,9 @@ def _after_kill(res, lens) -> list[str]:
                f"{'met' if idle[0] - cold <= 100 else 'missed'})" if idle else "")]
 
 
-def _bytes_per_token(a) -> int:
-    try:
-        return kv_bytes_per_token(a["model"])
-    except (OSError, KeyError, ValueError):  # a report rebuilt without the model's config
-        return 0
-
-
 def _report(res, out):
     rows = res["rows"]
+    bpt = kv_bytes_per_token(res["args"]["model"])
     lens = sorted({r["tokens"] for r in rows if r["phase"] in ("cold", "restore", "gpu_hit")})
     f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
     q = lambda x, y: "—" if x is None or not y else f"{x / y:.3f}"  # noqa: E731
@@ -487,7 +480,7 @@ def _report(res, out):
         lines.append(f"| {n} | {f(rc)} | {f(hit)} | {f(rs)} | {f(of)} | {q(rs, rc)} | {q(rs, of)} | "
                      f"{f(xc)} ({pc(xc, rc)}) | {f(oc)} ({pc(oc, rc)}) |")
     lines += e2e_kinds.report(rows, lens, _median)
-    lines += e2e_ab.report(rows, lens, res.get("timing"), _bytes_per_token(res["args"]))
+    lines += e2e_ab.report(rows, lens, res.get("timing"), bpt)
     lines += ["", "Engine scheduled-to-first-token, ms (median): "
               + "; ".join(f"{n}: none cold {f(_median(rows, 'none', 'cold', n, 'engine_ms'))}, hit "
                           f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "
@@ -517,7 +510,7 @@ def _report(res, out):
     for k, (c, m) in vt.items():
         lines.append(f"byte-exact check ({k}): {c} block-layers compared with the card, {m} differ")
     lines += e2e_models.report_lines(res)
-    lines += _targets(res, lens)
+    lines += _targets(res, lens, bpt)
     lines.append(f"child exit codes: {res.get('rc')}")
     table = "\n".join(lines)
     print(table, flush=True)

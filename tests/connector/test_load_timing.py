@@ -2,6 +2,7 @@
 fields bench/ reads, and nothing recorded or logged when off or when no group was issued."""
 
 import re
+import time
 
 import pytest
 
@@ -44,14 +45,18 @@ def _fresh():
         gc.enable()
 
 
-def test_one_step_line():
-    import time
+def _busy(seconds: float) -> int:
+    """Keep this thread on the CPU for ``seconds`` (``issue_cpu_ms`` counts thread CPU time)."""
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        n += 1
+    return n
 
+
+def test_one_step_line():
     t = LoadTiming(True, FakeEvent)
     t.begin("load")
-    spin = time.perf_counter() + 0.002  # 2 ms on the CPU before the first group's planning
-    while time.perf_counter() < spin:
-        pass
+    _busy(0.002)  # 2 ms on the CPU before the first group's planning
     t.planned(0.0015, time.perf_counter())
     t.launched(0.0002, 0.00015)
     t.read_back(0.0001)
