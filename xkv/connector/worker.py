@@ -108,6 +108,7 @@ class WorkerSide:
         (``checksums.py``)."""
         self.registry = registry
         self._save_mode, self._save_line = save_mode, save_line
+        self._ring_line: str | None = None  # the start-up probe's verdict (_choose_restore_path)
         self.tp_rank = tp_rank
         # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
         self._warm_tails = full_hit_restore
@@ -233,7 +234,7 @@ class WorkerSide:
             kernels.pinned.reserve_for(max(p.num_blocks for p in self.pools.values()),
                                        len(self.pools))
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
-        lines += [self._ring_line] if getattr(self, "_ring_line", None) else []
+        lines += [self._ring_line] if self._ring_line else []
         lines += [self._save_line] if self._save_line else []
         return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()
 
