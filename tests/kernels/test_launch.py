@@ -225,3 +225,43 @@ def test_resized_keeps_the_variant_and_gives_the_counts_of_a_plan_of_that_size()
             assert 1 <= r.programs <= budget
             if own.meta["ROWS"] == full.meta["ROWS"]:
                 assert r.scalars == own.scalars and r.programs == own.programs
+
+
+def test_checked_restore_tile_keeps_one_mib_in_flight():
+    """A verified restore's programs share ``CHECKED_RESTORE_IN_FLIGHT`` of host reads: the tile
+    is the largest power of two that fits the share, between 4 KiB and the restore tile."""
+    assert _launch.CHECKED_RESTORE_IN_FLIGHT == 1 << 20
+    assert [_launch.checked_restore_tile(p) for p in (1, 4, 8, 16, 32, 48, 64, 256, 1000)] == [
+        131072, 131072, 131072, 65536, 32768, 16384, 16384, 4096, 4096]
+    for p in range(1, 300):
+        t = _launch.checked_restore_tile(p)
+        assert t & (t - 1) == 0 and 4096 <= t <= _launch.READ_TILE_BYTES
+        assert t == _launch.READ_TILE_BYTES or t == 4096 or t * p <= 1 << 20 < 2 * t * p
+    with pytest.raises(ValueError, match="max_programs must be >= 1, got 0"):
+        _launch.checked_restore_tile(0)
+
+
+@pytest.mark.parametrize("budget", [16, 32, 64])
+def test_verified_restores_launch_the_checked_tile_and_others_keep_theirs(budget):
+    """The tile of a plan: verified restores ``checked_restore_tile(budget)``, unchecked
+    restores ``READ_TILE_BYTES``, saves (checked or not) ``WRITE_TILE_BYTES``; an explicit
+    ``tile_bytes`` wins. Enough 4 KiB pages that no tile is cut to the rows per program."""
+    from pools import random_bytes
+
+    n = 64 * budget
+    g = Geometry(n, 4096, ((0, 4096),))
+    pool = pool_over(random_bytes(g.extent, 1), 0, g)
+    card = torch.zeros(4096 * n, dtype=torch.uint8)
+    offs = offsets_arg(np.arange(n, dtype=np.int64) * 4096, 1, "o")
+
+    def tile(save, checked, **kw):
+        exp = None if save else np.zeros((1, 1), np.uint32)
+        checks = K.Checks(np.zeros(n, np.int64), np.arange(n), 1, expected=exp) if checked else None
+        job = build_job([pool], np.arange(n), card, offs, save=save, checks=checks)
+        (launch,) = _launch.launches(job, budget, **kw)
+        return launch.meta["ROWS"] * launch.meta["COLS"] * launch.meta["WORD"]
+
+    assert tile(False, True) == _launch.checked_restore_tile(budget)
+    assert tile(False, False) == _launch.READ_TILE_BYTES
+    assert tile(True, True) == tile(True, False) == _launch.WRITE_TILE_BYTES
+    assert tile(False, True, tile_bytes=128 * 1024) == 128 * 1024

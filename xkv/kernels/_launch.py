@@ -38,6 +38,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchPlan",
     "Tables",
+    "checked_restore_tile",
     "copy_programs",
     "default_programs",
     "geometry_groups",
@@ -60,9 +61,20 @@ VERIFIED_RESTORE_PROGRAMS = 16
 #: A light step's verified restore (``xkv.connector.light_steps``: a full hit computes one token,
 #: so its forward leaves the SMs idle while the copy runs): more programs keep more host reads in
 #: flight while each hashes. H200, bench/page_mover.py --checksums (2026-12-04): at 32 programs
-#: 0.93-0.99 x the unverified restore for 16-256 KiB pages, at 16 programs 0.87-0.98.
-#: ``XKV_LIGHT_PROGRAMS`` overrides it (an A/B switch for bench/).
-LIGHT_VERIFIED_RESTORE_PROGRAMS = 64
+#: 0.93-0.99 x the unverified restore for 16-256 KiB pages, at 16 programs 0.87-0.98. Stop 43
+#: (H100, bench/checked_interference.py): with 128 KiB tiles the 64 programs this was took most
+#: of 64 SMs' registers for the whole copy and slowed a one-token forward beside it 1.34-1.36 x
+#: (the unchecked restore at 4 programs: 1.11 x); 32 programs of 32 KiB tiles
+#: (:data:`CHECKED_RESTORE_IN_FLIGHT`) slowed it 1.13 x and copied at 50.5-50.8 GB/s beside it
+#: (64 programs of 128 KiB: 46.5-48.7). ``XKV_LIGHT_PROGRAMS`` overrides it (an A/B switch).
+LIGHT_VERIFIED_RESTORE_PROGRAMS = 32
+#: Host bytes a verified restore keeps in flight, split over its programs
+#: (:func:`checked_restore_tile`): 1 MiB. Stop 43, H100, bench/checked_interference.py (512 MiB
+#: of 64 and 16 KiB pages beside a one-token forward of the Llama-3-8B shape): 16 programs x 64
+#: KiB and 32 x 32 KiB copied at 50.5-50.8 GB/s beside the forward and slowed it 1.13-1.15 x;
+#: 16 x 128 KiB (the former tile) 36-39 GB/s, 1.17 x; 2 MiB in flight (32 x 64 KiB, 64 x 32
+#: KiB) slowed it 1.7-2.6 x, 8 MiB (64 x 128 KiB) 1.34 x.
+CHECKED_RESTORE_IN_FLIGHT = 1 << 20
 #: The hash of every restored layer at once, after the last copy (the connector's ``checksum_pass``
 #: "end"): nothing else copies then, and a light step's forward has one layer left, so it may take
 #: about one program per SM of an H200 (132) and read at HBM rate, where the per-layer hash at 16
@@ -136,6 +148,17 @@ def copy_programs(max_programs: int | None, *, save: bool, check: bool) -> int:
     if max_programs is not None:
         return int(max_programs)
     return default_programs(verified_restore=check and not save)
+
+
+def checked_restore_tile(max_programs: int) -> int:
+    """Tile bytes of a verified restore at ``max_programs`` programs: together they keep
+    :data:`CHECKED_RESTORE_IN_FLIGHT` of host reads in flight (a power of two between 4 KiB and
+    :data:`READ_TILE_BYTES`): a checked program holds its tile and the tile's checksum terms in
+    registers for the whole copy, so a larger tile takes an SM from the forward beside it."""
+    if max_programs < 1:
+        raise ValueError(f"max_programs must be >= 1, got {max_programs}")
+    per = CHECKED_RESTORE_IN_FLIGHT // max_programs
+    return max(4096, min(READ_TILE_BYTES, 1 << max(0, per.bit_length() - 1)))
 
 
 def word_bytes(alignment: int) -> int:
@@ -283,6 +306,8 @@ def plan(
     R, Lg = len(runs), len(pools)
     n_rows = Lg * n * R
     max_run = max(run_len)
+    if not tile_bytes and check and not save:  # a verified restore (hash-only jobs are saves)
+        tile_bytes = checked_restore_tile(max_programs)
     kw = {"tile_bytes": tile_bytes} if tile_bytes else {}
     cfg = launch_config(max_run, n_rows, max_programs, word=word, save=save, **kw)
     max_run_w = max_run // word
