@@ -41,13 +41,13 @@ def test_the_steps_after_skip_are_profiled_and_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="xkv.connector"):
         p.call(step, loads=False)  # no loads: neither counted nor profiled
         p.call(step, loads=True)  # skipped (warmup)
-        assert p._prof is None
+        assert not p._profs
         p.call(step, loads=True)  # profiled
-        assert p._prof is not None and not caplog.records
+        assert p._profs and not caplog.records
         p.call(step, loads=True)  # profiled, the last: the summed profile is logged
         lines = [r.getMessage() for r in caplog.records]
         p.call(step, loads=True)  # done: plain again, nothing more logged
-    assert len(calls) == 5 and not p.enabled and p._prof is None
+    assert len(calls) == 5 and not p.enabled and not p._profs
     assert len(caplog.records) == len(lines)
     assert all(ln.startswith("XKV_PROFILE_ISSUE ") for ln in lines)
     heads = [ln for ln in lines if "restore steps' start_load_kv, by" in ln]
@@ -66,7 +66,7 @@ def test_a_step_that_raises_still_counts_and_the_error_passes():
 
     with pytest.raises(RuntimeError, match="issue failed"):
         p.call(boom, loads=True)
-    assert not p.enabled and p._prof is None
+    assert not p.enabled and not p._profs
 
 
 def test_fewer_steps_than_asked_are_logged_by_flush(caplog):
@@ -84,3 +84,39 @@ def test_fewer_steps_than_asked_are_logged_by_flush(caplog):
     assert n > 4 and len(caplog.records) == n
     assert caplog.records[0].getMessage() == (
         "XKV_PROFILE_ISSUE 2 restore steps' start_load_kv, by tottime:")
+
+
+def test_each_kind_gets_its_own_n_steps_and_profile(caplog):
+    """Checked and unverified steps interleaved (an A/B run): N of each are profiled after the
+    skipped ones, each kind's profile logged after its N-th, with its label."""
+    from xkv.connector.metadata import ChunkRef, GroupTransfer, TransferJob
+
+    def job(checks):
+        gt = GroupTransfer(0, (1,), (0,), (0,), (ChunkRef(b"k", (0,), (0,)),), checks=checks)
+        return TransferJob(1, "r", (gt,), 16)
+
+    assert issue_profile.step_kind([job((b"w" * 8,))]) == "checked"
+    assert issue_profile.step_kind([job((b"w" * 8,)), job(())]) == "unverified"
+    p = IssueProfiler(steps=2, skip=1)
+
+    def checked():
+        _planning_work()
+
+    def unverified():
+        sum(range(3000))
+
+    with caplog.at_level(logging.INFO, logger="xkv.connector"):
+        for kind in ("checked", "unverified", "unverified", "checked", "checked", "unverified",
+                     "unverified", "checked"):
+            p.call(checked if kind == "checked" else unverified, loads=True, kind=kind)
+    heads = [r.getMessage() for r in caplog.records if "start_load_kv, by" in r.getMessage()]
+    # step 1 skipped (checked); then unverified x2 -> logged; checked x2 -> logged
+    assert heads == [
+        "XKV_PROFILE_ISSUE 2 unverified restore steps' start_load_kv, by tottime:",
+        "XKV_PROFILE_ISSUE 2 unverified restore steps' start_load_kv, by cumulative:",
+        "XKV_PROFILE_ISSUE 2 checked restore steps' start_load_kv, by tottime:",
+        "XKV_PROFILE_ISSUE 2 checked restore steps' start_load_kv, by cumulative:"]
+    assert not p.enabled and not p._profs
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    first_checked = text.index("checked restore steps'")
+    assert "_planning_work" in text[first_checked:] and "_planning_work" not in text[:first_checked]

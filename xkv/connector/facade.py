@@ -192,7 +192,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
-        self._issue_profile.call(self._worker.start_load_kv, loads=loads)
+        self._issue_profile.call(self._worker.start_load_kv, loads=loads,
+                                 kind=issue_profile.step_kind(meta.step.loads)
+                                 if loads and self._issue_profile.enabled else "")
         self._worker.start_async_loads()
         if loads and forward_context is not None and (
                 getattr(forward_context, "attn_metadata", None) is None
