@@ -190,9 +190,7 @@ def validate_checks(checks: Checks, *, L: int, n: int, save: bool, pools, flat,
     if pools:
         p0 = pools[0]
         check_page_bytes(p0.block_bytes, f"page of {p0.describe()}")
-        aligned = aligned and not any(
-            v % 4 for p in pools for v in (p.block_stride, p.data_ptr,
-                                           *(x for r in p.runs for x in r)))
+        aligned = aligned and all(p.alignment % 4 == 0 for p in pools)
     if save:
         if checks.expected is not None or checks.hash_only is not None:
             raise ValueError("a save computes its words: checks.expected and hash_only are "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -64,25 +66,35 @@ class PagePool:
         if self.kind is not None and self.kind not in KINDS:
             raise LayoutError(f"PagePool: kind must be one of {KINDS}, got {self.kind!r}")
 
-    @property
+    # Derived values are cached: every field is fixed (a frozen dataclass over a tensor view
+    # whose storage is never replaced), and a restore's host path asks them hundreds of times
+    # per step (bench/host_issue.py: 357 ``data_ptr`` reads for a 32-layer restore).
+
+    @cached_property
     def device(self) -> torch.device:
         return self.base.device
 
-    @property
+    @cached_property
     def span(self) -> int:
         """Bytes from a block's start to the end of its last run."""
         return max((o + n for o, n in self.runs), default=0)
 
-    @property
+    @cached_property
     def extent(self) -> int:
         """Bytes of ``base`` that blocks ``0 .. num_blocks-1`` touch."""
         if self.num_blocks == 0 or not self.runs:
             return 0
         return (self.num_blocks - 1) * self.block_stride + self.span
 
-    @property
+    @cached_property
     def data_ptr(self) -> int:
         return self.base.data_ptr()
+
+    @cached_property
+    def alignment(self) -> int:
+        """gcd of the block stride, the base address and every run offset and length: every
+        byte a block's runs start or end at is a multiple of it."""
+        return math.gcd(self.block_stride, self.data_ptr, *(x for r in self.runs for x in r))
 
     def run_view(self, r: int) -> torch.Tensor:
         """``[num_blocks, len]`` strided uint8 view of run ``r`` of every block."""
