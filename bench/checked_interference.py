@@ -35,8 +35,10 @@ from xkv.kernels import _triton  # noqa: E402
 KIB, MIB = 1024, 1 << 20
 #: (name, checked, programs, tile bytes or None: what serving launches, ``_launch.plan``'s:
 #: 4 unchecked programs of 128 KiB; verified restores ``checked_restore_tile``, 1 MiB in flight
-#: over the programs). ``_t128k``: the tiles verified restores had before stop 43.
+#: over the programs). ``_t128k``: the tiles verified restores had before stop 43; the unchecked
+#: 8 x 128 KiB and 32 x 32 KiB: the same 1 MiB for unchecked restores (not yet measured).
 VARIANTS = [("unchecked_4", False, 4, None), ("unchecked_16", False, 16, None),
+            ("unchecked_8", False, 8, None), ("unchecked_32_t32k", False, 32, 32 * KIB),
             ("checked_64_t128k", True, 64, 128 * KIB), ("checked_16_t128k", True, 16, 128 * KIB),
             ("checked_32", True, 32, None), ("checked_16", True, 16, None),
             ("checked_64", True, 64, None), ("checked_32_t64k", True, 32, 64 * KIB),
