@@ -11,8 +11,9 @@ cumulative time); a process that ends before the ``N``-th logs the steps it prof
 Steps whose loads all carry checksum words and steps with some that do not (``"checked"`` /
 ``"unverified"``, e.g. ``allow_unverified_requests``) are profiled apart, ``N`` of each: on stop
 43's H100 the unverified requests of a verifying engine spent 3-10 ms more before their first
-copy (``XKV_TIMING`` ``pre_ms``), which no phase names. The profiled steps are slower (cProfile's own cost): use it in a profiling
-run (``bench/profile_steps.py``), not when measuring TTFT. Unset or ``0``: nothing is wrapped.
+copy (``XKV_TIMING`` ``pre_ms``), which no phase names. The profiled steps are slower
+(cProfile's own cost): use it in a profiling run (``bench/profile_steps.py``), not when
+measuring TTFT. Unset or ``0``: nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class IssueProfiler:
             fn()
             return
         self._seen += 1
-        self._done.setdefault(kind, 0)  # met: enabled until its N steps are profiled
-        if self._seen <= self.skip or self._done.get(kind, 0) >= self.steps:
+        done = self._done.setdefault(kind, 0)  # met: enabled until its N steps are profiled
+        if self._seen <= self.skip or done >= self.steps:
             fn()
             return
         prof = self._profs.get(kind)
@@ -87,8 +88,8 @@ class IssueProfiler:
         try:
             prof.runcall(fn)
         finally:
-            self._done[kind] = self._done.get(kind, 0) + 1
-            if self._done[kind] == self.steps:
+            self._done[kind] = done + 1
+            if done + 1 == self.steps:
                 self._log(kind)
 
     def flush(self) -> None:

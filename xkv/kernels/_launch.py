@@ -59,13 +59,13 @@ DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs wh
 #: fragments: 0.87-0.93). Checked saves hash what they read from HBM: 4 programs suffice (0.99-1.0).
 VERIFIED_RESTORE_PROGRAMS = 16
 #: A light step's verified restore (``xkv.connector.light_steps``: a full hit computes one token,
-#: so its forward leaves the SMs idle while the copy runs): more programs keep more host reads in
-#: flight while each hashes. H200, bench/page_mover.py --checksums (2026-12-04): at 32 programs
+#: so its short forward cannot hide the copy): more programs keep more host reads in flight while
+#: each hashes, but the forward still runs beside them. H200, bench/page_mover.py --checksums (2026-12-04): at 32 programs
 #: 0.93-0.99 x the unverified restore for 16-256 KiB pages, at 16 programs 0.87-0.98. Stop 43
 #: (H100, bench/checked_interference.py): with 128 KiB tiles the 64 programs this was took most
 #: of 64 SMs' registers for the whole copy and slowed a one-token forward beside it 1.34-1.36 x
 #: (the unchecked restore at 4 programs: 1.11 x); 32 programs of 32 KiB tiles
-#: (:data:`CHECKED_RESTORE_IN_FLIGHT`) slowed it 1.13 x and copied at 50.5-50.8 GB/s beside it
+#: (:data:`CHECKED_RESTORE_IN_FLIGHT`) slowed it 1.13 x and copied at 46.9-50.8 GB/s beside it
 #: (64 programs of 128 KiB: 46.5-48.7). ``XKV_LIGHT_PROGRAMS`` overrides it (an A/B switch).
 LIGHT_VERIFIED_RESTORE_PROGRAMS = 32
 #: Host bytes a verified restore keeps in flight, split over its programs
