@@ -265,3 +265,15 @@ def test_verified_restores_launch_the_checked_tile_and_others_keep_theirs(budget
     assert tile(False, False) == _launch.READ_TILE_BYTES
     assert tile(True, True) == tile(True, False) == _launch.WRITE_TILE_BYTES
     assert tile(False, True, tile_bytes=128 * 1024) == 128 * 1024
+
+
+def test_launch_config_gives_verified_restores_their_tile():
+    """The tile rule lives in ``launch_config``: ``check`` on a restore takes the checked tile,
+    a save keeps the write tile, an explicit ``tile_bytes`` wins."""
+    for budget in (4, 16, 32, 64):
+        c = _launch.launch_config(4096, 100_000, budget, save=False, check=True)
+        assert c.rows * c.cols * 8 == _launch.checked_restore_tile(budget)
+        c = _launch.launch_config(4096, 100_000, budget, save=True, check=True)
+        assert c.rows * c.cols * 8 == _launch.WRITE_TILE_BYTES
+        c = _launch.launch_config(4096, 100_000, budget, save=False, check=True, tile_bytes=8192)
+        assert c.rows * c.cols * 8 == 8192

@@ -182,11 +182,13 @@ def launch_config(
     word: int = 8,
     save: bool = True,
     tile_bytes: int | None = None,
+    check: bool = False,
 ) -> LaunchConfig:
     """Tile shape and grid for copying ``n_rows`` fragments of at most ``run_bytes`` each.
 
     Restores (``save=False``) read the flat side, often host memory over PCIe: latency-bound, they
-    get the larger tile. ``cols`` covers a fragment (up to ``MAX_COL_BYTES``); ``rows`` fills
+    get the larger tile; verified restores (``check``) :func:`checked_restore_tile`, their share
+    of :data:`CHECKED_RESTORE_IN_FLIGHT`. ``cols`` covers a fragment (up to ``MAX_COL_BYTES``); ``rows`` fills
     ``tile_bytes`` but never exceeds the rows each of ``max_programs`` programs would get, so small
     jobs still spread over the whole budget; ``programs`` never exceeds the number of row groups.
     """
@@ -195,7 +197,8 @@ def launch_config(
     if word not in (1, 2, 4, 8):
         raise ValueError(f"word must be 1, 2, 4 or 8 bytes, got {word}")
     if tile_bytes is None:
-        tile_bytes = WRITE_TILE_BYTES if save else READ_TILE_BYTES
+        tile_bytes = (WRITE_TILE_BYTES if save else
+                      checked_restore_tile(max_programs) if check else READ_TILE_BYTES)
     run_words = max(1, -(-run_bytes // word))
     cols = min(_pow2_at_least(run_words), MAX_COL_BYTES // word)
     if run_words > cols and run_words % cols:
@@ -306,10 +309,8 @@ def plan(
     R, Lg = len(runs), len(pools)
     n_rows = Lg * n * R
     max_run = max(run_len)
-    if not tile_bytes and check and not save:  # a verified restore (hash-only jobs are saves)
-        tile_bytes = checked_restore_tile(max_programs)
     kw = {"tile_bytes": tile_bytes} if tile_bytes else {}
-    cfg = launch_config(max_run, n_rows, max_programs, word=word, save=save, **kw)
+    cfg = launch_config(max_run, n_rows, max_programs, word=word, save=save, check=check, **kw)
     max_run_w = max_run // word
     even = (not sliced) and min(run_len) == max_run and max_run_w % cfg.cols == 0
     lpad = Lg + (Lg & 1)  # the run table starts 16-byte aligned

@@ -103,14 +103,19 @@ def _inside(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, b: np.ndarray
             for a in (srcs, dsts)]
 
 
+def _cut(inside: list) -> np.ndarray:
+    """bool per copy of :func:`_inside`'s ranges: a boundary inside its source or destination."""
+    (slo, shi), (dlo, dhi) = inside
+    return (shi > slo) | (dhi > dlo)
+
+
 def crossing(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
              bounds: np.ndarray) -> np.ndarray:
     """bool per copy: whether :func:`split_at` would cut it (a ``bounds`` address strictly inside
     its source or destination range)."""
     if bounds.size == 0 or sizes.size == 0:
         return np.zeros(sizes.shape, dtype=bool)
-    (slo, shi), (dlo, dhi) = _inside(dsts, srcs, sizes, bounds.astype(dsts.dtype))
-    return (shi > slo) | (dhi > dlo)
+    return _cut(_inside(dsts, srcs, sizes, bounds.astype(dsts.dtype)))
 
 
 def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
@@ -123,7 +128,7 @@ def split_at(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
         return dsts, srcs, sizes
     b = bounds.astype(dsts.dtype)
     inside = _inside(dsts, srcs, sizes, b)
-    cut = (inside[0][1] > inside[0][0]) | (inside[1][1] > inside[1][0])
+    cut = _cut(inside)
     if not cut.any():
         return dsts, srcs, sizes
     keep = ~cut
