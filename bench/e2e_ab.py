@@ -26,12 +26,14 @@ def phase(checked: bool) -> str:
 
 
 _TIMING = re.compile(r"bytes=(\d+) copy_ms=([\d.]+) .*checked=(\d+)/(\d+)")
+_PRE = re.compile(r" pre_ms=([\d.]+)")
 
 
 def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
-    """{(tokens, checked): [copy_ms]} of ``XKV_TIMING restore`` lines whose bytes are within 5 %
-    of ``tokens * bytes_per_token`` (a verified restore also counts its hash-only pages);
-    ``checked``: every group of the step verified."""
+    """{(tokens, checked): [(copy_ms, pre_ms)]} of ``XKV_TIMING restore`` lines whose bytes are
+    within 5 % of ``tokens * bytes_per_token`` (a verified restore also counts its hash-only
+    pages); ``checked``: every group of the step verified; ``pre_ms`` None where the line has
+    none."""
     out: dict = {}
     if not bytes_per_token:
         return out
@@ -40,9 +42,11 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
         if not m:
             continue
         nbytes, ms, ck, groups = int(m[1]), float(m[2]), int(m[3]), int(m[4])
+        pre = _PRE.search(ln)
         for n in lens:
             if abs(nbytes - n * bytes_per_token) <= 0.05 * n * bytes_per_token and groups:
-                out.setdefault((n, ck == groups), []).append(ms)
+                out.setdefault((n, ck == groups), []).append(
+                    (ms, float(pre[1]) if pre else None))
     return out
 
 
@@ -74,10 +78,17 @@ def report(rows: list[dict], lens: list[int], timing: dict | None = None,
                 f"{ratio:.3f}" + (f" (engine-side {statistics.median(eng):.3f})" if eng else "")
                 + f"; cached {sorted({c['cached'] for c in ck})} / {sorted({u['cached'] for u in un})}")
             ct = copy_times((timing or {}).get(kind, []), [n], bytes_per_token)
-            if ct.get((n, True)) and ct.get((n, False)):
-                c, u = statistics.median(ct[(n, True)]), statistics.median(ct[(n, False)])
+            ck_t, un_t = ct.get((n, True)), ct.get((n, False))
+            if ck_t and un_t:
+                c, u = (statistics.median(ms for ms, _ in t) for t in (ck_t, un_t))
                 out[-1] += (f"; XKV_TIMING copy_ms median {c:.2f} / {u:.2f} ({c / u:.3f}, "
-                            f"{len(ct[(n, True)])} / {len(ct[(n, False)])} steps)")
+                            f"{len(ck_t)} / {len(un_t)} steps)")
+                pres = [[p for _, p in t if p is not None] for t in (ck_t, un_t)]
+                if all(pres):  # host time before the first copy: not the same on both sides
+                    # (stop 43: unverified requests 2.5-8 ms more), so the TTFT ratio is not
+                    # the copies' alone
+                    out[-1] += (f", pre_ms median {statistics.median(pres[0]):.2f} / "
+                                f"{statistics.median(pres[1]):.2f}")
     if out:
         out.insert(0, "")
     return out
