@@ -74,8 +74,11 @@ prof() {  # name seconds args...
     --reps 3 --child-timeout 170 --runner default --tag "${TAG:-now}" "$@" ${PROF_ARGS:-} > "$d/run.txt" 2>&1
   echo "=== $name: rc $?" | tee -a "$OUT/summary.txt"
   cat "$d/profile.md" >> "$OUT/summary.txt" 2>/dev/null
-  # XKV_PROFILE_ISSUE=N (xkv/connector/issue_profile.py): each engine's summed cProfile of its issue
-  grep -H 'XKV_PROFILE_ISSUE' "$d"/*.log 2>/dev/null | sed "s#^$d/##; s#^\([^:]*\):.*XKV_PROFILE_ISSUE#\1:#" \
+  profile_lines "$d"
+}
+profile_lines() {  # dir: XKV_PROFILE_ISSUE=N (xkv/connector/issue_profile.py): each engine's summed
+  # cProfile of its restores' issue, checked and unverified steps apart, into the summary
+  grep -H 'XKV_PROFILE_ISSUE' "$1"/*.log 2>/dev/null | sed "s#^$1/##; s#^\([^:]*\):.*XKV_PROFILE_ISSUE#\1:#" \
     | cut -c1-220 >> "$OUT/summary.txt"
 }
 e2e() {  # name seconds args...
@@ -88,6 +91,7 @@ e2e() {  # name seconds args...
   # each xkv engine's start-up verdict on the ring (xkv.kernels.ring_choice) and long collections
   grep -H -o 'XKV: restores [^(]*([^)]*)' "$d"/*.log 2>/dev/null | sed "s#^$d/##" >> "$OUT/summary.txt"
   grep -H -c 'XKV_TIMING gc' "$d"/*.log 2>/dev/null | grep -v ':0$' | sed "s#^$d/#gc lines >= 2 ms: #" >> "$OUT/summary.txt"
+  profile_lines "$d"  # with XKV_PROFILE_ISSUE in the environment
   rm -f "$d"/*.png
 }
 # GiB of this GPU; fit G: how many engines of G GiB each start together on it (at least 1)
