@@ -11,21 +11,34 @@ without), and times ``load_transfers`` with a handler that prepares the copies a
 handler does (``group_copies.prepare_group_restore``, Triton planning, light-step layer groups)
 but launches nothing. On a GPU host the engine adds the tables' upload and the launches
 (``XKV_TIMING``'s ``plan_ms`` / ``launch_ms``).
+
+``--cuda`` (a GPU host): the same restore through the real ``CudaTransferHandler`` (GPU pools of
+``--page-kib`` pages, a pinned card), checked and unchecked steps alternating as
+``e2e_ttft.py --ab-unverified`` does, each step's ``XKV_TIMING restore`` line parsed: the medians
+of ``pre_ms`` / ``issue_ms`` / ``copy_ms`` per side and, with ``--profile``, a cProfile of each
+side's issue. Stop 43's engines spent 3-9 ms more ``pre_ms`` on unverified requests than on
+checked ones; this shows in seconds, without vLLM, whether xkv's own path does.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import logging
 import os
 import pstats
+import re
 import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton planning on CPU tensors (no launch)
+CUDA = "--cuda" in sys.argv
+if CUDA:
+    os.environ.setdefault("XKV_TIMING", "1")  # the handler's per-step line (read below)
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton planning on CPU tensors (no launch)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
@@ -63,6 +76,98 @@ class PlanOnly:
         self.prepare_s += time.perf_counter() - t0
 
 
+_FIELDS = ("pre_ms", "issue_ms", "issue_cpu_ms", "plan_ms", "launch_ms", "tail_ms", "copy_ms")
+
+
+class _Lines(logging.Handler):
+    """Keeps the ``XKV_TIMING restore`` lines the CUDA handler logs (one per step)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("XKV_TIMING restore"):
+            self.lines.append(msg)
+
+
+def _fields(line: str) -> dict[str, float]:
+    return {k: float(m.group(1)) for k in _FIELDS
+            if (m := re.search(rf" {k}=([\d.]+)", line)) is not None}
+
+
+def _layout(L: int, n: int, run: int, dev: str, pin: bool):
+    """``L`` K/V-first pools of ``n + 8`` blocks (``2 * run`` bytes each) on ``dev``, their
+    group plan and a card of one object per 256-token chunk (``pin``: page-locked)."""
+    tok, k = 16, 16
+    nb = n + 8
+    stride = run  # K/V-first: block b's K run at b * run, its V run at nb * run + b * run
+    extent = (nb - 1) * stride + nb * run + run
+    raw = torch.zeros(L * (extent + 64), dtype=torch.uint8, device=dev)
+    pools = [PagePool(base=raw[i * (extent + 64):i * (extent + 64) + extent], num_blocks=nb,
+                      block_bytes=2 * run, block_stride=stride, runs=((0, run), (nb * run, run)))
+             for i in range(L)]
+    names = tuple(f"l{i}" for i in range(L))
+    plan = build_registry([CacheGroup(0, "attention", names, tok, 2 * run)], tp_size=1,
+                          pp_size=1, chunk_size=k * tok).groups[0]
+    obj = L * k * 2 * run
+    card = torch.zeros(obj * (-(-n // k) + 1), dtype=torch.uint8, pin_memory=pin)
+    ids = np.random.default_rng(0).permutation(nb)[:n].tolist()
+    gt = load_transfer(0, ids, 0, n, k, lambda c: ChunkRef(b"k%d" % c, (c * obj,), (0,)),
+                       tail=1)
+    return plan, pools, names, card, gt
+
+
+def _cuda(a) -> None:
+    """``--cuda``: checked and unchecked restores alternating on the real CUDA handler."""
+    from xkv.connector.transfer import CudaTransferHandler
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    plan, pools, _, card, gt = _layout(a.layers, a.blocks, a.page_kib * 512, "cuda", True)
+    cw = checksums.check_words(plan)
+    sides = {"checked": (replace(gt, checks=tuple(np.zeros(cw, "<u4").tobytes()
+                                                  for _ in gt.chunks)), cw),
+             "unchecked": (gt, cw)}  # an unverified request: words on, none for its chunks
+    h = CudaTransferHandler(dev)
+    lines = _Lines()
+    logging.getLogger("xkv.connector").addHandler(lines)
+    logging.getLogger("xkv.connector").setLevel(logging.INFO)
+    profs = {k: cProfile.Profile() for k in sides}
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+
+    def step(side: str, prof: bool) -> None:
+        t, words = sides[side]
+        h.set_light_step(not a.per_layer)
+        if prof:
+            profs[side].enable()
+        h.begin_loads()
+        loads.load_transfers(h, plan, 0, card, [t], pools, fence_tail=True, check_words=words)
+        if prof:
+            profs[side].disable()
+        torch.cuda.current_stream(dev).wait_stream(h.load_stream)  # the forward's waits
+        h.sync_loads()
+
+    for i in range(a.reps + 3):
+        for side in (("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")):
+            del lines.lines[:]
+            step(side, a.profile and i >= 3)
+            if i >= 3 and lines.lines:
+                got[side].append(_fields(lines.lines[-1]))
+    torch.cuda.synchronize()
+    print(f"{a.blocks} blocks x {a.layers} layers of {a.page_kib} KiB pages on "
+          f"{torch.cuda.get_device_name(dev)}, {'per layer' if a.per_layer else 'light step'}, "
+          f"{a.reps} steps a side (medians, ms):")
+    for side, rows in got.items():
+        print(f"  {side:9s} " + " ".join(
+            f"{k}={statistics.median(r[k] for r in rows):.2f}" for k in _FIELDS
+            if rows and all(k in r for r in rows)))
+    if a.profile:
+        for side, pr in profs.items():
+            print(f"--- {side}: issue (begin_loads + load_transfers), by tottime")
+            pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(20)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=1024, help="blocks restored (16 tokens each)")
@@ -72,25 +177,17 @@ def main() -> None:
     ap.add_argument("--per-layer", action="store_true", help="not a light step: one launch per "
                     "layer")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="the real CUDA handler, checked and "
+                    "unchecked alternating (a GPU host)")
+    ap.add_argument("--page-kib", type=int, default=64, help="--cuda: page (block) size in KiB "
+                    "(64: the Llama-3-8B shape's 16 tokens x 8 heads x 128 x bf16, K and V)")
     a = ap.parse_args()
-    L, n, tok, k, run = a.layers, a.blocks, 16, 16, 512
-    nb = n + 8
-    stride = run  # K/V-first: block b's K run at b * run, its V run at nb * run + b * run
-    extent = (nb - 1) * stride + nb * run + run
-    raw = torch.zeros(L * (extent + 64), dtype=torch.uint8)
-    pools = [PagePool(base=raw[i * (extent + 64):i * (extent + 64) + extent], num_blocks=nb,
-                      block_bytes=2 * run, block_stride=stride, runs=((0, run), (nb * run, run)))
-             for i in range(L)]
-    names = tuple(f"l{i}" for i in range(L))
-    plan = build_registry([CacheGroup(0, "attention", names, tok, 2 * run)], tp_size=1,
-                          pp_size=1, chunk_size=k * tok).groups[0]
-    obj = L * k * 2 * run
-    chunks = -(-n // k)
-    card = torch.zeros(obj * (chunks + 1), dtype=torch.uint8)
+    if a.cuda:
+        _cuda(a)
+        return
+    L, n = a.layers, a.blocks
+    plan, pools, _, card, gt = _layout(L, n, 512, "cpu", False)  # only counts matter here
     cw = 0 if a.unchecked else checksums.check_words(plan)
-    ids = np.random.default_rng(0).permutation(nb)[:n].tolist()
-    gt = load_transfer(0, ids, 0, n, k, lambda c: ChunkRef(b"k%d" % c, (c * obj,), (0,)),
-                       tail=1)
     if cw:
         gt = replace(gt, checks=tuple(np.zeros(cw, "<u4").tobytes() for _ in gt.chunks))
     h = PlanOnly(not a.per_layer)
