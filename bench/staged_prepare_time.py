@@ -4,7 +4,10 @@ Triton restore's prepare, for a 32k-token Llama-3-8B-shaped light step (32 layer
 stand-in copy; the tables go to host memory). The staged plan runs before its first copy, so it
 adds to the restore (bench/RESULTS.md "stop 40").
 
-    TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5]
+    TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5] [--layout objects|layers]
+
+``--layout objects`` (the default) lays the card out as stored objects are (16 pages per layer,
+layer-major, scattered); ``--ranges`` prints how many copy-engine ranges the chunks take.
 
 Then the CUDA-only part of a staged plan, which the first part (run without CUDA) never reaches:
 the copy engine's addresses of that restore's 256 chunks (16 ranges of 1 MiB each, a 12 GiB card registered in 1 GiB pieces),
@@ -35,22 +38,36 @@ from xkv.layout import PagePool  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", choices=("objects", "layers"), default="objects",
+                    help="card offsets as stored objects lay them out (16 pages per layer, "
+                         "layer-major, scattered) or every layer's pages contiguous")
+    ap.add_argument("--ranges", action="store_true", help="also issue the chunks' copies "
+                    "through the stand-in (no unpack) and count the copy-engine ranges")
     a = ap.parse_args()
     L, n, bb = 32, 2048, 65536
     # untouched host allocations stand in for the layers' caches (only addresses are read)
     pools = [PagePool(torch.empty(n * bb + 64, dtype=torch.uint8), n, bb, bb,
                       ((0, bb // 2), (bb // 2, bb // 2))) for _ in range(L)]
     flat = torch.empty(L * n * bb // 16, dtype=torch.uint8)
-    offs = (np.arange(L * n, dtype=np.int64) * bb % (flat.numel() - bb)).reshape(L, n)
+    if a.layout == "objects":  # as stored: objects of 16 pages per layer, layer-major, scattered
+        k, objs = 16, n // 16
+        flat = torch.empty(objs * (L * k * bb + bb), dtype=torch.uint8)  # virtual: never touched
+        at = np.random.default_rng(1).permutation(objs) * (L * k * bb + bb)
+        j = np.arange(n)
+        offs = np.stack([at[j // k] + layer * k * bb + (j % k) * bb for layer in range(L)])
+    else:  # every layer's pages one after another
+        offs = (np.arange(L * n, dtype=np.int64) * bb % (flat.numel() - bb)).reshape(L, n)
     ids = np.random.default_rng(0).permutation(n)
     C = n // 16
     checks = Checks(np.arange(n) // 16, np.arange(n) % 16, C, expected=np.zeros((L, C), np.uint32))
     groups = load_layer_groups(L)
     ring = Ring(torch.device("cpu"), 16 << 20)
+    ranges: list[int] = []  # the stand-in copy's sizes (--ranges)
     for rep in range(a.reps + 1):  # the first: imports and caches
         job = build_job(pools, ids, flat, offsets_arg(offs, L, "o"), save=False, checks=checks)
         t0 = time.perf_counter()
-        staged_restore.prepare(job, 64, groups, dma=lambda *x: None, the_ring=ring)
+        calls = staged_restore.prepare(job, 64, groups, the_ring=ring,
+                                       dma=lambda *x: ranges.append(x[-1]))
         t1 = time.perf_counter()
         job = build_job(pools, ids, flat, offsets_arg(offs, L, "o"), save=False, checks=checks)
         t2 = time.perf_counter()
@@ -59,6 +76,12 @@ def main() -> None:
         if rep:
             print(f"staged prepare {1e3 * (t1 - t0):.1f} ms   triton prepare "
                   f"{1e3 * (t3 - t2):.1f} ms", flush=True)
+    if a.ranges:  # issue every chunk's copies once (counted), its unpack left out
+        staged_restore._Chunk.launch = lambda self: None
+        for call in calls:
+            call()
+        print(f"{a.layout} layout: {len(ranges)} copy-engine ranges, "
+              f"{sum(ranges) / max(1, len(ranges)) / 1024:.0f} KiB each on average", flush=True)
 
 
 def ranges_time(reps: int) -> None:

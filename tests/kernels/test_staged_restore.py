@@ -125,6 +125,86 @@ def test_empty_restores_issue_nothing():
     assert (raw == POISON).all()
 
 
+def test_group_chunks_take_every_layer_of_whole_objects():
+    # 4 layers x 40 fragments of 100 bytes, chunks of 1000 bytes (10 pages), objects of 2 pages
+    assert staged_restore.group_chunks([0, 1, 2, 3], 40, 100, 1000, 2) == [
+        ([0, 1, 2, 3], i, i + 2) for i in range(0, 40, 2)]
+    # m = 2 pages per layer, objects of 3: m below an object, not rounded
+    assert staged_restore.group_chunks([5, 6, 7, 8], 9, 100, 800, 3) == [
+        ([5, 6, 7, 8], i, min(i + 2, 9)) for i in range(0, 9, 2)]
+    # a layer's pages contiguous beyond a chunk (align >= a chunk's pages), one layer, a whole
+    # group in one chunk, a page per layer not fitting: the per-layer rule
+    for args in (([0, 1, 2], 8, 100, 300, 8), ([0], 40, 100, 1000, 2),
+                 ([0, 1], 4, 100, 1000, 2), ([0, 1, 2, 3], 40, 100, 300, 2)):
+        assert staged_restore.group_chunks(*args) == staged_restore.chunks(*args[:4])
+    assert staged_restore.group_chunks([0, 1], 0, 100, 300, 1) == []
+
+
+def test_object_run_and_card_order():
+    assert staged_restore.object_run(np.array([0, 100, 200, 900, 1000, 5000], np.int64), 100) == 3
+    assert staged_restore.object_run(np.array([7], np.int64), 100) == 1
+    assert staged_restore.object_run(np.array([500, 0], np.int64), 100) == 1
+    flat = np.array([30, 10, 20, 5, 0, 40], np.int64)
+    chunk = np.array([1, 1, 0, 0, 1, 0], np.int64)
+    np.testing.assert_array_equal(staged_restore.card_order(flat, chunk), [3, 2, 5, 4, 1, 0])
+    big = np.array([1 << 61, 3, 1 << 61], np.int64)  # keys would overflow int64: lexsort
+    np.testing.assert_array_equal(staged_restore.card_order(big, np.array([2, 2, 1])), [2, 1, 0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(2, 6), k=st.integers(1, 5), objs=st.integers(1, 7), first=st.integers(0, 4),
+       pages=st.integers(1, 40), grouped=st.booleans(), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_a_card_of_layer_major_objects_restores_in_one_range_per_object(
+        L, k, objs, first, pages, grouped, seed, data):
+    """The layout stored objects have (an object holds its layers one after another, objects
+    anywhere in the card), restored in a light step's layer group (all layers, or one group per
+    layer): bytes equal the oracle's on poisoned pages, and a chunk of every layer of whole
+    objects is ONE copy-engine range per object (card order in the slot) where a ring laid out
+    layer by layer needed one per layer and object."""
+    bb, first = 100, first % k
+    n = objs * k - first  # the first object restored from page ``first`` (a partial first one)
+    g = Geometry(n + 3, bb + 20, ((0, 60), (80, 40)))  # two runs per page, gaps between pages
+    offsets = [i * (g.extent + 13) for i in range(L)]
+    raw = torch.full((layers_buffer_size([g] * L, offsets),), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * L, offsets)
+    rng = np.random.default_rng(seed)
+    # objects scattered in the card, never adjacent (a gap of one page after each)
+    obj_at = rng.permutation(objs + 2)[:objs] * ((L * k + 1) * bb)
+    j = np.arange(n) + first
+    offs = np.stack([obj_at[j // k] + layer * k * bb + (j % k) * bb for layer in range(L)])
+    flat = random_bytes(int((objs + 2) * (L * k + 1) * bb), seed)
+    ids = rng.permutation(n + 3)[:n]
+    expect = raw.clone()
+    oracle(expect, pools_over(expect, [g] * L, offsets), flat.clone(), offs, ids, save=False)
+    copies = []
+
+    def dma(flat_, f, ring_buf, o, z):
+        copies.append(z)
+        _dma(flat_, f, ring_buf, o, z)
+
+    chunk = pages * bb
+    ring = Ring(torch.device("cpu"), max(bb, chunk), data.draw(st.integers(1, 3)))
+    job = build_job(pools, ids, flat, offsets_arg(offs, L, "o"), save=False)
+    groups = [list(range(L))] if grouped else None
+    for call in staged_restore.prepare(job, 2, groups, dma=dma, chunk_bytes=chunk, the_ring=ring):
+        call()
+    assert torch.equal(raw, expect)
+    assert sum(copies) == L * n * bb
+    # per chunk and object: its layers' pages of a whole object are one range, of part of an
+    # object one range per layer (the layers' pages are not adjacent then)
+    run = staged_restore.object_run(offs[0], bb)
+    todo = ([c for layer in range(L) for c in staged_restore.group_chunks([layer], n, bb, chunk, run)]
+            if not grouped else staged_restore.group_chunks(list(range(L)), n, bb, chunk, run))
+    want = 0
+    for ls, i0, i1 in todo:
+        per_obj: dict[int, int] = {}
+        for i in range(i0, i1):
+            per_obj[(i + first) // k] = per_obj.get((i + first) // k, 0) + 1
+        want += sum(1 if p == k else len(ls) for p in per_obj.values())
+    assert len(copies) == want
+
+
 @settings(max_examples=20, deadline=None)
 @given(c=cases(), chunk=st.integers(1, 400), data=st.data())
 def test_verified_staged_restore_hashes_the_slot(c, chunk, data):

@@ -8,8 +8,15 @@ decided at prepare time:
 
 * a step's restore of ``L`` layers x ``n`` fragments (a validated :class:`~xkv.kernels.jobs.Job`,
   host flat buffer) is cut per layer group (``groups``; None: one group per layer) into chunks
-  in the layers' order (:func:`chunks`: fragments ``[i0, i1)`` of one layer, or several whole
-  layers), each assigned a slot of the device's :class:`~xkv.kernels.ring.Ring` in turn;
+  in the layers' order (:func:`group_chunks`: fragments ``[i0, i1)`` of one layer, of every
+  layer of the group, or several whole layers), each assigned a slot of the device's
+  :class:`~xkv.kernels.ring.Ring` in turn;
+* inside its slot a chunk's fragments lie in the order of their card offsets (the unpack reads
+  each fragment's ring offset from a table, so any order unpacks alike): a stored object holds
+  its layers one after another, so the pages of several layers of one object are ONE copy-engine
+  range, where a ring laid out layer by layer needed one per layer. The driver's batch call
+  costs host time per range (stop 44, H100: the MLA model's 32k restore, 18 KiB pages, ~57
+  ranges per 16 MiB chunk, issued its copies no faster than the copy engine ran them);
 * the copy-engine ranges of every chunk (contiguous runs of the card merged, cut at
   registration boundaries) come from one vectorised pass; the unpacks' tables (block ids, every
   fragment's ring offset ``[L, n]``, the checks' fragment table per distinct range) go to the GPU
@@ -42,8 +49,9 @@ from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
 from xkv.kernels.ring_choice import ring_wins
 
-__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "absolute_ranges", "chunks", "preferred",
-           "prepare", "ring_offset_gcd", "unpack_plan"]
+__all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "absolute_ranges", "card_order", "chunks",
+           "group_chunks", "object_run", "preferred", "prepare", "ring_offset_gcd",
+           "unpack_plan"]
 
 CHUNK_MIN_BYTES = 1 << 20  # a smaller copy-engine transfer loses to its per-copy cost
 #: pages up to a ring slot; larger ones (a big Mamba state) keep the per-launch staged engine
@@ -53,6 +61,49 @@ MAX_PAGE_BYTES = SLOT_BYTES
 
 #: the chunking rule of both staged engines (``staged.layer_chunks``)
 chunks = staged.layer_chunks
+
+
+def group_chunks(layers, n: int, bb: int, chunk_bytes: int,
+                 align: int = 1) -> list[tuple[list[int], int, int]]:
+    """Chunks of a layer group's restore (``layers`` x ``n`` fragments of ``bb`` bytes), each at
+    most ``max(chunk_bytes, bb)`` bytes: ``(ls, i0, i1)``. ``align``: the pages one stored
+    object holds per layer (:func:`object_run`). Several layers whose fragments do not all fit
+    one chunk, at least one fragment of each does, and a chunk of one layer would span several
+    objects (``align`` below a chunk's pages): fragments ``[i0, i1)`` of every layer, ``m`` per
+    chunk, rounded down to a multiple of ``align`` when ``m`` reaches it (whole objects: a
+    layer-major object's pages of those layers are one range in the card). Otherwise
+    :func:`chunks` (one layer's fragments, or several whole layers): where a layer's pages lie
+    contiguous in the card, a one-layer chunk is one range already."""
+    ls = list(layers)
+    per = max(1, chunk_bytes // bb) if bb else 1
+    if n == 0 or len(ls) < 2 or per >= n or per < len(ls) or align >= per:
+        return chunks(ls, n, bb, chunk_bytes)
+    m = per // len(ls)
+    if align > 1 and m >= align:
+        m -= m % align
+    return [(ls, i, min(i + m, n)) for i in range(0, n, m)]
+
+
+def object_run(flat_off: np.ndarray, bb: int) -> int:
+    """The longest run of consecutive fragments contiguous in the card among one layer's
+    ``flat_off`` (int64 bytes, ``[n]``): the pages a stored object holds per layer when objects
+    are layer-major (1 when none are contiguous)."""
+    if flat_off.size < 2:
+        return 1
+    brk = np.flatnonzero(np.diff(flat_off) != bb)
+    edges = np.concatenate([[-1], brk, [flat_off.size - 1]])
+    return int(np.diff(edges).max())
+
+
+def card_order(flat_off: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    """Indices ordering fragments (``flat_off`` int64 bytes, ``chunk`` their chunk, both
+    ``[N]``) by chunk, then card offset (stable): a chunk's slot holds its fragments so."""
+    if flat_off.size == 0:
+        return np.zeros(0, np.int64)
+    span = int(flat_off.max()) + 1
+    if int(flat_off.min()) >= 0 and int(chunk.max()) < (1 << 62) // span:
+        return np.argsort(chunk * span + flat_off, kind="stable")  # mostly sorted: fast
+    return np.lexsort((flat_off, chunk))
 
 
 class _Chunk:
@@ -73,7 +124,7 @@ class _Chunk:
 
 def _ranges(flat_off: np.ndarray, ring_off: np.ndarray, chunk: np.ndarray, bb: int,
             n_chunks: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per chunk the copy-engine ranges of fragments in chunk order (``flat_off`` / ``ring_off``
+    """Per chunk the copy-engine ranges of fragments in ring order (``flat_off`` / ``ring_off``
     int64 bytes, ``chunk`` the chunk of each): neighbours contiguous on both sides and in one
     chunk merge into one range. One vectorised pass over every fragment."""
     if flat_off.size == 0:
@@ -116,21 +167,23 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     if chunk_bytes is None:
         chunk_bytes = min(r.slot_bytes, max(L * n * bb // 8, CHUNK_MIN_BYTES))
     chunk_bytes = max(bb, min(int(chunk_bytes), r.slot_bytes))
+    flat_off = job.flat_offsets()  # [L, n] int64 bytes
     todo = [(gi, ls, i0, i1) for gi, g in enumerate(groups)
-            for ls, i0, i1 in chunks(g, n, bb, chunk_bytes)]
-    # chunks follow the layer-major order of the fragments (groups are consecutive runs, each
-    # chunked layer by layer): in that order, fragment q = l * n + j belongs to chunk sel_k[q]
-    c_l0 = np.array([ls[0] for _, ls, _, _ in todo], np.int64)
-    c_i0 = np.array([i0 for _, _, i0, _ in todo], np.int64)
-    c_m = np.array([i1 - i0 for _, _, i0, i1 in todo], np.int64)
-    sel_k = np.repeat(np.arange(len(todo)), [len(ls) for _, ls, _, _ in todo] * c_m)
-    # every fragment's place in the ring: chunk k fills slot k % slots from its start, its
-    # layers one after another ((l - l0) * m + (j - i0) pages in)
-    q = np.arange(L * n, dtype=np.int64)
+            for ls, i0, i1 in group_chunks(g, n, bb, chunk_bytes, object_run(flat_off[g[0]], bb))]
+    # every fragment's chunk (chunks cover consecutive layers x a fragment range), then its
+    # place in the ring: chunk k fills slot k % slots from its start, in card order
+    cid = np.empty((L, n), np.int64)
+    for k, (_, ls, i0, i1) in enumerate(todo):
+        cid[ls[0] : ls[-1] + 1, i0:i1] = k
+    order = card_order(flat_off.ravel(), cid.ravel())
+    c_sorted = cid.ravel()[order]
+    start = np.searchsorted(c_sorted, np.arange(len(todo)))
     base = (np.arange(len(todo), dtype=np.int64) % r.slots) * r.slot_bytes
-    ring_off = (base[sel_k] + ((q // n - c_l0[sel_k]) * c_m[sel_k] + (q % n - c_i0[sel_k]))
-                * bb).reshape(L, n)
-    per_chunk = _ranges(job.flat_offsets().ravel(), ring_off.ravel(), sel_k, bb, len(todo))
+    ring_sorted = base[c_sorted] + (np.arange(L * n, dtype=np.int64) - start[c_sorted]) * bb
+    ring_off = np.empty(L * n, np.int64)
+    ring_off[order] = ring_sorted
+    ring_off = ring_off.reshape(L, n)
+    per_chunk = _ranges(flat_off.ravel()[order], ring_sorted, c_sorted, bb, len(todo))
     unpack = _unpacks(job, r, ring_off, todo, max_programs)
     out: list[list[_Chunk]] = [[] for _ in groups]
     for k, (gi, _, _, _) in enumerate(todo):
@@ -244,30 +297,40 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
         return at
 
     plans: dict[tuple, tuple] = {}  # (geometry, m) -> (plan, its run table's index)
+    subs_of: dict[tuple, list] = {}  # a chunk's layers -> per geometry group what chunks share
     specs = []  # per chunk: [(plan, base pool, layers, i0, i1, off_at, res_at, chk_at, tab_at)]
     for _, ls, i0, i1 in todo:
         m = i1 - i0
         mine = []
-        subs = [[0]] if len(ls) == 1 else _launch.geometry_groups([job.pools[i] for i in ls])
-        for sub in subs:
-            lsg = [ls[j] for j in sub]
-            l0, lg = lsg[0], len(lsg)
+        subs = subs_of.get(tuple(ls))
+        if subs is None:
+            subs = subs_of[tuple(ls)] = []
+            for sub in [[0]] if len(ls) == 1 else _launch.geometry_groups(
+                    [job.pools[i] for i in ls]):
+                lsg = [ls[j] for j in sub]
+                l0, lg = lsg[0], len(lsg)
+                run = lsg == list(range(l0, l0 + lg))
+                res_at = None
+                if jc is not None and run:
+                    res_at = section(("res", l0, lg), at_res + l0, res_all[l0 : l0 + lg])
+                elif jc is not None:  # a mixed-geometry chunk's layers: their own rows
+                    res_at = section(("res", tuple(lsg)), 1, res_all[lsg])
+                p0 = job.pools[l0]
+                key = (tuple(lsg) if lg > 1 else None, p0.block_stride, p0.runs,
+                       p0.data_ptr & 15)
+                subs.append((lsg, l0, lg, run, res_at, p0, key))
+        for lsg, l0, lg, run, res_at, p0, key in subs:
             ids_at = section(("ids", i0, i1), at_ids + i0, job.ids[i0:i1])
-            if lg == 1 or (lsg == list(range(l0, l0 + lg)) and (i0, i1) == (0, n)):
+            if lg == 1 or (run and m == n):
                 off_at = section(("off", l0, lg, i0, i1), at_off + l0 * n + i0,
                                  ring_off[l0 : l0 + lg, i0:i1])
-                res_at = None if jc is None else section(("res", l0, lg), at_res + l0,
-                                                         res_all[l0 : l0 + lg])
-            else:  # several layers of a mixed-geometry chunk: their own rows
-                off_at = tables.add(ring_off[lsg, i0:i1])
-                res_at = None if jc is None else tables.add(res_all[lsg])
+            else:  # several layers, part of their fragments: their own rows
+                off_at = tables.add(ring_off[l0 : l0 + lg, i0:i1] if run else ring_off[lsg, i0:i1])
             chk_at = None
             if jc is not None:
                 chk_at = cache.get(("chk", i0, i1))
                 if chk_at is None:
                     chk_at = cache[("chk", i0, i1)] = tables.add(full_chk[:, i0:i1])
-            p0 = job.pools[l0]
-            key = (tuple(lsg) if lg > 1 else None, p0.block_stride, p0.runs, p0.data_ptr & 15)
             got = plans.get((key, m))
             if got is None:
                 whole = plans.get(key)
