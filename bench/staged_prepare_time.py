@@ -5,9 +5,11 @@ stand-in copy; the tables go to host memory). The staged plan runs before its fi
 adds to the restore (bench/RESULTS.md "stop 40").
 
     TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5] [--layout objects|layers]
+        [--shape llama|mla] [--tokens 32768] [--ranges]
 
 ``--layout objects`` (the default) lays the card out as stored objects are (16 pages per layer,
 layer-major, scattered); ``--ranges`` prints how many copy-engine ranges the chunks take.
+``--shape mla``: the MLA model's 16 layers of 18 KiB pages (one run) instead.
 
 Then the CUDA-only part of a staged plan, which the first part (run without CUDA) never reaches:
 the copy engine's addresses of that restore's 256 chunks (16 ranges of 1 MiB each, a 12 GiB card registered in 1 GiB pieces),
@@ -43,11 +45,15 @@ def main() -> None:
                          "layer-major, scattered) or every layer's pages contiguous")
     ap.add_argument("--ranges", action="store_true", help="also issue the chunks' copies "
                     "through the stand-in (no unpack) and count the copy-engine ranges")
+    ap.add_argument("--shape", choices=("llama", "mla"), default="llama")
+    ap.add_argument("--tokens", type=int, default=32768, help="restored tokens (16 per page)")
     a = ap.parse_args()
-    L, n, bb = 32, 2048, 65536
+    L, bb = (32, 65536) if a.shape == "llama" else (16, 18432)
+    n = a.tokens // 16
+    runs = ((0, bb // 2), (bb // 2, bb // 2)) if a.shape == "llama" else ((0, bb),)
     # untouched host allocations stand in for the layers' caches (only addresses are read)
-    pools = [PagePool(torch.empty(n * bb + 64, dtype=torch.uint8), n, bb, bb,
-                      ((0, bb // 2), (bb // 2, bb // 2))) for _ in range(L)]
+    pools = [PagePool(torch.empty(n * bb + 64, dtype=torch.uint8), n, bb, bb, runs)
+             for _ in range(L)]
     flat = torch.empty(L * n * bb // 16, dtype=torch.uint8)
     if a.layout == "objects":  # as stored: objects of 16 pages per layer, layer-major, scattered
         k, objs = 16, n // 16
