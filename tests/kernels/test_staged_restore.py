@@ -259,6 +259,38 @@ def test_prepared_staged_restore_on_the_gpu(pages, shuffled):
     assert torch.equal(raw_gpu.cpu(), raw_cpu)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,k,first", [(18432, 16, 5), (65536, 16, 0), (4096, 3, 2)])
+def test_layer_major_objects_through_the_ring_on_the_gpu(page, k, first):
+    """A light step's layer groups (16 layers: 8, 4, 2, 1, 1) restored through the real copy
+    engine and ring from a pinned card laid out as stored objects are (layer-major, scattered, a
+    partial first object): chunks of every layer of whole objects, one range each, equal the
+    oracle's bytes on poisoned pages (MLA's 18 KiB pages, the Llama shape's 64 KiB, small ones)."""
+    from xkv.connector.light_steps import load_layer_groups
+
+    L, objs = 16, 40
+    n = objs * k - first
+    g = Geometry(n + 5, page, ((0, page),))
+    offsets = [i * (g.extent + 256) for i in range(L)]
+    size = layers_buffer_size([g] * L, offsets)
+    rng = np.random.default_rng(3)
+    obj_at = rng.permutation(objs + 3)[:objs] * ((L * k + 1) * page)
+    j = np.arange(n) + first
+    offs = np.stack([obj_at[j // k] + layer * k * page + (j % k) * page for layer in range(L)])
+    flat = random_bytes(int((objs + 3) * (L * k + 1) * page), 12)
+    ids = rng.permutation(n + 5)[:n]
+    raw_cpu = torch.full((size,), POISON, dtype=torch.uint8)
+    oracle(raw_cpu, pools_over(raw_cpu, [g] * L, offsets), flat, offs, ids, save=False)
+    raw_gpu = torch.full((size,), POISON, dtype=torch.uint8, device="cuda")
+    job = build_job(pools_over(raw_gpu, [g] * L, offsets), ids, flat.pin_memory(),
+                    offsets_arg(offs, L, "o"), save=False)
+    ring = Ring(raw_gpu.device, 16 << 20, 3)
+    for call in staged_restore.prepare(job, 32, load_layer_groups(L), the_ring=ring):
+        call()
+    torch.cuda.synchronize()
+    assert torch.equal(raw_gpu.cpu(), raw_cpu)
+
+
 @settings(max_examples=30, deadline=None)
 @given(c=cases(max_layers=4), chunk=st.integers(1, 400), checked=st.booleans(), data=st.data())
 def test_every_table_slice_a_launch_gets_is_16_byte_aligned(c, chunk, checked, data):
