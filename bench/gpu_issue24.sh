@@ -40,8 +40,9 @@
 #   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
 #                   hold them and spare the next session's engine starts?
 #   host_issue_cuda bench/host_issue.py --cuda (no vLLM): the CUDA handler's restore issue path, checked
-#                   and unchecked steps alternating, 128 and 2048 blocks of 64 KiB, a cProfile of
-#                   each side (stop 43: unverified requests spent 3-9 ms more pre_ms in the engine)
+#                   and unchecked steps alternating, 128 and 2048 blocks of 64 KiB x 32 layers and
+#                   2048 of 18 KiB x 16 (the MLA model's 32k restore: stop 44's was host-bound on
+#                   the ring), a cProfile of each side
 #   cpu_edges       no GPU: bench/host_issue.py (a restore's host issue path, 1024 and 128 blocks),
 #                   the gateway benches of issues 26 and 27 on this machine's quiet cores
 #                   (bench/disk_tier.py: write-behind, restores and another client's lookup p99
@@ -155,10 +156,12 @@ for spec in "$@"; do
         --kinds none,xkv,offload --gpu-util 0.55 ${SP_ARGS:-} > "$d/run.txt" 2>&1
       echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
     host_issue_cuda) d="$OUT/$step"; mkdir -p "$d"
-      for nb in 128 2048; do
-        timeout $((secs / 2)) python3 bench/host_issue.py --cuda --blocks $nb --reps 20 --profile \
-          > "$d/blocks_$nb.txt" 2>&1
-        echo "=== $step $nb: rc $?" | tee -a "$OUT/summary.txt"; grep -A2 ' blocks x ' "$d/blocks_$nb.txt" >> "$OUT/summary.txt"
+      for shape in "128 32 64" "2048 32 64" "2048 16 18"; do
+        set -- $shape  # blocks, layers, page KiB (the last: the MLA model's 32k restore)
+        timeout $((secs / 3)) python3 bench/host_issue.py --cuda --blocks $1 --layers $2 \
+          --page-kib $3 --reps 20 --profile > "$d/blocks_$1_$2x$3k.txt" 2>&1
+        echo "=== $step $1 x $2 x $3 KiB: rc $?" | tee -a "$OUT/summary.txt"
+        grep -A2 ' blocks x ' "$d/blocks_$1_$2x$3k.txt" >> "$OUT/summary.txt"
       done ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
       for nb in 1024 128; do timeout 60 python3 bench/host_issue.py --blocks $nb; done > "$d/host_issue.txt" 2>&1
