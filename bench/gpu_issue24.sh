@@ -157,11 +157,12 @@ for spec in "$@"; do
       echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
     host_issue_cuda) d="$OUT/$step"; mkdir -p "$d"
       for shape in "128 32 64" "2048 32 64" "2048 16 18"; do
-        set -- $shape  # blocks, layers, page KiB (the last: the MLA model's 32k restore)
-        timeout $((secs / 3)) python3 bench/host_issue.py --cuda --blocks $1 --layers $2 \
-          --page-kib $3 --reps 20 --profile > "$d/blocks_$1_$2x$3k.txt" 2>&1
-        echo "=== $step $1 x $2 x $3 KiB: rc $?" | tee -a "$OUT/summary.txt"
-        grep -A2 ' blocks x ' "$d/blocks_$1_$2x$3k.txt" >> "$OUT/summary.txt"
+        read -r nb nl kib <<< "$shape"  # blocks, layers, page KiB (the last: MLA's 32k restore)
+        f="$d/blocks_${nb}_${nl}x${kib}k.txt"
+        timeout $((secs / 3)) python3 bench/host_issue.py --cuda --blocks "$nb" --layers "$nl" \
+          --page-kib "$kib" --reps 20 --profile > "$f" 2>&1
+        echo "=== $step $nb x $nl x $kib KiB: rc $?" | tee -a "$OUT/summary.txt"
+        grep -A2 ' blocks x ' "$f" >> "$OUT/summary.txt"
       done ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
       for nb in 1024 128; do timeout 60 python3 bench/host_issue.py --blocks $nb; done > "$d/host_issue.txt" 2>&1
