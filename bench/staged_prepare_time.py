@@ -54,14 +54,14 @@ def main() -> None:
     # untouched host allocations stand in for the layers' caches (only addresses are read)
     pools = [PagePool(torch.empty(n * bb + 64, dtype=torch.uint8), n, bb, bb, runs)
              for _ in range(L)]
-    flat = torch.empty(L * n * bb // 16, dtype=torch.uint8)
     if a.layout == "objects":  # as stored: objects of 16 pages per layer, layer-major, scattered
         k, objs = 16, n // 16
         flat = torch.empty(objs * (L * k * bb + bb), dtype=torch.uint8)  # virtual: never touched
         at = np.random.default_rng(1).permutation(objs) * (L * k * bb + bb)
         j = np.arange(n)
         offs = np.stack([at[j // k] + layer * k * bb + (j % k) * bb for layer in range(L)])
-    else:  # every layer's pages one after another
+    else:  # every layer's pages one after another (wrapped in a smaller buffer)
+        flat = torch.empty(L * n * bb // 16, dtype=torch.uint8)
         offs = (np.arange(L * n, dtype=np.int64) * bb % (flat.numel() - bb)).reshape(L, n)
     ids = np.random.default_rng(0).permutation(n)
     C = n // 16

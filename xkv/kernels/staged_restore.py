@@ -313,8 +313,8 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                 res_at = None
                 if jc is not None and run:
                     res_at = section(("res", l0, lg), at_res + l0, res_all[l0 : l0 + lg])
-                elif jc is not None:  # a mixed-geometry chunk's layers: their own rows
-                    res_at = section(("res", tuple(lsg)), 1, res_all[lsg])
+                elif jc is not None:  # a mixed-geometry chunk's layers: their own rows, once
+                    res_at = tables.add(res_all[lsg])
                 p0 = job.pools[l0]
                 key = (tuple(lsg) if lg > 1 else None, p0.block_stride, p0.runs,
                        p0.data_ptr & 15)
@@ -325,7 +325,7 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                 off_at = section(("off", l0, lg, i0, i1), at_off + l0 * n + i0,
                                  ring_off[l0 : l0 + lg, i0:i1])
             else:  # several layers, part of their fragments: their own rows
-                off_at = tables.add(ring_off[l0 : l0 + lg, i0:i1] if run else ring_off[lsg, i0:i1])
+                off_at = tables.add(ring_off[lsg, i0:i1])
             chk_at = None
             if jc is not None:
                 chk_at = cache.get(("chk", i0, i1))
