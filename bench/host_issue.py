@@ -122,7 +122,7 @@ def _layout(L: int, n: int, run: int, dev: str, pin: bool):
 
 def _cuda(a) -> None:
     """``--cuda``: checked and unchecked restores alternating on the real CUDA handler."""
-    from xkv.connector.transfer import CudaTransferHandler
+    from xkv.connector.cuda_transfer import CudaTransferHandler
 
     dev = torch.device("cuda", torch.cuda.current_device())
     plan, pools, _, card, gt = _layout(a.layers, a.blocks, a.page_kib * 512, "cuda", True)

@@ -17,7 +17,7 @@ from connector_fakes import written_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xkv.connector import handler_settings, light_steps, loads, transfer
+from xkv.connector import cuda_transfer, handler_settings, light_steps, loads, transfer
 from xkv.connector.metadata import ChunkRef, load_transfer
 from xkv.connector.registry import CacheGroup, build_registry
 from xkv.layout import describe_cache
@@ -198,7 +198,7 @@ def test_cuda_forward_write_after_tail_copy_wins(order, monkeypatch):
         pytest.skip("no CUDA device")
     monkeypatch.setenv("XKV_TAIL_ORDER", order)
     kvs, pools, plan, card, obj = _setup("cuda", 3)
-    h = transfer.CudaTransferHandler(torch.device("cuda"))
+    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
     assert h.tail_last == (order == "last")
     n = 2 * K * 3 - 1
     gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 1)
@@ -226,7 +226,7 @@ def test_cuda_light_step_restores_in_layer_groups(light):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     kvs, pools, plan, card, obj = _setup("cuda", 4)
-    h = transfer.CudaTransferHandler(torch.device("cuda"))
+    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
     h.set_light_step(light)
     n = 2 * K * 3
     gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 0)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xkv.connector import transfer
+from xkv.connector import cuda_transfer, transfer
 from xkv.layout import describe_cache
 
 B, H, N, D2 = 12, 2, 16, 64  # blocks, kv heads, tokens per block, 2 * head dim (bf16)
@@ -119,7 +119,7 @@ def test_empty_load_checks_nothing():
 @pytest.mark.gpu
 def test_cuda_handler_restore_save_verified():
     kv, pool, card, offs, ids, bb = _setup("cuda")
-    h = transfer.CudaTransferHandler(torch.device("cuda"), verify=True)
+    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"), verify=True)
     h.begin_loads()
     _load(h, card, offs, pool, ids)
     h.wait_layer("l0")
@@ -178,7 +178,7 @@ class _Plan:
 
 def _handler(device):
     if device == "cuda":
-        return transfer.CudaTransferHandler(torch.device("cuda"))
+        return cuda_transfer.CudaTransferHandler(torch.device("cuda"))
     return transfer.SyncTransferHandler()
 
 
@@ -253,7 +253,7 @@ def test_every_handler_implements_the_whole_interface():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import e2e_models
 
-    for cls in (transfer.CudaTransferHandler, transfer.SyncTransferHandler, e2e_models.StateCheck):
+    for cls in (cuda_transfer.CudaTransferHandler, transfer.SyncTransferHandler, e2e_models.StateCheck):
         assert issubclass(cls, transfer.TransferHandler) and not cls.__abstractmethods__, cls
     inner = transfer.SyncTransferHandler(verify=True)
     assert e2e_models.StateCheck(inner).verifier is inner.verifier

@@ -1,5 +1,5 @@
-"""The CUDA transfer handler's environment settings (``transfer.CudaTransferHandler`` reads them
-once, at construction; a bad value refuses to start, naming the variable and the choices):
+"""The CUDA transfer handler's environment settings (``cuda_transfer.CudaTransferHandler`` reads
+them once, at construction; a bad value refuses to start, naming the variable and the choices):
 
 * ``XKV_LOAD_ENGINE`` / ``XKV_SAVE_ENGINE`` (:func:`engine`): the kernels' engine of restores /
   saves, one of ``xkv.kernels.ENGINES`` (default ``auto``);

@@ -1,5 +1,5 @@
 """``XKV_TIMING=1``: what one step's restores cost, as one ``XKV_TIMING restore`` log line per step
-with loads (:class:`~xkv.connector.transfer.CudaTransferHandler`; bench/ reads the line).
+with loads (:class:`~xkv.connector.cuda_transfer.CudaTransferHandler`; bench/ reads the line).
 
 Fields: ``bytes`` restored (the before-forward tail's included); ``copy_ms``, GPU time of the load
 stream from :meth:`LoadTiming.begin` (after the compute stream's work queued before the loads) to

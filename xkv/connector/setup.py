@@ -188,7 +188,8 @@ def _new_handler(device: Any, *, verify: bool, checksum_pass: str) -> TransferHa
 
 def make_handler(device: Any, verify: bool = False) -> TransferHandler:
     """The transfer handler for the device the caches live on (``xkv.connector.transfer``)."""
-    from xkv.connector.transfer import CudaTransferHandler, SyncTransferHandler
+    from xkv.connector.cuda_transfer import CudaTransferHandler
+    from xkv.connector.transfer import SyncTransferHandler
 
     if device.type == "cuda":
         return CudaTransferHandler(device, verify=verify)
