@@ -187,7 +187,7 @@ def test_verify_off_sends_no_words(fake_gateway, llama_dir):
 def test_start_lines_say_what_is_verified(fake_gateway, llama_dir, caplog):
     with caplog.at_level(logging.INFO):
         _, w, c, _ = _engine(llama_dir)
-    lines = w._worker._check_lines()
+    lines = [ln for ln in caplog.messages if "restores verified" in ln or "NOT verified" in ln]
     assert lines == [f"XKV: group 0 (attention): restores verified by checksums ({len(c)} words "
                      "per object shard)"]
 

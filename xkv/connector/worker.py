@@ -34,22 +34,22 @@ from typing import Any
 
 import torch
 
-from xkv import kernels
 from xkv.connector import card_pin, light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.cache_pools import cache_pools
-from xkv.connector.checksums import check_words, session_words, unverified_reason
+from xkv.connector.checksums import check_words, session_words
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.loads import LoadOutcomes, by_group, issue
 from xkv.connector.metadata import StepMetadata, TransferJob, WorkerReport
 from xkv.connector.registry import Registry
-from xkv.connector.saves import Saver, save_groups
+from xkv.connector.saves import Saver
 from xkv.connector.session import GatewaySession, LayoutSpec
 from xkv.connector.setup import worker_parts
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler, TransferHandler
 from xkv.connector.turnoff import OffPath, record_fences
+from xkv.connector.warmup import check_lines, choose_restore_path, compile_copies
 from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
@@ -108,7 +108,6 @@ class WorkerSide:
         (``checksums.py``)."""
         self.registry = registry
         self._save_mode, self._save_line = save_mode, save_line
-        self._ring_line: str | None = None  # the start-up probe's verdict (_choose_restore_path)
         self.tp_rank = tp_rank
         # full hits end inside a block (GroupTransfer.tail): warm the all-layer tail launch
         self._warm_tails = full_hit_restore
@@ -200,85 +199,17 @@ class WorkerSide:
         # start-up phases at INFO, each as it ends: a slow or stuck start shows where it is
         log.info("XKV: gateway session opened (card mapped: %s) in %.1f s",
                  self.session.card is not None, time.perf_counter() - t0)
+        ring_line = None
         if cuda and self.pools:
-            # Compile every copy variant now, so the first restore after start costs what later
-            # ones cost (Triton would compile on first use: ~250 ms on the H200), the multi-layer
-            # ones of light steps and tails too. Zero-row launches: no byte of the caches or the
-            # card moves.
-            t0 = time.perf_counter()
-            self._choose_restore_path()
-            align = min(p.slot_alignment for p in self.registry.groups)
-            groups = light_steps.warm_groups(self.registry, list(self.pools),
-                                             grouped=light_steps.group_mode() == "auto",
-                                             tails=self._warm_tails)
-            saves = (save_groups(self.registry, list(self.pools), self.tp_rank,
-                                             {n: p.block_bytes for n, p in self.pools.items()})
-                     if self._save_mode == "step" else [])
-            log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer "
-                     "groups)", len(self.pools), len(groups), len(saves))
-            checks = any(self.session.check_words)
-            cpass = self.handler.checksum_pass if checks else None
-            # checksum_pass "end": one hash launch per group over all its layers
-            whole = (light_steps.warm_groups(self.registry, list(self.pools), grouped=False)
-                     if cpass == "end" else [])
-            variants = kernels.warmup(list(self.pools.values()), self.session.card,
-                                      offset_alignment=max(1, align), restore_groups=groups,
-                                      save_groups=saves, checks=checks, hashes=cpass == "hbm",
-                                      hash_groups=whole,
-                                      hash_programs=kernels.WHOLE_HASH_PROGRAMS,
-                                      light_programs=kernels.light_restore_programs())
-            log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
-                     time.perf_counter() - t0)
-            # page-locked staging for the copies' tables, words and flags, allocated now: an
-            # allocation inside a step would make the host wait for the copies queued before it
-            kernels.pinned.reserve_for(max(p.num_blocks for p in self.pools.values()),
-                                       len(self.pools))
+            ring_line = choose_restore_path(self.handler, self.pools, self.session.card)
+            compile_copies(self.registry, self.pools, self.session.card, self.handler,
+                           self.session.check_words, tp_rank=self.tp_rank,
+                           save_mode=self._save_mode, tails=self._warm_tails)
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
-        lines += [self._ring_line] if self._ring_line else []
+        lines += [ring_line] if ring_line else []
         lines += [self._save_line] if self._save_line else []
-        return lines + self.registry.log_lines() + self.hooks.start_lines() + self._check_lines()
-
-    def _choose_restore_path(self) -> None:
-        """``auto`` / ``staged``: the copy engine's staging ring now, not in the first restore;
-        ``auto``: the start-up probe (``kernels.probe_ring``) decides whether restores take it.
-        Before warmup: the probe's own compiles are not mid-serving ones. It overwrites the first
-        pages of one cache, harmless before anything is served."""
-        self._ring_line = None
-        engine = getattr(self.handler, "load_engine", None)
-        if engine not in ("auto", "staged"):
-            return
-        kernels.reserve_staging(next(iter(self.pools.values())).device)
-        fit = [p for p in self.pools.values() if p.block_bytes <= kernels.RING_PAGE_BYTES]
-        if engine != "auto" or self.session.card is None or not fit:
-            return
-        p = kernels.probe_ring(fit[0], self.session.card, kernels.light_restore_programs())
-        if p is not None and p.error:
-            self._ring_line = f"XKV: restores stay on the Triton kernel (ring probe: {p.error})"
-        elif p is not None:
-            self._ring_line = (
-                f"XKV: restores of >= 8 MiB through the copy engine and the ring: "
-                f"{'yes' if p.ring_wins else 'no, the Triton kernel'} (start-up probe of "
-                f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
-                f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x)")
-
-    def _check_lines(self) -> list[str]:
-        """What restores verify (``verify_checksums``), per group, for the start-up log."""
-        if not self.verify_checksums:
-            return ["XKV: restores are NOT verified by checksums (verify_checksums off)"]
-        out = []
-        for g, (plan, cw) in enumerate(zip(self.registry.groups, self.session.check_words,
-                                           strict=True)):
-            if not cw:
-                out.append(f"XKV: group {g} ({plan.group.kind}): restores NOT verified "
-                           f"({unverified_reason(plan)})")
-            elif self.fanout is not None and plan.group.kind == "mla" and not plan.is_state:
-                out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
-                           f"checksums ({cw} words per object shard; NVLink fan-out restores "
-                           "hashed in GPU memory after the all-gather)")
-            else:
-                out.append(f"XKV: group {g} ({plan.group.kind}): restores verified by "
-                           f"checksums ({cw} words per object shard)")
-        return out
+        return lines + self.registry.log_lines() + self.hooks.start_lines() + check_lines(
+            self.registry, self.session.check_words, self.verify_checksums, self.fanout is not None)
 
     # ------------------------------------------------------------------ loads
 
