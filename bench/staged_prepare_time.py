@@ -5,11 +5,13 @@ stand-in copy; the tables go to host memory). The staged plan runs before its fi
 adds to the restore (bench/RESULTS.md "stop 40").
 
     TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5] [--layout objects|layers]
-        [--shape llama|mla] [--tokens 32768] [--ranges]
+        [--shape llama|mla] [--tokens 32768] [--ranges] [--unchecked]
 
 ``--layout objects`` (the default) lays the card out as stored objects are (16 pages per layer,
 layer-major, scattered); ``--ranges`` prints how many copy-engine ranges the chunks take.
-``--shape mla``: the MLA model's 16 layers of 18 KiB pages (one run) instead.
+``--shape mla``: the MLA model's 16 layers of 18 KiB pages (one run) instead. ``--unchecked``:
+the plan of an unverified restore (no checksum words), against which the checked plan's extra
+host time shows.
 
 Then the CUDA-only part of a staged plan, which the first part (run without CUDA) never reaches:
 the copy engine's addresses of that restore's 256 chunks (16 ranges of 1 MiB each, a 12 GiB card registered in 1 GiB pieces),
@@ -47,6 +49,8 @@ def main() -> None:
                     "through the stand-in (no unpack) and count the copy-engine ranges")
     ap.add_argument("--shape", choices=("llama", "mla"), default="llama")
     ap.add_argument("--tokens", type=int, default=32768, help="restored tokens (16 per page)")
+    ap.add_argument("--unchecked", action="store_true", help="a restore without checksum words "
+                    "(an unverified request): the plan's checked share is the difference")
     a = ap.parse_args()
     L, bb = (32, 65536) if a.shape == "llama" else (16, 18432)
     n = a.tokens // 16
@@ -65,7 +69,8 @@ def main() -> None:
         offs = (np.arange(L * n, dtype=np.int64) * bb % (flat.numel() - bb)).reshape(L, n)
     ids = np.random.default_rng(0).permutation(n)
     C = n // 16
-    checks = Checks(np.arange(n) // 16, np.arange(n) % 16, C, expected=np.zeros((L, C), np.uint32))
+    checks = None if a.unchecked else Checks(np.arange(n) // 16, np.arange(n) % 16, C,
+                                             expected=np.zeros((L, C), np.uint32))
     groups = load_layer_groups(L)
     ring = Ring(torch.device("cpu"), 16 << 20)
     ranges: list[int] = []  # the stand-in copy's sizes (--ranges)
