@@ -113,6 +113,41 @@ def test_slots_are_taken_in_turn_and_pages_must_fit():
         staged_restore.prepare(sj, 2, None, dma=dma, the_ring=ring)
 
 
+def test_the_unpack_tables_are_built_once_after_the_first_copy(monkeypatch):
+    """``prepare`` builds no unpack table; issuing builds them all once, right after the first
+    chunk's copy was queued (the copy engine moves it meanwhile), before the second's."""
+    g = Geometry(8, 100, ((0, 100),))
+    raw = torch.full((3 * 800 + 11,), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * 3, [0, 800, 1600])
+    flat = random_bytes(2400, 5)
+    offs = (np.arange(24, dtype=np.int64) * 100).reshape(3, 8)[:, ::-1].copy()
+    j = build_job(pools, np.arange(8), flat, offsets_arg(offs, 3, "o"), save=False)
+    events = []
+    build = staged_restore._unpacks
+
+    def unpacks(*a, **k):
+        events.append("tables")
+        return build(*a, **k)
+
+    monkeypatch.setattr(staged_restore, "_unpacks", unpacks)
+
+    def dma(flat_, f, ring_buf, o, z):
+        events.append(("copy", o // ring.slot_bytes))
+        _dma(flat_, f, ring_buf, o, z)
+
+    ring = Ring(torch.device("cpu"), 300, 2)
+    calls = staged_restore.prepare(j, 2, [[0], [1, 2]], dma=dma, chunk_bytes=300, the_ring=ring)
+    assert events == []
+    for c in calls:
+        c()
+    assert events.count("tables") == 1
+    assert events.index("tables") == 1 and events[0] == ("copy", 0) and events[2] == ("copy", 1)
+    expect = raw.clone()
+    oracle(expect, pools_over(expect, [g] * 3, [0, 800, 1600]), flat, offs, np.arange(8),
+           save=False)
+    assert torch.equal(raw, expect)
+
+
 def test_empty_restores_issue_nothing():
     g = Geometry(8, 100, ((0, 100),))
     raw = torch.full((811,), POISON, dtype=torch.uint8)

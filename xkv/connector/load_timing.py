@@ -9,7 +9,8 @@ the last launch issued (``issue_cpu_ms``: the engine thread's CPU time in that w
 ``issue_ms - issue_cpu_ms`` is time it waited: for the GIL held by another thread, or off the CPU;
 ``pre_ms``: from ``begin`` to the first group's planning, the tail's copy and the tables' building
 among it); of it ``plan_ms``, validating and uploading the copies, ``launch_ms``,
-the launches and their events (``launch_max_ms``: the longest one), ``readback_ms``, queueing
+the launches and their events (``launch_max_ms``: the longest one; a staged restore's unpack
+tables are built and uploaded inside its first launch, after its first copy was queued), ``readback_ms``, queueing
 the checksum flags' readback; ``tail_ms``, host time of the before-forward (tail) launches;
 ``launches``, the step's load launches (the tail's aside); ``checked=a/b``, the step's group
 restores verified by checksums of those issued; ``GBps`` = bytes / copy_ms;

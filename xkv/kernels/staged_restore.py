@@ -20,7 +20,9 @@ decided at prepare time:
 * the copy-engine ranges of every chunk (contiguous runs of the card merged, cut at
   registration boundaries) come from one vectorised pass; the unpacks' tables (block ids, every
   fragment's ring offset ``[L, n]``, the checks' fragment table per distinct range) go to the GPU
-  in ONE upload on the current (prepare) stream, and every chunk of a geometry runs the one
+  in ONE upload on the issuing stream, built when the first chunk's copy has been queued (the
+  copy engine moves that chunk meanwhile: the first copy starts that much sooner), and every
+  chunk of a geometry runs the one
   kernel variant planned for a full slot (``_launch.resized``: a short chunk compiles nothing
   new); a verified job's chunks hash the slot as they unpack it (the bytes the copy engine
   brought), into the job's one word buffer;
@@ -28,7 +30,8 @@ decided at prepare time:
 and ``calls[g]()`` only issues group ``g``'s chunks: per chunk, on the copy stream, a wait for
 the slot's last unpack (an event per slot, reused), one batched copy, the slot's ``landed``
 event; on the current stream a wait for it, the unpack launch(es), the slot's ``free`` event.
-No allocation, planning or upload per launch.
+No allocation, planning or upload per launch (the tables' one upload comes with the restore's
+first chunk).
 
 CPU (tests): ``dma(flat, flat_off, ring_buf, ring_off, size)`` replaces the copy engine and
 everything runs in order; the unpack runs the same Triton launches (interpreter).
@@ -184,7 +187,7 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     ring_off[order] = ring_sorted
     ring_off = ring_off.reshape(L, n)
     per_chunk = _ranges(flat_off.ravel()[order], ring_sorted, c_sorted, bb, len(todo))
-    unpack = _unpacks(job, r, ring_off, todo, max_programs)
+    unpack = _deferred(lambda: _unpacks(job, r, ring_off, todo, max_programs))
     out: list[list[_Chunk]] = [[] for _ in groups]
     for k, (gi, _, _, _) in enumerate(todo):
         out[gi].append(_Chunk(k, k % r.slots, per_chunk[k], unpack))
@@ -348,7 +351,7 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
         specs.append(mine)
 
     words = None if jc is None else jc.bind(job.pools[0].device, False).words
-    t = tables.upload(job.pools[0].device)  # one upload, on the prepare stream
+    t = tables.upload(job.pools[0].device)  # one upload, on the issuing stream
     built: dict[int, list] = {}
 
     def unpack(k: int) -> list:
@@ -367,6 +370,19 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                                            t[tab_at : tab_at + p.table.size], check))
         return launches
 
+    return unpack
+
+
+def _deferred(build: Callable[[], Callable[[int], list]]) -> Callable[[int], list]:
+    """``unpack(k)`` of :func:`_unpacks`, whose tables are built (and uploaded) by its first
+    call: the issuer makes it after queueing the restore's first copy, so the copy engine does
+    not wait for them."""
+    got: list = []
+
+    def unpack(k: int) -> list:
+        if not got:
+            got.append(build())
+        return got[0](k)
     return unpack
 
 
@@ -395,7 +411,11 @@ def _issuer(mine: list[_Chunk], job: Job, r: Ring, dev: torch.device, cuda: bool
                 copy_engine.batch_copy(d, f, z, device=dev, src_is_host=True, stream=side,
                                        presplit=True)
                 landed[s].record(side)
+                # built the first time here (the restore's first chunk: every chunk's tables,
+                # one upload), while the copy engine moves this chunk
+                launches = c.unpack(c.index)
                 cur.wait_event(landed[s])
-                c.launch()  # built the first time here, while the copy engine is busy
+                for launch in launches:
+                    launch()
                 free[s].record(cur)
     return run_cuda
