@@ -22,9 +22,8 @@ decided at prepare time:
   fragment's ring offset ``[L, n]``, the checks' fragment table per distinct range) go to the GPU
   in ONE upload on the issuing stream, built when the first chunk's copy has been queued (the
   copy engine moves that chunk meanwhile: the first copy starts that much sooner), and every
-  chunk of a geometry runs the one
-  kernel variant planned for a full slot (``_launch.resized``: a short chunk compiles nothing
-  new); a verified job's chunks hash the slot as they unpack it (the bytes the copy engine
+  chunk of a geometry runs the one kernel variant planned for a full slot
+  (``_launch.resized``: a short chunk compiles nothing new); a verified job's chunks hash the slot as they unpack it (the bytes the copy engine
   brought), into the job's one word buffer;
 
 and ``calls[g]()`` only issues group ``g``'s chunks: per chunk, on the copy stream, a wait for
