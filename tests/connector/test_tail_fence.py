@@ -219,12 +219,14 @@ def test_cuda_forward_write_after_tail_copy_wins(order, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("light", [False, True])
-def test_cuda_light_step_restores_in_layer_groups(light):
-    """A light step (few tokens computed) restores in ``load_layer_groups`` launches: every
-    layer's bytes are the card's, and each layer's fence is its group's."""
+@pytest.mark.parametrize("light,mode", [(False, "auto"), (True, "auto"), (True, "whole")])
+def test_cuda_light_step_restores_in_layer_groups(light, mode, monkeypatch):
+    """A light step (few tokens computed) restores in ``load_layer_groups`` launches
+    (``XKV_LOAD_GROUPS`` ``mode``): every layer's bytes are the card's, and each layer's fence is
+    its group's."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    monkeypatch.setenv("XKV_LOAD_GROUPS", mode)
     kvs, pools, plan, card, obj = _setup("cuda", 4)
     h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
     h.set_light_step(light)
@@ -233,7 +235,8 @@ def test_cuda_light_step_restores_in_layer_groups(light):
     h.begin_loads()
     loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=True)
     events = [h._events[name] for name in NAMES]
-    groups = light_steps.load_layer_groups(len(NAMES)) if light else [[i] for i in range(len(NAMES))]
+    groups = (light_steps.load_layer_groups(len(NAMES), mode) if light
+              else [[i] for i in range(len(NAMES))])
     assert len({id(e) for e in events}) == len(groups)
     for name in NAMES:
         h.wait_layer(name)
@@ -250,6 +253,8 @@ def test_layer_groups_cover_every_layer_once_and_end_with_single_layers():
         groups = light_steps.load_layer_groups(L)
         assert [k for g in groups for k in g] == list(range(L))
         assert len(groups[-1]) == 1 and len(groups) <= L.bit_length() + 1
+        assert light_steps.load_layer_groups(L, "whole") == [list(range(L))]
+    assert light_steps.load_layer_groups(0) == light_steps.load_layer_groups(0, "whole") == []
 
 
 def test_light_step_threshold_and_group_mode(monkeypatch):
@@ -263,6 +268,8 @@ def test_light_step_threshold_and_group_mode(monkeypatch):
     assert light_steps.group_mode() == "auto"
     monkeypatch.setenv("XKV_LOAD_GROUPS", "layer")
     assert light_steps.group_mode() == "layer"
+    monkeypatch.setenv("XKV_LOAD_GROUPS", "whole")
+    assert light_steps.group_mode() == "whole"
     monkeypatch.setenv("XKV_LOAD_GROUPS", "halves")
     with pytest.raises(ValueError, match="XKV_LOAD_GROUPS='halves'"):
         light_steps.group_mode()
@@ -284,3 +291,6 @@ def test_warm_groups_name_the_light_and_tail_launches(grouped, tails):
     halves = [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + ta \
         + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + tb
     assert got == (halves if grouped else ta + tb)
+    # whole: one group of every layer per cache group, which is also the tail's launch
+    whole = light_steps.warm_groups(reg, names, grouped=grouped, tails=tails, mode="whole")
+    assert whole == ([a, b] if grouped else ta + tb)

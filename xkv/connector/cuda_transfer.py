@@ -36,13 +36,15 @@ class CudaTransferHandler(TransferHandler):
     ``XKV_TIMING=1`` logs, per step with loads, an ``XKV_TIMING`` line (``load_timing``);
     ``2`` also dumps every thread's stack when a step's launches take over 100 ms.
     A light step (:meth:`set_light_step`) restores a group of one page size in halving layer
-    groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step).
+    groups (``light_steps``; ``XKV_LOAD_GROUPS=layer``: per layer as any other step, ``whole``:
+    one group).
     """
 
     def __init__(self, device: torch.device, verify: bool = False):
         self.device = device
         self.light_step = False
-        self.grouped = light_steps.group_mode() == "auto"
+        self.group_mode = light_steps.group_mode()
+        self.grouped = self.group_mode != "layer"
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.check_stream = torch.cuda.Stream(device=device)  # checksum_pass "hbm": the hashes
@@ -81,7 +83,7 @@ class CudaTransferHandler(TransferHandler):
         hashed = checked and self.checksum_pass == "hbm"
         if (self.light_step and self.grouped and not hashed
                 and len({p.block_bytes for p in pools}) == 1):
-            groups = light_steps.load_layer_groups(len(pools))
+            groups = light_steps.load_layer_groups(len(pools), self.group_mode)
         with torch.cuda.stream(self.load_stream):
             if self.verifier is not None:
                 copies.record_loads(self.verifier, names, card, offsets, pools, block_ids, checks)

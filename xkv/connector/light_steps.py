@@ -5,7 +5,9 @@ instead of one launch and one fence per layer (issue 24: issue time before the f
 ``StepMetadata.scheduled_tokens`` (the tokens the step computes) decides (:func:`is_light`); the
 worker tells its handler per step (``TransferHandler.set_light_step``). ``XKV_LOAD_GROUPS``
 (:func:`group_mode`): ``auto`` (default) groups light steps, ``layer`` keeps one launch per layer
-and does not warm the grouped variants (an A/B switch). :func:`warm_groups` names the layer groups
+and does not warm the grouped variants, ``whole`` restores a light step's cache group as one
+group of all its layers (A/B switches: on the ring, fewer groups mean longer copy-engine ranges
+and fewer chunks, at the price of the forward's overlap with the copy). :func:`warm_groups` names the layer groups
 the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
 restored last block (``GroupTransfer.tail``). No vLLM types, no tensors.
 """
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from xkv.connector.registry import Registry
 
 LIGHT_STEP_TOKENS = 128  # a step computing at most this many tokens restores in layer groups
-GROUP_MODES = ("auto", "layer")
+GROUP_MODES = ("auto", "layer", "whole")
 
 
 def is_light(scheduled_tokens: int) -> bool:
@@ -27,19 +29,23 @@ def is_light(scheduled_tokens: int) -> bool:
 
 
 def group_mode() -> str:
-    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in layer groups; the default) or ``layer``."""
+    """``XKV_LOAD_GROUPS``: ``auto`` (light steps restore in halving layer groups; the default),
+    ``layer`` or ``whole`` (one group of every layer)."""
     mode = os.environ.get("XKV_LOAD_GROUPS", "auto")
     if mode not in GROUP_MODES:
         raise ValueError(f"XKV_LOAD_GROUPS={mode!r}: expected one of {GROUP_MODES}")
     return mode
 
 
-def load_layer_groups(n: int) -> list[list[int]]:
-    """Layer groups of a light step's restore of ``n`` layers: halves, then halves of the rest,
+def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
+    """Layer groups of a light step's restore of ``n`` layers (``mode`` ``whole``: one group of
+    all of them; else, the default): halves, then halves of the rest,
     down to single layers (32 layers: 16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and
     the forward's last layers, which run after the copy ends, are single-layer groups. The first
     layer waits for the first half of the copy (a light step's forward could not hide it
     anyway)."""
+    if mode == "whole":
+        return [list(range(n))] if n else []
     out, a = [], 0
     while a < n:
         m = max(1, (n - a) // 2)
@@ -49,11 +55,11 @@ def load_layer_groups(n: int) -> list[list[int]]:
 
 
 def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool,
-                tails: bool = True) -> list[list[int]]:
+                tails: bool = True, mode: str = "auto") -> list[list[int]]:
     """The restore layer groups one launch copies together, as indices into ``pool_names`` (the
     registered caches, in the warmup's order): per cache group its light-step groups (when
-    ``grouped``) and all its layers (the tail's launch, when ``tails``: full hits that end
-    inside a block, config ``full_hit_restore``)."""
+    ``grouped``; ``mode``: :func:`load_layer_groups`) and all its layers (the tail's launch,
+    when ``tails``: full hits that end inside a block, config ``full_hit_restore``)."""
     at = {name: i for i, name in enumerate(pool_names)}
     out: list[list[int]] = []
     for plan in registry.groups:
@@ -61,7 +67,7 @@ def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool,
         if not idx:
             continue
         if grouped:
-            out += [[idx[i] for i in g] for g in load_layer_groups(len(idx))]
-        if tails:
+            out += [[idx[i] for i in g] for g in load_layer_groups(len(idx), mode)]
+        if tails and not (grouped and mode == "whole"):  # else: just named, the same launch
             out.append(idx)
     return out

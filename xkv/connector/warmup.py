@@ -64,8 +64,9 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
     t0 = time.perf_counter()
     align = min(p.slot_alignment for p in registry.groups)
     names = list(pools)
-    groups = light_steps.warm_groups(registry, names, grouped=light_steps.group_mode() == "auto",
-                                     tails=tails)
+    mode = light_steps.group_mode()
+    groups = light_steps.warm_groups(registry, names, grouped=mode != "layer", tails=tails,
+                                     mode=mode)
     saves = (save_groups(registry, names, tp_rank, {n: p.block_bytes for n, p in pools.items()})
              if save_mode == "step" else [])
     log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer groups)",
