@@ -6,7 +6,7 @@ adds to the restore (bench/RESULTS.md "stop 40"); since stop 45 the unpack table
 uploaded) at the first chunk's launch, after its copy was queued: printed apart.
 
     TRITON_INTERPRET=1 python bench/staged_prepare_time.py [--reps 5] [--layout objects|layers]
-        [--shape llama|mla] [--tokens 32768] [--ranges] [--unchecked]
+        [--shape llama|mla] [--tokens 32768] [--ranges] [--unchecked] [--groups auto|whole]
 
 ``--layout objects`` (the default) lays the card out as stored objects are (16 pages per layer,
 layer-major, scattered); ``--ranges`` prints how many copy-engine ranges the chunks take.
@@ -50,6 +50,8 @@ def main() -> None:
                     "through the stand-in (no unpack) and count the copy-engine ranges")
     ap.add_argument("--shape", choices=("llama", "mla"), default="llama")
     ap.add_argument("--tokens", type=int, default=32768, help="restored tokens (16 per page)")
+    ap.add_argument("--groups", choices=("auto", "whole"), default="auto",
+                    help="the light step's layer groups (XKV_LOAD_GROUPS): halving or one")
     ap.add_argument("--unchecked", action="store_true", help="a restore without checksum words "
                     "(an unverified request): the plan's checked share is the difference")
     a = ap.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
     C = n // 16
     checks = None if a.unchecked else Checks(np.arange(n) // 16, np.arange(n) % 16, C,
                                              expected=np.zeros((L, C), np.uint32))
-    groups = load_layer_groups(L)
+    groups = load_layer_groups(L, a.groups)
     ring = Ring(torch.device("cpu"), 16 << 20)
     ranges: list[int] = []  # the stand-in copy's sizes (--ranges)
     built: list[float] = []  # seconds of the unpack tables' build, made at the first launch

@@ -164,9 +164,19 @@ def test_group_chunks_take_every_layer_of_whole_objects():
     # 4 layers x 40 fragments of 100 bytes, chunks of 1000 bytes (10 pages), objects of 2 pages
     assert staged_restore.group_chunks([0, 1, 2, 3], 40, 100, 1000, 2) == [
         ([0, 1, 2, 3], i, i + 2) for i in range(0, 40, 2)]
-    # m = 2 pages per layer, objects of 3: m below an object, not rounded
+    # an object's 3 pages of all 4 layers exceed a chunk of 8 pages: runs of 8 // 3 = 2 layers,
+    # each chunk one whole object of each (the old rule cut 2 pages of every layer: 4 ranges)
     assert staged_restore.group_chunks([5, 6, 7, 8], 9, 100, 800, 3) == [
-        ([5, 6, 7, 8], i, min(i + 2, 9)) for i in range(0, 9, 2)]
+        ([5, 6], i, i + 3) for i in (0, 3, 6)] + [([7, 8], i, i + 3) for i in (0, 3, 6)]
+    # every fragment of a layer fits a chunk but the group does not (the MLA model's 4k restore,
+    # 8 layers of 256 pages of 18 KiB, 9 MiB chunks): slices of whole objects of every layer,
+    # not chunks of 2 whole layers that cut each object at every second layer
+    got = staged_restore.group_chunks(list(range(8)), 256, 18432, 9437184, 16)
+    assert got == [(list(range(8)), i, i + 64) for i in range(0, 256, 64)]
+    # a 32k-token Llama-3-8B restore as one group (XKV_LOAD_GROUPS=whole): 32 layers of 64 KiB
+    # pages, objects of 16 pages, 16 MiB slots: runs of 16 layers, one object per chunk
+    got = staged_restore.group_chunks(list(range(32)), 2048, 65536, 16 << 20, 16)
+    assert got == [(list(range(a, a + 16)), i, i + 16) for a in (0, 16) for i in range(0, 2048, 16)]
     # a layer's pages contiguous beyond a chunk (align >= a chunk's pages), one layer, a whole
     # group in one chunk, a page per layer not fitting: the per-layer rule
     for args in (([0, 1, 2], 8, 100, 300, 8), ([0], 40, 100, 1000, 2),

@@ -71,15 +71,24 @@ def group_chunks(layers, n: int, bb: int, chunk_bytes: int,
     most ``max(chunk_bytes, bb)`` bytes: ``(ls, i0, i1)``. ``align``: the pages one stored
     object holds per layer (:func:`object_run`). Several layers whose fragments do not all fit
     one chunk, at least one fragment of each does, and a chunk of one layer would span several
-    objects (``align`` below a chunk's pages): fragments ``[i0, i1)`` of every layer, ``m`` per
+    objects (``align`` below a chunk's pages; with objects of >= 2 pages per layer also where
+    a chunk could take whole layers, which would cut every object at each chunk's layer
+    boundary): fragments ``[i0, i1)`` of every layer, ``m`` per
     chunk, rounded down to a multiple of ``align`` when ``m`` reaches it (whole objects: a
-    layer-major object's pages of those layers are one range in the card). Otherwise
-    :func:`chunks` (one layer's fragments, or several whole layers): where a layer's pages lie
-    contiguous in the card, a one-layer chunk is one range already."""
+    layer-major object's pages of those layers are one range in the card); when a whole object
+    of every layer does not fit a chunk (a group of more than ``per // align`` layers: ``whole``
+    groups, deep models), the layers are split into runs of ``per // align`` first, each run's
+    objects whole. Otherwise :func:`chunks` (one layer's fragments, or several whole layers):
+    where a layer's pages lie contiguous in the card, a one-layer chunk is one range already."""
     ls = list(layers)
     per = max(1, chunk_bytes // bb) if bb else 1
-    if n == 0 or len(ls) < 2 or per >= n or per < len(ls) or align >= per:
+    if (n == 0 or len(ls) < 2 or per < len(ls) or align >= per
+            or (per >= n and (align < 2 or per >= n * len(ls)))):
         return chunks(ls, n, bb, chunk_bytes)
+    k = per // align if align > 1 else len(ls)
+    if k < len(ls):  # an object's pages of every layer exceed a chunk: runs of k layers
+        return [c for a in range(0, len(ls), k)
+                for c in group_chunks(ls[a : a + k], n, bb, chunk_bytes, align)]
     m = per // len(ls)
     if align > 1 and m >= align:
         m -= m % align
