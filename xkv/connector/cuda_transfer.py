@@ -43,8 +43,7 @@ class CudaTransferHandler(TransferHandler):
     def __init__(self, device: torch.device, verify: bool = False):
         self.device = device
         self.light_step = False
-        self.group_mode = light_steps.group_mode()
-        self.grouped = self.group_mode != "layer"
+        self.group_mode = light_steps.group_mode()  # "layer": light steps restore per layer too
         self.load_stream = torch.cuda.Stream(device=device)
         self.save_stream = torch.cuda.Stream(device=device)
         self.check_stream = torch.cuda.Stream(device=device)  # checksum_pass "hbm": the hashes
@@ -81,7 +80,7 @@ class CudaTransferHandler(TransferHandler):
         t0, groups = time.perf_counter(), None
         checked = checks is not None
         hashed = checked and self.checksum_pass == "hbm"
-        if (self.light_step and self.grouped and not hashed
+        if (self.light_step and self.group_mode != "layer" and not hashed
                 and len({p.block_bytes for p in pools}) == 1):
             groups = light_steps.load_layer_groups(len(pools), self.group_mode)
         with torch.cuda.stream(self.load_stream):

@@ -7,8 +7,8 @@ worker tells its handler per step (``TransferHandler.set_light_step``). ``XKV_LO
 (:func:`group_mode`): ``auto`` (default) groups light steps, ``layer`` keeps one launch per layer
 and does not warm the grouped variants, ``whole`` restores a light step's cache group as one
 group of all its layers (A/B switches: on the ring, fewer groups mean longer copy-engine ranges
-and fewer chunks, at the price of the forward's overlap with the copy). :func:`warm_groups` names the layer groups
-the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
+and fewer chunks, at the price of the forward's overlap with the copy). :func:`warm_groups`
+names the layer groups the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
 restored last block (``GroupTransfer.tail``). No vLLM types, no tensors.
 """
 
@@ -39,9 +39,8 @@ def group_mode() -> str:
 
 def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
     """Layer groups of a light step's restore of ``n`` layers (``mode`` ``whole``: one group of
-    all of them; else, the default): halves, then halves of the rest,
-    down to single layers (32 layers: 16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and
-    the forward's last layers, which run after the copy ends, are single-layer groups. The first
+    all of them; else, the default): halves, then halves of the rest, down to single layers (32
+    layers: 16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and the forward's last layers, which run after the copy ends, are single-layer groups. The first
     layer waits for the first half of the copy (a light step's forward could not hide it
     anyway)."""
     if mode == "whole":

@@ -23,8 +23,8 @@ decided at prepare time:
   in ONE upload on the issuing stream, built when the first chunk's copy has been queued (the
   copy engine moves that chunk meanwhile: the first copy starts that much sooner), and every
   chunk of a geometry runs the one kernel variant planned for a full slot
-  (``_launch.resized``: a short chunk compiles nothing new); a verified job's chunks hash the slot as they unpack it (the bytes the copy engine
-  brought), into the job's one word buffer;
+  (``_launch.resized``: a short chunk compiles nothing new); a verified job's chunks hash the
+  slot as they unpack it (the bytes the copy engine brought), into the job's one word buffer;
 
 and ``calls[g]()`` only issues group ``g``'s chunks: per chunk, on the copy stream, a wait for
 the slot's last unpack (an event per slot, reused), one batched copy, the slot's ``landed``
@@ -73,8 +73,7 @@ def group_chunks(layers, n: int, bb: int, chunk_bytes: int,
     one chunk, at least one fragment of each does, and a chunk of one layer would span several
     objects (``align`` below a chunk's pages; with objects of >= 2 pages per layer also where
     a chunk could take whole layers, which would cut every object at each chunk's layer
-    boundary): fragments ``[i0, i1)`` of every layer, ``m`` per
-    chunk, rounded down to a multiple of ``align`` when ``m`` reaches it (whole objects: a
+    boundary): fragments ``[i0, i1)`` of every layer, ``m`` per chunk, rounded down to a multiple of ``align`` when ``m`` reaches it (whole objects: a
     layer-major object's pages of those layers are one range in the card); when a whole object
     of every layer does not fit a chunk (a group of more than ``per // align`` layers: ``whole``
     groups, deep models), the layers are split into runs of ``per // align`` first, each run's
