@@ -1,12 +1,16 @@
 """group_copies: a light step's verified restore takes the light step's SM budget
-(``kernels.light_restore_programs``), every other restore the kernels' default."""
+(``kernels.light_restore_programs``), every other restore the kernels' default; a full hit's
+tail under the forced ring takes the Triton kernel's warmed variants."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 import xkv.kernels as K
 from xkv.connector import group_copies
+from xkv.layout import PagePool
 
 
 def _captured(monkeypatch) -> list[dict]:
@@ -42,3 +46,44 @@ def test_light_budget_refuses_a_bad_setting(bad, monkeypatch):
     monkeypatch.setenv("XKV_LIGHT_PROGRAMS", bad)
     with pytest.raises(ValueError, match="XKV_LIGHT_PROGRAMS must be an integer >= 1"):
         K.light_restore_programs()
+
+
+def _tail_case(L: int, n: int, seed: int, device: torch.device):
+    """``L`` layer pools of 4 KiB pages on ``device`` (``n + 2`` blocks each, poisoned), a card
+    of random host bytes (page-locked beside a GPU) holding ``n`` blocks of every layer
+    (layer-major) and its ``[L, n]`` offsets."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.full((L * (n + 2) * 4096,), 0xA5, dtype=torch.uint8, device=device)
+    pools = [PagePool(base=raw[k * (n + 2) * 4096:(k + 1) * (n + 2) * 4096], num_blocks=n + 2,
+                      block_bytes=4096, block_stride=4096, runs=((0, 4096),))
+             for k in range(L)]
+    card = torch.randint(0, 256, (L * n * 4096,), dtype=torch.uint8, generator=g)
+    card = card.pin_memory() if device.type == "cuda" else card
+    offsets = np.stack([(k * n + np.arange(n, dtype=np.int64)) * 4096 for k in range(L)])
+    return raw, pools, card, offsets
+
+
+@pytest.mark.parametrize("L,n", [(1, 1), (5, 3), (32, 1)])
+def test_a_tail_under_the_forced_ring_copies_exactly_with_warmed_variants(L, n, device,
+                                                                         monkeypatch):
+    """``restore_all`` (a full hit's tail) with the handler's forced ``staged`` engine restores
+    the blocks byte for byte, leaves the other blocks poisoned, and launches only variants the
+    worker's warmup compiled (``tails``: the all-layer launch). Before: on CPU tensors the
+    staged engine refused; on the H100 of stop 46 it compiled its per-launch unpack inside the
+    first full hit (252 ms first restore)."""
+    from xkv.connector.light_steps import load_layer_groups
+
+    raw, pools, card, offsets = _tail_case(L, n, L * 7 + n, device)
+    ids = np.arange(n)[::-1] + 1  # blocks 1..n, reversed: 0 and n + 1 stay poisoned
+    group_copies.restore_all(card, offsets, pools, ids, "staged")
+    for k, p in enumerate(pools):
+        pages = p.base.view(n + 2, 4096).cpu()
+        for j, b in enumerate(ids):
+            assert torch.equal(pages[b], card[offsets[k, j]:offsets[k, j] + 4096])
+        assert bool((pages[0] == 0xA5).all()) and bool((pages[n + 1] == 0xA5).all())
+    keys = K.warmup(pools, card, engine="triton",
+                    restore_groups=load_layer_groups(L) + [list(range(L))])
+    seen: list = []
+    monkeypatch.setattr(K._launch.Launch, "__call__", lambda self: seen.append(self.key))
+    group_copies.restore_all(card, offsets, pools, ids, "staged")
+    assert seen and set(seen) <= keys

@@ -165,7 +165,11 @@ def save_all(pools, block_ids, card, offsets, engine: str) -> None:
 def restore_all(card, offsets, pools, block_ids, engine: str) -> None:
     """Restore ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``) at once: one launch
     per page size (the kernels take layers of one block size together), on the current
-    stream."""
+    stream. A forced ``staged`` engine copies these with the Triton kernel, as ``auto`` does:
+    they are a full hit's tail (one block of every layer, a few MiB), where staging gains
+    nothing, and the staged engine's per-launch unpack is a variant the start-up warmup does
+    not compile (on the H100 of stop 46 it compiled inside the first full hit: 215 ms)."""
+    engine = "triton" if engine == "staged" else engine
     for idx in _by_size(pools):
         kernels.restore_layers(card, offsets[idx], [pools[i] for i in idx], block_ids,
                                engine=engine)
