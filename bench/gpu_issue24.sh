@@ -19,7 +19,8 @@
 #                   64) three times: XKV_CHECK_SPLIT=1 (the default), =8 (partial checksum sums), and
 #                   XKV_MIN_EVEN_ROW_BYTES=65536 (the masked rows 18 KiB pages had before stop 39)
 #   gputests        pytest -m gpu of the tail fence, the CUDA transfer handler (every checksum pass),
-#                   prepared copies, warmup, the two-pass restore and the card in pieces
+#                   prepared copies, warmup, the two-pass restore, the card in pieces and the async
+#                   loads' worker half; then test_group_copies.py with its `device` on the GPU
 #   e2e_llama_graphs / e2e_llama_eager / e2e_mla_graphs / e2e_qwen_graphs   bench/e2e_ttft.py,
 #                   every connector and the correctness checks (logprobs vs no connector, verify
 #                   child, gateway kill); qwen: bench/models/qwen3_8b (36 layers, 8 KV heads),
@@ -131,9 +132,13 @@ for spec in "$@"; do
         tests/kernels/test_hashed_restore.py tests/connector/test_card_pin.py tests/kernels/test_pinned.py \
         tests/kernels/test_hash_pages.py tests/kernels/test_verify.py tests/kernels/test_page_copy.py \
         tests/kernels/test_staged.py tests/kernels/test_staged_restore.py tests/kernels/test_fault_injection.py \
-        tests/kernels/test_ring_choice.py \
+        tests/kernels/test_ring_choice.py tests/connector/test_async_worker.py \
         > "$OUT/$step/pytest.txt" 2>&1
-      echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt" ;;
+      echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt"
+      # unmarked tests whose `device` fixture is the GPU here: a full hit's tail under the forced ring
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/connector/test_group_copies.py \
+        > "$OUT/$step/pytest_cuda_device.txt" 2>&1
+      echo "=== $step (device=cuda): rc $? $(tail -1 "$OUT/$step/pytest_cuda_device.txt")" | tee -a "$OUT/summary.txt" ;;
     checksums) mkdir -p "$OUT/$step"
       timeout "$secs" python3 bench/page_mover.py --checksums --connector-budget 4 \
         --check-budgets "${CHECK_BUDGETS:-8,16,32}" --out "$OUT/$step" \

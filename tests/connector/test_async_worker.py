@@ -4,6 +4,7 @@ check after the copy, failures reported with the request, a reattach drain."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from types import SimpleNamespace as NS
 
@@ -155,3 +156,61 @@ def test_inline_handler_needs_no_fence():
 
     # the CPU handler copies inline: its batches are complete when issued
     assert async_loads.load_fence(SyncTransferHandler()) is None
+
+
+@pytest.mark.gpu
+def test_async_batches_on_the_gpu_land_byte_exact_and_report_once():
+    """The worker half on CUDA handlers (a load stream each, a CUDA event per batch): two
+    steps' batches of layer-major chunk objects from a page-locked card land byte for byte in
+    their blocks, the other blocks keep their poison, each request is reported once, and a
+    finished batch's handler serves the next step."""
+    from xkv.connector.cuda_transfer import CudaTransferHandler
+    from xkv.layout import PagePool
+
+    dev, bb, nblocks = torch.device("cuda"), 4096, 16
+    reg = build_registry([CacheGroup(0, "attention", LAYERS, 32, bb)], tp_size=1, pp_size=1,
+                         chunk_size=64)
+    card = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(5)).pin_memory()
+    raw = torch.full((len(LAYERS) * nblocks * bb,), 0xA5, dtype=torch.uint8, device=dev)
+    pools = {name: PagePool(base=raw[k * nblocks * bb:(k + 1) * nblocks * bb],
+                            num_blocks=nblocks, block_bytes=bb, block_stride=bb,
+                            runs=((0, bb),))
+             for k, name in enumerate(LAYERS)}
+    session = NS(slot_generation=lambda off: 1, card=card, epoch=7)
+    stats = ConnectorStats()
+    handlers: list = []
+
+    def new_handler():
+        handlers.append(CudaTransferHandler(dev))
+        return handlers[-1]
+
+    w = AsyncLoadWorker(reg, 0, _Outcomes(reg, 0, session, stats), stats, pools=pools,
+                        new_handler=new_handler)
+    w.start([_job(1, "a", [5, 6, 7, 8], [0, 4 * bb])], card)
+    w.start([_job(2, "b", [9, 10], [8 * bb])], card)
+    assert len(handlers) == 2
+    done: set = set()
+    for _ in range(10_000):  # polls never block: spin until both batches landed
+        w.poll()
+        done |= w.take_finished()
+        if done == {"a", "b"}:
+            break
+        time.sleep(0.001)
+    assert done == {"a", "b"} and not w.in_flight
+    w.start([_job(3, "c", [11, 12], [12 * bb])], card)
+    assert len(handlers) == 2  # an idle handler is reused
+    w.poll(wait=True)
+    assert w.take_finished() == {"c"}
+    pages = raw.view(len(LAYERS), nblocks, bb).cpu()
+    # block -> (its chunk's slot, position j in the chunk): layer l at slot + (l * 2 + j) * bb
+    where = {5: (0, 0), 6: (0, 1), 7: (4, 0), 8: (4, 1), 9: (8, 0), 10: (8, 1), 11: (12, 0),
+             12: (12, 1)}
+    for layer in range(len(LAYERS)):
+        for b in range(nblocks):
+            if b in where:
+                slot, j = where[b]
+                at = (slot + layer * 2 + j) * bb
+                assert torch.equal(pages[layer, b], card[at:at + bb]), (layer, b)
+            else:
+                assert bool((pages[layer, b] == 0xA5).all()), (layer, b)
