@@ -11,6 +11,10 @@
 #                   with the same copy (stop 41): where do the other 17 ms go
 #   profile_llama_2k  xkv (unchecked, checked) and the GPU hit at 2k only, 5 reps: where the
 #                   engine time of a full-hit restore goes beyond copy + issue (stop 33 note)
+#   profile_multi   profile_steps.py --multi 8 --multi-len 16384 on the Llama shape (MULTI_KINDS,
+#                   default xkv,offload): 8 x 16k restores beside 4 decoding requests under the
+#                   profiler (stop 46: xkv's step took ~100 ms beyond its 360 ms copy), hooks' host
+#                   and GPU positions; needs PROF_ARGS='--start-together --kv-gib 18 --gpu-util 0.1'
 #   stores_llama / stores_mla   profile_steps.py with kinds none, xkv@layer, xkv@step (save_mode,
 #                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
 #                   LENS (default 4096,16384)
@@ -124,6 +128,8 @@ for spec in "$@"; do
     profile_qwen_2k) prof "$step" "$secs" "${QW[@]}" --kinds none,xkv,offload --lens 2048 --reps 5 ;;
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
     profile_llama_2k) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@verify_checksums=off,xkv --lens 2048 --reps 5 ;;
+    profile_multi) prof "$step" "$secs" "${LL[@]}" --kinds "${MULTI_KINDS:-xkv,offload}" --lens 16384 \
+      --reps 1 --multi 8 --multi-len 16384 ;;
     stores_llama) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
     stores_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv@layer,xkv@step --lens "${LENS:-4096,16384}" --child-timeout 185 ;;
     gputests) mkdir -p "$OUT/$step"

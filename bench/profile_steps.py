@@ -52,6 +52,10 @@ def _args(argv=None):
                          "one call compares store modes; xkv@KEY=VALUE[+KEY=VALUE]: other options "
                          "(bench/e2e_kinds.py)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--multi", type=int, default=0,
+                    help="also profile N prompts of --multi-len tokens restored at once beside 4 "
+                         "decoding requests (e2e_ttft.py's multi case; 0: skip)")
+    ap.add_argument("--multi-len", type=int, default=16384)
     ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn below this")
     ap.add_argument("--backend", default="FLASH_ATTN")
     ap.add_argument("--chunk-size", type=int, default=256)
@@ -291,7 +295,7 @@ def _child(a):
     rng = random.Random(7)
     prompt = lambda n: [rng.randrange(1000, a.vocab) for _ in range(n)]  # noqa: E731
     t0 = time.perf_counter()
-    llm = _engine(a, kind, mode, max(lens))
+    llm = _engine(a, kind, mode, max(lens + ([a.multi_len] if a.multi else [])))
     start_s = time.perf_counter() - t0
     if a.hold:  # started beside the other engines (--start-together)
         engine_children.wait_for_go(lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True))
@@ -348,8 +352,47 @@ def _child(a):
                 with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
                     g.write(f.read())
             path.unlink()
+    if a.multi:
+        rows.append(_multi(a, llm, kind, mode, prompt, clock, reset, out))
     print("PROFILE_RESULT " + json.dumps(dict(kind=kind, mode=mode, engine_start_s=round(start_s, 1),
                                               first=first, rows=rows)), flush=True)
+
+
+def _multi(a, llm, kind, mode, prompt, clock, reset, out) -> dict:
+    """e2e_ttft.py's multi case under the profiler: ``--multi`` prompts of ``--multi-len``
+    tokens (stored first, then the prefix cache reset) submitted beside 4 requests that decode
+    16 tokens each; the row holds the wall time of the whole batch, each prompt's cached
+    tokens, the hooks' host and GPU positions and the trace's GPU view (where stop 46's 8 x 16k
+    step spent ~100 ms beyond its 360 ms copy)."""
+    import torch
+    from vllm import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+    dec = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False, ignore_eos=True)
+    ps = [prompt(a.multi_len) for _ in range(a.multi)]
+    if kind != "none":
+        llm.generate([{"prompt_token_ids": p} for p in ps], one, use_tqdm=False)
+        reset()
+    batch = ([{"prompt_token_ids": prompt(256)} for _ in range(4)]
+             + [{"prompt_token_ids": p} for p in ps])
+    clock.take()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        t = time.perf_counter()
+        outs = llm.generate(batch, [dec] * 4 + [one] * len(ps), use_tqdm=False)
+        ms = (time.perf_counter() - t) * 1e3
+    path = out / f"trace_{kind}_{mode}_multi_{a.multi_len}.json"
+    prof.export_chrome_trace(str(path))
+    row = dict(phase="multi_profiled", tokens=a.multi_len, ms=round(ms, 2),
+               cached=[o.num_cached_tokens for o in outs[4:]], gpu=_gpu_view(str(path)),
+               hooks=clock.take())
+    if a.traces:
+        with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
+            g.write(f.read())
+    path.unlink()
+    return row
 
 
 # ---------------------------------------------------------------------------------------- parent
@@ -448,6 +491,12 @@ def _report(results, out):
                                      f"largest gaps {st['largest_gaps_ms']}")
                 if g.get("copies"):
                     lines.append(f"  - copies: {g['copies']}")
+                if row["phase"] == "multi_profiled":  # where the batch's hooks ran, host and GPU
+                    lines.append(f"  - cached tokens per prompt {row['cached']}; hooks: " + "; ".join(
+                        f"{k} {v['ms']:.2f} ms host ({v['calls']} calls)"
+                        + (f", GPU {v['gpu_first_ms']:.2f}-{v['gpu_last_ms']:.2f} from the first "
+                           f"hook, stall {v['gpu_stall_ms']:.2f}" if "gpu_first_ms" in v else "")
+                        for k, v in sorted(row["hooks"].items(), key=lambda kv: -kv[1]["ms"])))
         if r.get("xkv_timing"):
             lines.append("- XKV_TIMING (last 8): " + " | ".join(r["xkv_timing"][-8:]))
         lines.append("")
