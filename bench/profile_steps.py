@@ -360,8 +360,9 @@ def _child(a):
 
 def _multi(a, llm, kind, mode, prompt, clock, reset, out) -> dict:
     """e2e_ttft.py's multi case under the profiler: ``--multi`` prompts of ``--multi-len``
-    tokens (stored first, then the prefix cache reset) submitted beside 4 requests that decode
-    16 tokens each; the row holds the wall time of the whole batch, each prompt's cached
+    tokens (stored first, then the prefix cache reset) submitted in one ``generate`` with 4
+    requests of 256 tokens that decode 16 each (so the restore step also prefills those 4); the
+    row holds the wall time of the whole batch, each prompt's cached
     tokens, the hooks' host and GPU positions and the trace's GPU view (where stop 46's 8 x 16k
     step spent ~100 ms beyond its 360 ms copy)."""
     import torch
