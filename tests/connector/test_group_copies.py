@@ -31,7 +31,7 @@ def test_light_step_verified_restore_takes_the_light_budget(env, want, monkeypat
     out = group_copies.prepare_group_restore("card", "offs", ["p0", "p1"], "ids", checks="ck",
                                              layer_groups=[[0], [1]])
     assert out == "prepared"
-    assert calls == [dict(engine="auto", layer_groups=[[0], [1]], checks="ck",
+    assert calls == [dict(engine="auto", layer_groups=[[0], [1]], checks="ck", defer_rest=True,
                           max_programs=want)]
 
 

@@ -40,15 +40,17 @@ def _launch_some(prep, data) -> list[int]:
     return sorted(some)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["planned", "deferred"])
 @pytest.mark.parametrize("engine", ENGINES)
 @given(job=layer_jobs(save=False), seed=st.integers(0, 2**16), data=st.data())
-def test_prepared_restore(engine, job, seed, data):
+def test_prepared_restore(engine, defer, job, seed, data):
     geoms, offsets, ids, offs, flat_size = job
     raw = torch.full((layers_buffer_size(geoms, offsets),), POISON, dtype=torch.uint8)
     flat = random_bytes(flat_size, seed)
     flat0 = flat.clone()
     prep = K.prepare_restore(flat, torch.from_numpy(offs), pools_over(raw, geoms, offsets),
-                             torch.from_numpy(ids), engine=engine, max_programs=3)
+                             torch.from_numpy(ids), engine=engine, max_programs=3,
+                             defer_rest=defer)
     assert len(prep) == len(geoms) and prep.nbytes == ids.size * geoms[0].block_bytes
     assert torch.equal(raw, torch.full_like(raw, POISON))  # preparing moves nothing
     done = _launch_some(prep, data)
@@ -245,18 +247,20 @@ def _groups(L: int, data) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["planned", "deferred"])
 @pytest.mark.parametrize("engine", ENGINES)
 @given(job=layer_jobs(save=False), seed=st.integers(0, 2**16), data=st.data())
-def test_prepared_restore_in_layer_groups(engine, job, seed, data):
+def test_prepared_restore_in_layer_groups(engine, defer, job, seed, data):
     """``layer_groups``: ``launch(g)`` writes exactly group g's layers (one launch for a group of
-    one geometry on Triton, per layer otherwise), bit-exact, poisoned elsewhere."""
+    one geometry on Triton, per layer otherwise), bit-exact, poisoned elsewhere; with
+    ``defer_rest`` too, whichever group is launched first."""
     geoms, offsets, ids, offs, flat_size = job
     groups = _groups(len(geoms), data)
     raw = torch.full((layers_buffer_size(geoms, offsets),), POISON, dtype=torch.uint8)
     flat = random_bytes(flat_size, seed)
     prep = K.prepare_restore(flat, torch.from_numpy(offs), pools_over(raw, geoms, offsets),
                              torch.from_numpy(ids), engine=engine, max_programs=3,
-                             layer_groups=groups)
+                             layer_groups=groups, defer_rest=defer)
     assert len(prep) == len(groups)
     some = _launch_some(prep, data)
     done = sorted(k for g in some for k in groups[g])
@@ -284,6 +288,43 @@ def test_grouped_triton_is_one_launch_per_group(monkeypatch):
     for k, p in enumerate(pools):
         for i, b in enumerate([5, 0, 2]):
             assert torch.equal(p.run_view(0)[b], flat[offs[k, i]:offs[k, i] + 32])
+
+
+@pytest.mark.parametrize("groups", [None, [[0, 1], [2], [3]]], ids=["per_layer", "grouped"])
+def test_deferred_restore_plans_the_first_launch_then_the_rest_once(groups, monkeypatch):
+    """``defer_rest``: preparing plans and uploads the first launch only; launching it plans
+    nothing; the first later launch plans every other launch with one more upload, the ones
+    after it plan nothing; the launches run the variants planning them together gives."""
+    g = Geometry(6, 64, ((0, 32),))
+    raw = torch.full((4 * g.extent + 64,), POISON, dtype=torch.uint8)
+    pools = pools_over(raw, [g] * 4, [k * (g.extent + 16) for k in range(4)])
+    flat = random_bytes(4 * 3 * 32, 9)
+    offs = np.arange(12, dtype=np.int64).reshape(4, 3)[::-1].copy() * 32
+    ids = [5, 0, 2]
+    together = K.prepare_restore(flat, offs, pools, ids, engine="triton", layer_groups=groups)
+    want = [together._calls[i].key for i in range(len(together))]
+    uploads, plans, keys = [], [], []
+    real_up, real_plan, real_call = _launch.Tables.upload, _launch.plan, _launch.Launch.__call__
+    monkeypatch.setattr(_launch.Tables, "upload", lambda s, d: uploads.append(1) or real_up(s, d))
+    monkeypatch.setattr(_launch, "plan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    monkeypatch.setattr(_launch.Launch, "__call__",
+                        lambda self: (keys.append(self.key), real_call(self)))
+    prep = K.prepare_restore(flat, offs, pools, ids, engine="triton", layer_groups=groups,
+                             defer_rest=True)
+    assert (len(uploads), len(plans)) == (1, 1)
+    prep.launch(0)
+    assert (len(uploads), len(plans)) == (1, 1)
+    prep.launch(len(prep) - 1)  # a later launch first: every other one is planned now
+    assert len(uploads) == 2 and len(plans) >= 2
+    before = len(plans)
+    for i in range(1, len(prep) - 1):
+        prep.launch(i)
+    assert len(uploads) == 2 and len(plans) == before
+    assert sorted(keys) == sorted(want)
+    expect = torch.full_like(raw, POISON)
+    oracle(expect, pools_over(expect, [g] * 4, [k * (g.extent + 16) for k in range(4)]), flat,
+           offs, np.array(ids), save=False)
+    assert torch.equal(raw, expect)
 
 
 @pytest.mark.parametrize("groups", [[[0], [2], [1]], [[0, 1]], [[0], []], [[0, 1, 2, 3]]])

@@ -238,7 +238,8 @@ def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monk
         ids = np.arange(n)[::-1].copy()
         slot = np.arange(n, dtype=np.int64) * 4096  # a chunk object: layer-major, n blocks each
         offs = np.stack([k * n * 4096 + slot for k in range(L)])
-        prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups)
+        prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups,
+                                 defer_rest=True)  # as the connector prepares them
         for i in range(len(prep)):
             prep.launch(i)
         K.restore_layers(card, offs[:, :1], pools, ids[:1], engine="triton")
@@ -263,7 +264,7 @@ def test_checked_light_step_restores_after_warmup_compile_nothing_new(L, light, 
     seen = _launched(monkeypatch)
     for _, ids, offs, checks in _checked_steps(L):
         prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=groups,
-                                 checks=checks, max_programs=light)
+                                 checks=checks, max_programs=light, defer_rest=True)
         for i in range(len(prep)):
             prep.launch(i)
     assert seen and set(seen) <= keys
@@ -383,7 +384,7 @@ def test_warmup_runs_the_specialisation_of_two_run_pages(checked, monkeypatch):
                if checked else None)
         for lg in (None, groups):  # a step's per-layer launches, a light step's groups
             prep = K.prepare_restore(card, offs, pools, ids, engine="triton", layer_groups=lg,
-                                     checks=chk)
+                                     checks=chk, defer_rest=True)
             for i in range(len(prep)):
                 prep.launch(i)
         save_chk = Checks(np.zeros(n, np.int64), np.arange(n), 1) if checked else None

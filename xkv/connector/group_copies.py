@@ -127,13 +127,15 @@ def prepare_group_restore(card, offsets, pools, block_ids, checks=None, *, engin
             card, offs, ps, block_ids, ck, engine=engine, layer_groups=layer_groups,
             hash_groups=[list(range(len(ps)))] if whole else None,
             hash_programs=kernels.WHOLE_HASH_PROGRAMS if whole else None), pools, offsets, checks)
+    # the caller launches every group at once: plan all but the first while its copy runs
     if layer_groups is not None:  # a light step: its verified copy takes more SMs (see kernels)
         return kernels.prepare_restore(
             card, offsets, pools, block_ids, engine=engine, layer_groups=layer_groups,
-            checks=checks,
+            checks=checks, defer_rest=True,
             max_programs=None if checks is None else kernels.light_restore_programs())
     return prepare_by_size(lambda ps, offs, ck: kernels.prepare_restore(
-        card, offs, ps, block_ids, engine=engine, checks=ck), pools, offsets, checks)
+        card, offs, ps, block_ids, engine=engine, checks=ck, defer_rest=True), pools, offsets,
+        checks)
 
 
 def record_loads(verifier, names, card, offsets, pools, block_ids, checks) -> None:

@@ -9,12 +9,14 @@ the group) and the byte offset of every layer's fragment in the flat buffer (the
 * resolve the engine once per layer (``"auto"`` as in :mod:`xkv.kernels.page_copy`);
 * Triton layers: plan every launch on the host and send all their device tables (block ids, the
   ``[L, n]`` offsets, one run table per geometry) in ONE pinned, non-blocking host-to-device copy
-  on the current stream; copy-engine layers: build their address lists (host memory, read by the
-  driver at launch);
+  on the current stream (``defer_rest``, restores: the first launch's tables so, the others'
+  in one more such copy at the first ``launch`` of any of them, while the first copy runs);
+  copy-engine layers: build their address lists (host memory, read by the driver at launch);
 
 and return a :class:`PreparedCopy` whose ``launch(l)`` only issues layer ``l``'s copy, always on
-the stream that was current at prepare time (:attr:`PreparedCopy.stream`; the tables were uploaded
-there): no validation, no host synchronisation, no allocation with the ``"triton"`` and
+the stream that was current at prepare time (:attr:`PreparedCopy.stream`; the tables are uploaded
+there, or on the stream passed to that first later launch): no validation, no host
+synchronisation, no allocation with the ``"triton"`` and
 ``"copy_engine"`` engines and on CPU; a restore from host memory whose every layer takes
 ``"staged"`` is prepared whole by :mod:`xkv.kernels.staged_restore` (the process's staging ring,
 every chunk's tables in the one upload); other ``"staged"`` copies (saves, pages larger than a
@@ -93,18 +95,22 @@ def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[Pa
                     block_ids: IndexLike, *, max_programs: int | None = None,
                     engine: str = "auto",
                     layer_groups: Sequence[Sequence[int]] | None = None,
-                    checks: Checks | None = None) -> PreparedCopy:
+                    checks: Checks | None = None, defer_rest: bool = False) -> PreparedCopy:
     """Prepare ``L`` restores: ``launch(l)`` writes block ``block_ids[i]`` of ``dsts[l]`` from
     ``src[src_offsets[l, i] : + block_bytes]`` for every i. ``src_offsets``: int64 ``[L, n]`` bytes.
 
     ``layer_groups`` (a partition of ``range(L)`` into runs of consecutive layers): ``launch(g)``
     then copies every layer of group ``g`` (one Triton launch when the group's layers share a
     geometry and all use Triton; else the layers' copies one after the other), ``len()`` is the
-    number of groups: fewer launches, coarser completion points."""
+    number of groups: fewer launches, coarser completion points.
+
+    ``defer_rest`` (for a caller that launches everything at once, e.g. a restore step's issue):
+    only the first Triton launch is planned here, the others at the first ``launch`` of any of
+    them, so the first copy runs while the host plans the rest (:func:`_first_then_rest`)."""
     dsts = pools_arg(dsts, "dsts")
     offs = offsets_arg(src_offsets, len(dsts), "src_offsets")
     job = build_job(dsts, block_ids, src, offs, save=False, per_layer=True, checks=checks)
-    return _prepare(job, engine, max_programs, layer_groups)
+    return _prepare(job, engine, max_programs, layer_groups, defer_rest)
 
 
 def prepare_save(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
@@ -132,7 +138,8 @@ def _check_groups(groups: Sequence[Sequence[int]], L: int) -> list[list[int]]:
 
 
 def _prepare(job: Job, engine: str, max_programs: int | None,
-             layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
+             layer_groups: Sequence[Sequence[int]] | None = None,
+             defer: bool = False) -> PreparedCopy:
     L = len(job.pools)
     groups = None if layer_groups is None else _check_groups(layer_groups, L)
     chosen = _engines(job, engine, max_programs)  # may raise
@@ -154,11 +161,12 @@ def _prepare(job: Job, engine: str, max_programs: int | None,
         return PreparedCopy(job, engines, staged_restore.prepare(job, chosen[0][1], groups),
                             stream)
     if groups is not None:
-        return PreparedCopy(job, engines, _group_calls(job, layers, chosen, groups), stream)
+        return PreparedCopy(job, engines, _group_calls(job, layers, chosen, groups, defer),
+                            stream)
     tri = [k for k in range(L) if engines[k] == "triton"]
-    if tri:  # one upload for every Triton layer's tables
+    if tri:  # one upload for every Triton layer's tables (defer: the first's, then the rest's)
         budget = chosen[tri[0]][1]
-        for k, launch in zip(tri, _launch.launches(job, budget, groups=[[k] for k in tri]),
+        for k, launch in zip(tri, _first_then_rest(job, budget, [[k] for k in tri], defer),
                              strict=True):
             calls[k] = launch
     for k, (eng, budget) in enumerate(chosen):
@@ -218,7 +226,8 @@ def _bind(fn, *args) -> Callable[[], None]:
     return lambda: fn(*args)
 
 
-def _group_calls(job: Job, layers: _Layers, chosen: list, groups: list[list[int]]):
+def _group_calls(job: Job, layers: _Layers, chosen: list, groups: list[list[int]],
+                 defer: bool = False):
     """One call per layer group: a single Triton launch for a group of one geometry whose layers
     all use Triton (every such group's tables in one upload), else the layers' own calls."""
     one = [g for g in groups
@@ -227,7 +236,8 @@ def _group_calls(job: Job, layers: _Layers, chosen: list, groups: list[list[int]
     fused = {}
     if one:
         budget = chosen[one[0][0]][1]
-        fused = dict(zip(map(tuple, one), _launch.launches(job, budget, groups=one), strict=True))
+        fused = dict(zip(map(tuple, one), _first_then_rest(job, budget, one, defer),
+                         strict=True))
     calls = []
     for g in groups:
         if tuple(g) in fused:
@@ -236,6 +246,28 @@ def _group_calls(job: Job, layers: _Layers, chosen: list, groups: list[list[int]
         per = [_layer_call(layers[k], *chosen[k]) for k in g]
         calls.append(lambda per=per: [c() for c in per])
     return calls
+
+
+def _first_then_rest(job: Job, budget: int, groups: list[list[int]],
+                     defer: bool) -> list[Callable[[], None]]:
+    """``_launch.launches(job, budget, groups=groups)``; with ``defer`` the first launch planned
+    (and its tables uploaded) now and the others at the first call of any of them, which the
+    caller makes after the first launch: its copy is under way while the host plans the rest (a
+    light step's six plans and their upload were 0.9-1.5 ms before the first byte moved on the
+    H100 of stop 46, ``XKV_TIMING`` ``plan_ms``). Same plans and kernel variants as planning
+    them together: each group's plan depends on the job and that group's layers only. A job
+    without an offset table plans them together (one group alone would address it otherwise)."""
+    if not defer or len(groups) < 2 or job.flat_off is None:
+        return list(_launch.launches(job, budget, groups=groups))
+    first, rest = _launch.launches(job, budget, groups=groups[:1]), []
+
+    def later(i: int) -> Callable[[], None]:
+        def call() -> None:
+            if not rest:
+                rest.extend(_launch.launches(job, budget, groups=groups[1:]))
+            rest[i]()
+        return call
+    return [*first, *(later(i) for i in range(len(groups) - 1))]
 
 
 def _layer_call(layer: Job, eng: str, budget: int) -> Callable[[], None]:
