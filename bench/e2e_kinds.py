@@ -5,9 +5,15 @@ is a same-call comparison. ``on``/``off``/``true``/``false`` are booleans, digit
 A key that starts with ``XKV_``, ``CUDA_``, ``VLLM_`` or ``TORCH_`` is an environment variable of
 that kind's engine instead (e.g. ``xkv@XKV_MAX_PROGRAMS=16``: the copy kernels' SM budget;
 ``xkv@CUDA_MODULE_LOADING=EAGER``: every CUDA kernel loaded at start, not on first use), its
-value passed as written."""
+value passed as written. ``xkv@XKV_TREE=DIR``: that engine imports ``xkv`` and the connector
+from the directory ``DIR`` (another checkout, e.g. ``git archive <commit> xkv xkv_vllm_connector
+| tar -x -C .base`` for the code before a change), first on its ``PYTHONPATH``, so one call
+measures two versions of the worker; its gateway is this tree's."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 _BOOL = {"on": True, "true": True, "off": False, "false": False}
 ENV_PREFIXES = ("XKV_", "CUDA_", "VLLM_", "TORCH_")
@@ -40,8 +46,17 @@ def options(kind: str) -> dict:
 
 def env(kind: str) -> dict[str, str]:
     """The environment variables (:data:`ENV_PREFIXES` keys) a variant kind sets for its
-    engine."""
-    return {k: v for k, v in _pairs(kind) if k.startswith(ENV_PREFIXES)}
+    engine; ``XKV_TREE`` also puts that tree first on ``PYTHONPATH`` (SystemExit when it holds
+    no ``xkv`` package)."""
+    out = {k: v for k, v in _pairs(kind) if k.startswith(ENV_PREFIXES)}
+    if "XKV_TREE" in out:
+        root = Path(out["XKV_TREE"]).resolve()
+        if not (root / "xkv" / "__init__.py").is_file():
+            raise SystemExit(f"kind {kind!r}: XKV_TREE {str(root)!r} holds no xkv package "
+                             "(expected DIR/xkv/__init__.py)")
+        out["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return out
 
 
 def check(kinds: list[str], known: tuple[str, ...]) -> None:
@@ -50,6 +65,7 @@ def check(kinds: list[str], known: tuple[str, ...]) -> None:
         if base(k) not in known:
             raise SystemExit(f"unknown kind {k!r}: expected one of {known} or xkv@KEY=VALUE")
         options(k)
+        env(k)
 
 
 def report(rows: list[dict], lens: list[int], median) -> list[str]:

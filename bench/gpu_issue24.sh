@@ -60,7 +60,9 @@
 # Engine starts (70-105 s each on the H200) are most of a call: E2E_ARGS / SP_ARGS / PROF_ARGS='--start-together
 # --kv-gib G --gpu-util 0.1' starts every kind's engine at once and measures them one at a time
 # (bench/engine_children.py; all engines must fit the GPU: Llama-3-8B ~15 GiB weights + G + ~2.5 each).
-# BASE=dir: a second tree (e.g. the code before the change) whose xkv kind also runs (tag "before").
+# Two versions of the worker in one call: `git archive <commit> xkv xkv_vllm_connector | (mkdir -p
+# .base && tar -x -C .base)` here, carry ".base" (ignored), and add the kind xkv@XKV_TREE=.base
+# (bench/e2e_kinds.py: that engine imports xkv from .base; its gateway is this tree's).
 # Each step's folder is packed into $OUT/STEP.tar.xz (the device returns at most 8 files).
 set -u
 OUT=${OUT:-out/issue24}
