@@ -237,12 +237,13 @@ def state_check_class():
                 self.inner.flush_saves()  # the save copies landed (and the verifier's checked)
                 _compare("state_saves", card, offsets, pool, block_ids)
 
-        def save_group(self, names, pools, block_ids, card, offsets):
-            self.inner.save_group(names, pools, block_ids, card, offsets)
+        def save_group(self, names, pools, block_ids, card, offsets, checks=None):
+            prep = self.inner.save_group(names, pools, block_ids, card, offsets, checks=checks)
             for offs, pool in zip(offsets, pools, strict=True):
                 if pool.kind == STATE_KIND:  # save_mode step keeps state groups on 'layer'
                     self.inner.flush_saves()
                     _compare("state_saves", card, offs, pool, block_ids)
+            return prep
 
         def flush_saves(self):
             self.inner.flush_saves()

@@ -207,13 +207,17 @@ class _CheckedHandler:
         self.checks.res["prepared_saves"] = self.checks.res.get("prepared_saves", 0) + 1
         self.checks.compare("save", card, offsets, pool, block_ids)
 
-    def save_group(self, names, pools, block_ids, card, offsets):
+    def save_group(self, names, pools, block_ids, card, offsets, checks=None):
         # save_mode step: the inner handler's one launch per page size, every layer checked
-        self.inner.save_group(names, pools, block_ids, card, offsets)
+        prep = self.inner.save_group(names, pools, block_ids, card, offsets, checks=checks)
         self.inner.flush_saves()
         self.checks.res["group_saves"] = self.checks.res.get("group_saves", 0) + 1
+        if checks is not None:  # verified: the words computed by the same launches
+            self.checks.res["group_saves_checked"] = self.checks.res.get("group_saves_checked",
+                                                                         0) + 1
         for offs, pool in zip(offsets, pools, strict=True):
             self.checks.compare("save", card, offs.clone(), pool, block_ids.clone())
+        return prep
 
 
 def _gateway_stats(port):

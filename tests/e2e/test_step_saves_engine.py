@@ -4,9 +4,10 @@ by one call per group after the forward, then a fresh engine restores. Checked i
 (``verify``): every saved page equals the computed one, every restored page its card bytes;
 greedy tokens (and, on the fp32 sliding-window model, logprobs) equal a no-connector run of the
 same batch shapes.
-``group_saves``: the driver's count of ``save_group`` calls (the step path ran, unchecked:
-``verify_checksums: false``); with checksums (the default) a step's saves are prepared copies,
-one per layer, all after the forward (``prepared_saves``, and no ``save_group``).
+``group_saves``: the driver's count of ``save_group`` calls (the step path ran: one call per
+group, one launch per page size); with checksums (the default) those calls also compute the
+words (``group_saves_checked``; since stop 46: before, a verified step save was a prepared copy
+per layer, ``prepared_saves``), and no step save goes per layer either way.
 A hybrid (Mamba) model asking for 'step' runs 'layer' (``setup.save_mode``) and says why.
 """
 
@@ -25,10 +26,11 @@ def prompt(n, base=10):
 
 def _check(res, log, checked):
     assert STEP_LINE in log and "did not call save_kv_layer" not in log
+    assert res.get("group_saves", 0) > 0 and res.get("prepared_saves", 0) == 0
     if checked:
-        assert res.get("prepared_saves", 0) > 0 and res.get("group_saves", 0) == 0
+        assert res.get("group_saves_checked", 0) == res["group_saves"]
     else:
-        assert res.get("group_saves", 0) > 0
+        assert res.get("group_saves_checked", 0) == 0
     assert res["saves_checked"] > 0 and res["saves_equal"] == res["saves_checked"]
     assert res["loads_checked"] > 0 and res["loads_equal"] == res["loads_checked"]
     assert "turned off" not in log

@@ -134,12 +134,16 @@ def test_prepared_restores_verify_per_layer_and_grouped(engine, c, data):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=20, deadline=None)
+@pytest.mark.parametrize("whole", [False, True], ids=["per_layer", "one_group"])
 @given(c=cases())
-def test_prepared_saves_give_the_same_words(engine, c):
+def test_prepared_saves_give_the_same_words(engine, whole, c):
+    """Prepared saves, one launch per layer or every layer in one group (``save_mode`` step's
+    verified saves), move the reference save's bytes and give its words."""
     pools, _, card, words = saved(c, engine="reference")
     card2 = torch.full_like(card, POISON)
-    prep = K.prepare_save(pools, c["ids"], card2, c["offs"], engine=engine, checks=checks_for(c))
-    for li in range(c["L"]):
+    prep = K.prepare_save(pools, c["ids"], card2, c["offs"], engine=engine, checks=checks_for(c),
+                          layer_groups=[list(range(c["L"]))] if whole else None)
+    for li in range(len(prep)):
         prep.launch(li)
     assert torch.equal(card2, card)
     np.testing.assert_array_equal(prep.checks.host_words(), words)

@@ -272,14 +272,12 @@ class Saver:
             names = plan.group.layer_names
             pools = [self.pools[n] for n in names]
             if session_words(self.session).get(g):
-                # verified saves: the checksum words come from the prepared copies (one launch
-                # per layer, all after the forward; the words are read back in _flush)
+                # verified saves: the checksum words come from the copies (one launch per page
+                # size, after the forward; the words are read back in _flush)
                 checks, cols = save_checks(transfers)
                 self._cols[g] = (cols, {id(gt): t for t, gt in enumerate(transfers)})
-                prep = self.handler.prepare_saves(pools, blocks, card, offs, checks=checks)
+                prep = self.handler.save_group(names, pools, blocks, card, offs, checks=checks)
                 self._plan[g] = ([job for job in meta.saves], blocks, offs, prep)
-                for i, name in enumerate(names):
-                    self.handler.save_prepared(prep, i, name, pools[i], blocks, card, offs[i])
             else:
                 self.handler.save_group(names, pools, blocks, card, offs)
             self._saved[g] = set(range(len(names)))

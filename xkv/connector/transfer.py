@@ -49,6 +49,7 @@ from xkv.connector.group_copies import (
     record_loads,
     restore_all,
     save_all,
+    save_all_verified,
 )
 from xkv.connector.page_verify import PageVerifier
 
@@ -154,13 +155,16 @@ class TransferHandler(abc.ABC):
         """A fence after every save issued (``synchronize()``), or None: already on the card.
         What runs next on the compute stream is ordered after those saves."""
 
-    def save_group(self, names, pools, block_ids, card, offsets) -> None:
+    def save_group(self, names, pools, block_ids, card, offsets, checks=None) -> Any:
         """``save_mode`` step: every layer of a group at once, after the forward (``offsets``
-        int64 ``[L, n]``, host; ``pools[l]`` is ``names[l]``). Default: per layer through
+        int64 ``[L, n]``, host; ``pools[l]`` is ``names[l]``); ``checks`` (kernels ``Checks``):
+        the copies also compute the checksum words, and the prepared copies are returned for
+        :meth:`save_words` (None without ``checks``). Default: per layer through
         :meth:`save_prepared` (what wrappers see); the real handlers: one launch per page size."""
-        prep = self.prepare_saves(pools, block_ids, card, offsets)
+        prep = self.prepare_saves(pools, block_ids, card, offsets, checks=checks)
         for i, (name, pool) in enumerate(zip(names, pools, strict=True)):
             self.save_prepared(prep, i, name, pool, block_ids, card, offsets[i])
+        return prep if checks is not None else None
 
     def fence_saves_deferred(self) -> Any:
         """:meth:`fence_saves`, the compute stream not yet ordered after the saves: the caller
@@ -251,9 +255,15 @@ class SyncTransferHandler(TransferHandler):
         """The copies ran inline: nothing to wait for (None), the caller commits at once."""
         self.flush_saves()
 
-    def save_group(self, names, pools, block_ids, card, offsets) -> None:
-        """Every layer inline, one call per page size (:func:`save_all`)."""
-        save_all(pools, block_ids, card, offsets, "auto")
+    def save_group(self, names, pools, block_ids, card, offsets, checks=None):
+        """Every layer inline, one call per page size (:func:`save_all`; with ``checks``
+        :func:`save_all_verified`, whose prepared copies it returns)."""
+        prep = None
+        if checks is None:
+            save_all(pools, block_ids, card, offsets, "auto")
+        else:
+            prep = save_all_verified(pools, block_ids, card, offsets, checks, "auto")
         if self.verifier is not None:
             for i, pool in enumerate(pools):
                 self.verifier.record("save", card, offsets[i], pool, block_ids)
+        return prep

@@ -115,13 +115,16 @@ def prepare_restore(src: torch.Tensor, src_offsets: IndexLike, dsts: Sequence[Pa
 
 def prepare_save(srcs: Sequence[PagePool], block_ids: IndexLike, dst: torch.Tensor,
                  dst_offsets: IndexLike, *, max_programs: int | None = None,
-                 engine: str = "auto", checks: Checks | None = None) -> PreparedCopy:
+                 engine: str = "auto", checks: Checks | None = None,
+                 layer_groups: Sequence[Sequence[int]] | None = None) -> PreparedCopy:
     """Prepare ``L`` saves: ``launch(l)`` writes ``dst[dst_offsets[l, i] : + block_bytes]`` from
-    block ``block_ids[i]`` of ``srcs[l]`` for every i. ``dst_offsets``: int64 ``[L, n]`` bytes."""
+    block ``block_ids[i]`` of ``srcs[l]`` for every i. ``dst_offsets``: int64 ``[L, n]`` bytes.
+    ``layer_groups`` as for :func:`prepare_restore` (``[list(range(L))]``: every layer in one
+    launch, checksum words of every layer included: ``save_mode`` step's verified saves)."""
     srcs = pools_arg(srcs, "srcs")
     offs = offsets_arg(dst_offsets, len(srcs), "dst_offsets")
     job = build_job(srcs, block_ids, dst, offs, save=True, per_layer=True, checks=checks)
-    return _prepare(job, engine, max_programs)
+    return _prepare(job, engine, max_programs, layer_groups)
 
 
 def _noop() -> None:
