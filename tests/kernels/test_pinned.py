@@ -114,10 +114,12 @@ def test_reserve_for_sizes_and_cap(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_restore_of_a_new_size_allocates_no_pinned_memory():
+@pytest.mark.parametrize("defer", [False, True], ids=["planned", "deferred"])
+def test_restore_of_a_new_size_allocates_no_pinned_memory(defer):
     """After ``reserve_for``, a checked restore with more blocks and objects than any before
     takes its tables, expected words and flags from the pool: no page-locked allocation (an
-    implicit device synchronisation) inside the step; the flags still read back right."""
+    implicit device synchronisation) inside the step; the flags still read back right. Also
+    with the connector's deferred planning (its tables in two uploads)."""
     from xkv import kernels
     from xkv.kernels.verify import Checks
     from xkv.layout import PagePool
@@ -136,7 +138,8 @@ def test_restore_of_a_new_size_allocates_no_pinned_memory():
         offs = base.reshape(1, -1) + (torch.arange(L) * 4 * bb).reshape(-1, 1)
         chk = Checks(np.asarray(blk // 4), np.asarray(blk % 4), objs,
                      expected=np.zeros((L, objs), np.uint32))
-        prep = kernels.prepare_restore(card, offs, pools, blk, checks=chk, engine="triton")
+        prep = kernels.prepare_restore(card, offs, pools, blk, checks=chk, engine="triton",
+                                       defer_rest=defer)
         for k in range(L):
             prep.launch(k)
         words = prep.checks.readback()

@@ -135,13 +135,15 @@ def upload(numel: int, dtype: torch.dtype, device: torch.device, fill) -> torch.
     return out
 
 
-def reserve_for(num_blocks: int, num_layers: int, *, count: int = 4,
+def reserve_for(num_blocks: int, num_layers: int, *, count: int = 6,
                 cap_bytes: int = 256 << 20) -> int:
     """Reserve (:meth:`PinnedPool.reserve`) what copy steps over caches of ``num_layers`` layers
     of ``num_blocks`` blocks use at once: 8 buffers of :data:`MIN_BYTES` (small steps) and
     ``count`` buffers for a step that moves every block (its int64 tables, ~``L + 8`` per
     block; the checksum words, 4 bytes per layer and object), together at most ``cap_bytes``.
-    Returns the large buffers' size in bytes."""
+    Returns the large buffers' size in bytes. ``count`` 6: a restore's tables go up in two
+    uploads (``prepare_restore(defer_rest=True)``), beside its words, its readback and the
+    previous step's buffers still in flight."""
     if num_blocks < 0 or num_layers < 0 or count < 1:
         raise ValueError(f"reserve_for({num_blocks}, {num_layers}, count={count}): expected "
                          f"counts >= 0 and count >= 1")
