@@ -89,30 +89,30 @@ def test_a_tail_under_the_forced_ring_copies_exactly_with_warmed_variants(L, n, 
     assert seen and set(seen) <= keys
 
 
-def _two_sizes(seed: int):
-    """5 layers of 4 KiB pages and 2 of 1 KiB (an MLA latent and its indexer cache), 6 blocks
-    each of random bytes, and a poisoned card with room for 3 blocks of every layer."""
+def _two_sizes(seed: int, device: torch.device):
+    """5 layers of 4 KiB pages and 2 of 1 KiB (an MLA latent and its indexer cache) on
+    ``device``, 6 blocks each of random bytes, and a poisoned host card (page-locked beside a
+    GPU) with room for 3 blocks of every layer; the layers' card offsets ``[7, 3]``."""
     g = torch.Generator().manual_seed(seed)
     sizes = [4096] * 5 + [1024] * 2
-    pools = [PagePool(base=torch.randint(0, 256, (6 * bb,), dtype=torch.uint8, generator=g),
+    pools = [PagePool(base=torch.randint(0, 256, (6 * bb,), dtype=torch.uint8,
+                                         generator=g).to(device),
                       num_blocks=6, block_bytes=bb, block_stride=bb, runs=((0, bb),))
              for bb in sizes]
     at = np.cumsum([0] + [3 * bb for bb in sizes])
     offsets = np.stack([at[k] + np.arange(3, dtype=np.int64) * bb for k, bb in enumerate(sizes)])
     card = torch.full((int(at[-1]),), 0xA5, dtype=torch.uint8)
-    return pools, offsets, card
+    return pools, offsets, card.pin_memory() if device.type == "cuda" else card
 
 
-def test_verified_step_saves_take_one_launch_per_page_size(monkeypatch):
+def test_verified_step_saves_take_one_launch_per_page_size(device, monkeypatch):
     """``save_all_verified`` (``save_mode`` step with checksums): one launch per page size,
-    the bytes ``save_all`` writes, the words a launch per layer gives, and only variants the
-    worker's warmup compiles for its save groups (``saves.save_groups``: every layer of a
-    page size)."""
-    pools, offsets, card = _two_sizes(3)
+    each block's bytes at its card offsets, the words a launch per layer gives, and only
+    variants the worker's warmup compiles for its save groups (``saves.save_groups``: every
+    layer of a page size)."""
+    pools, offsets, card = _two_sizes(3, device)
     ids = np.array([4, 1, 2])
     checks = K.Checks(np.zeros(3, np.int64), np.arange(3), 1)
-    want_card = card.clone()
-    group_copies.save_all(pools, ids, want_card, offsets, "reference")
     per_layer = [K.prepare_save(pools[a:b], ids, card.clone(), offsets[a:b], engine="triton",
                                 checks=checks) for a, b in ((0, 5), (5, 7))]
     for prep in per_layer:
@@ -125,8 +125,14 @@ def test_verified_step_saves_take_one_launch_per_page_size(monkeypatch):
     monkeypatch.setattr(K._launch.Launch, "__call__",
                         lambda self: (seen.append(self.key), real(self)))
     prep = group_copies.save_all_verified(pools, ids, card, offsets, checks, "triton")
+    words = group_copies.WordsReadback(prep, len(pools))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     assert len(seen) == 2 and set(seen) <= keys
-    assert torch.equal(card, want_card)
-    words = group_copies.WordsReadback(prep, len(pools)).get()
-    assert words.shape == (7, 1)
-    np.testing.assert_array_equal(words, np.concatenate([p.checks.host_words() for p in per_layer]))
+    for k, p in enumerate(pools):
+        pages = p.base.view(6, p.block_bytes).cpu()
+        for j, b in enumerate(ids):
+            assert torch.equal(card[offsets[k, j]:offsets[k, j] + p.block_bytes], pages[b])
+    got = words.get()
+    assert got.shape == (7, 1)
+    np.testing.assert_array_equal(got, np.concatenate([p.checks.host_words() for p in per_layer]))
