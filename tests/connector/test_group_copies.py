@@ -113,7 +113,8 @@ def test_verified_step_saves_take_one_launch_per_page_size(device, monkeypatch):
     pools, offsets, card = _two_sizes(3, device)
     ids = np.array([4, 1, 2])
     checks = K.Checks(np.zeros(3, np.int64), np.arange(3), 1)
-    per_layer = [K.prepare_save(pools[a:b], ids, card.clone(), offsets[a:b], engine="triton",
+    spare = card.clone().pin_memory() if device.type == "cuda" else card.clone()
+    per_layer = [K.prepare_save(pools[a:b], ids, spare, offsets[a:b], engine="triton",
                                 checks=checks) for a, b in ((0, 5), (5, 7))]
     for prep in per_layer:
         for k in range(len(prep)):
