@@ -44,7 +44,8 @@
 #                   KV per engine, default 12, the MLA model 4: 32k tokens are 0.6 GB there)
 #   caches          sizes of the compile caches the engines built (vLLM's, Triton's): could a carry
 #                   hold them and spare the next session's engine starts?
-#   host_issue_cuda bench/host_issue.py --cuda (no vLLM): the CUDA handler's restore issue path, checked
+#   host_issue_cuda bench/host_issue.py --cuda (no vLLM), once per engine of HOST_ENGINES (default
+#                   "staged triton"): the CUDA handler's restore issue path, checked
 #                   and unchecked steps alternating, 128 and 2048 blocks of 64 KiB x 32 layers and
 #                   2048 of 18 KiB x 16 (the MLA model's 32k restore: stop 44's was host-bound on
 #                   the ring), a cProfile of each side
@@ -174,13 +175,19 @@ for spec in "$@"; do
         --kinds none,xkv,offload --gpu-util 0.55 ${SP_ARGS:-} > "$d/run.txt" 2>&1
       echo "=== $step: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
     host_issue_cuda) d="$OUT/$step"; mkdir -p "$d"
-      for shape in "128 32 64" "2048 32 64" "2048 16 18"; do
-        read -r nb nl kib <<< "$shape"  # blocks, layers, page KiB (the last: MLA's 32k restore)
-        f="$d/blocks_${nb}_${nl}x${kib}k.txt"
-        timeout $((secs / 3)) python3 bench/host_issue.py --cuda --blocks "$nb" --layers "$nl" \
-          --page-kib "$kib" --reps 20 --profile > "$f" 2>&1
-        echo "=== $step $nb x $nl x $kib KiB: rc $?" | tee -a "$OUT/summary.txt"
-        grep -A2 ' blocks x ' "$f" >> "$OUT/summary.txt"
+      # no start-up probe runs here, so `auto` would take the ring: each engine named
+      # (HOST_ENGINES, default "staged triton": the ring, and the Triton kernel a probe keeps
+      # where SMs read host memory near the copy engine's rate)
+      engines=(${HOST_ENGINES:-staged triton})
+      for eng in "${engines[@]}"; do
+        for shape in "128 32 64" "2048 32 64" "2048 16 18"; do
+          read -r nb nl kib <<< "$shape"  # blocks, layers, page KiB (the last: MLA's 32k restore)
+          f="$d/${eng}_blocks_${nb}_${nl}x${kib}k.txt"
+          XKV_LOAD_ENGINE=$eng timeout $((secs / 3 / ${#engines[@]})) python3 bench/host_issue.py \
+            --cuda --blocks "$nb" --layers "$nl" --page-kib "$kib" --reps 20 --profile > "$f" 2>&1
+          echo "=== $step $eng $nb x $nl x $kib KiB: rc $?" | tee -a "$OUT/summary.txt"
+          grep -A2 ' blocks x ' "$f" >> "$OUT/summary.txt"
+        done
       done ;;
     cpu_edges) d="$OUT/$step"; mkdir -p "$d"; nproc > "$d/nproc.txt"; uptime >> "$d/nproc.txt"
       for nb in 1024 128; do timeout 60 python3 bench/host_issue.py --blocks $nb; done > "$d/host_issue.txt" 2>&1

@@ -175,7 +175,8 @@ def _cuda(a) -> None:
     torch.cuda.synchronize()
     print(f"{a.blocks} blocks x {a.layers} layers of {a.page_kib} KiB pages on "
           f"{torch.cuda.get_device_name(dev)}, {'per layer' if a.per_layer else 'light step'}, "
-          f"{a.reps} steps a side (medians, ms):")
+          f"engine {h.load_engine} (XKV_LOAD_ENGINE; no start-up probe here: `auto` takes the "
+          f"ring), {a.reps} steps a side (medians, ms):")
     for side, rows in got.items():
         print(f"  {side:9s} " + " ".join(
             f"{k}={statistics.median(r[k] for r in rows):.2f}" for k in _FIELDS
