@@ -106,7 +106,7 @@ def _two_sizes(seed: int, device: torch.device):
 
 
 def test_verified_step_saves_take_one_launch_per_page_size(device, monkeypatch):
-    """``save_all_verified`` (``save_mode`` step with checksums): one launch per page size,
+    """``save_all`` with checks (``save_mode`` step with checksums): one launch per page size,
     each block's bytes at its card offsets, the words a launch per layer gives, and only
     variants the worker's warmup compiles for its save groups (``saves.save_groups``: every
     layer of a page size)."""
@@ -125,7 +125,7 @@ def test_verified_step_saves_take_one_launch_per_page_size(device, monkeypatch):
     real = K._launch.Launch.__call__
     monkeypatch.setattr(K._launch.Launch, "__call__",
                         lambda self: (seen.append(self.key), real(self)))
-    prep = group_copies.save_all_verified(pools, ids, card, offsets, checks, "triton")
+    prep = group_copies.save_all(pools, ids, card, offsets, "triton", checks)
     words = group_copies.WordsReadback(prep, len(pools))
     if device.type == "cuda":
         torch.cuda.synchronize()

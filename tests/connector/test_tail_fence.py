@@ -276,21 +276,20 @@ def test_light_step_threshold_and_group_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("tails", [True, False])
-@pytest.mark.parametrize("grouped", [True, False])
-def test_warm_groups_name_the_light_and_tail_launches(grouped, tails):
-    """The warmup's restore groups: per cache group its halving groups (``auto`` only) and all
-    its layers (a tail's launch), as indices into the registered caches' order."""
+@pytest.mark.parametrize("mode", ["auto", "layer", "whole"])
+def test_warm_groups_name_the_light_and_tail_launches(mode, tails):
+    """The warmup's restore groups: per cache group its light-step groups (halves with ``auto``,
+    one group with ``whole``, none with ``layer``) and all its layers (a tail's launch; with
+    ``whole`` the same launch, named once), as indices into the registered caches' order."""
     bb = 4096
     reg = build_registry([CacheGroup(0, "attention", ("a0", "a1", "a2", "a3", "a4"), N, bb),
                           CacheGroup(1, "attention", ("b0", "b1"), N, bb)],
                          tp_size=1, pp_size=1, chunk_size=K * N)
     names = ["b0", "a0", "a1", "b1", "a2", "a3", "a4"]
-    got = light_steps.warm_groups(reg, names, grouped=grouped, tails=tails)
     a, b = [1, 2, 4, 5, 6], [0, 3]
+    assert light_steps.group_layers(reg, names) == [a, b]
     ta, tb = ([a], [b]) if tails else ([], [])
-    halves = [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + ta \
-        + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + tb
-    assert got == (halves if grouped else ta + tb)
-    # whole: one group of every layer per cache group, which is also the tail's launch
-    whole = light_steps.warm_groups(reg, names, grouped=grouped, tails=tails, mode="whole")
-    assert whole == ([a, b] if grouped else ta + tb)
+    want = {"auto": [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + ta
+            + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + tb,
+            "layer": ta + tb, "whole": [a, b]}[mode]
+    assert light_steps.warm_groups(reg, names, mode, tails=tails) == want

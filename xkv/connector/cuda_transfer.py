@@ -226,17 +226,12 @@ class CudaTransferHandler(TransferHandler):
         return ev
 
     def save_group(self, names, pools, block_ids, card, offsets, checks=None):
-        """One launch per page size (:func:`group_copies.save_all`; with ``checks``
-        :func:`group_copies.save_all_verified`, whose prepared copies it returns) on the save
-        stream, after the compute stream's work so far (the forward that wrote the pages)."""
+        """One launch per page size (:func:`group_copies.save_all`; with ``checks`` the words
+        too, and its prepared copies returned) on the save stream, after the compute stream's
+        work so far (the forward that wrote the pages)."""
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
-        prep = None
         with torch.cuda.stream(self.save_stream):
-            if checks is None:
-                copies.save_all(pools, block_ids, card, offsets, self.save_engine)
-            else:
-                prep = copies.save_all_verified(pools, block_ids, card, offsets, checks,
-                                                self.save_engine)
+            prep = copies.save_all(pools, block_ids, card, offsets, self.save_engine, checks)
         if self.verifier is not None:
             for i, pool in enumerate(pools):
                 self.verifier.record("save", card, offsets[i], pool, block_ids)

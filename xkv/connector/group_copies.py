@@ -19,7 +19,7 @@ from xkv import kernels
 from xkv.connector.config import CHECKSUM_PASSES
 
 __all__ = ["CHECKSUM_PASSES", "WordsReadback", "prepare_by_size", "prepare_group_restore",
-           "record_loads", "restore_all", "save_all", "save_all_verified", "written"]
+           "record_loads", "restore_all", "save_all", "written"]
 
 # checksum_pass: "copy" hashes inside the restore kernel as it copies; "hbm" copies unchecked,
 # then hashes each layer's pages in the cache after its copy (kernels.prepare_hashed_restore);
@@ -156,21 +156,19 @@ def _by_size(pools) -> list[list[int]]:
     return list(sizes.values())
 
 
-def save_all(pools, block_ids, card, offsets, engine: str) -> None:
-    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host): one
-    :func:`xkv.kernels.save_layers` call per page size, on the current stream."""
-    for idx in _by_size(pools):
-        kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
-                            engine=engine)
-
-
-def save_all_verified(pools, block_ids, card, offsets, checks, engine: str):
-    """``save_all`` computing ``checks``' words: every layer of one page size in one launch
-    (``kernels.prepare_save`` with one layer group per size), on the current stream; returns the
-    prepared copies, whose words :class:`WordsReadback` reads (``save_mode`` step: one launch
-    where a launch per layer made ``wait_for_save``, which vLLM calls before sampling, take 5.45 ms
-    of host time in a 2k prefill's step against 1.82 unverified on the H100 of stop 42,
-    ``bench/results/h100_2026-12-06_stop42/c4.tgz``)."""
+def save_all(pools, block_ids, card, offsets, engine: str, checks=None):
+    """Save ``block_ids`` of every layer (``offsets`` int64 ``[L, n]``, host), one launch per
+    page size, on the current stream: :func:`xkv.kernels.save_layers`; with ``checks`` the same
+    launches compute the checksum words (``kernels.prepare_save`` with one layer group per size)
+    and the prepared copies are returned for :class:`WordsReadback` (None without). One launch
+    where a launch per layer made ``wait_for_save``, which vLLM calls before sampling, take 5.45
+    ms of host time in a 2k prefill's step against 1.82 unverified on the H100 of stop 42
+    (``bench/results/h100_2026-12-06_stop42/c4.tgz``)."""
+    if checks is None:
+        for idx in _by_size(pools):
+            kernels.save_layers([pools[i] for i in idx], block_ids, card, offsets[idx],
+                                engine=engine)
+        return None
     prep = prepare_by_size(lambda ps, offs, ck: kernels.prepare_save(
         ps, block_ids, card, offs, engine=engine, checks=ck,
         layer_groups=[list(range(len(ps)))]), pools, offsets, checks)

@@ -5,10 +5,10 @@ instead of one launch and one fence per layer (issue 24: issue time before the f
 ``StepMetadata.scheduled_tokens`` (the tokens the step computes) decides (:func:`is_light`); the
 worker tells its handler per step (``TransferHandler.set_light_step``). ``XKV_LOAD_GROUPS``
 (:func:`group_mode`): ``auto`` (default) groups light steps, ``layer`` keeps one launch per layer
-and does not warm the grouped variants, ``whole`` restores a light step's cache group as one
-group of all its layers (A/B switches: on the ring, fewer groups mean longer copy-engine ranges
-and fewer chunks, at the price of the forward's overlap with the copy). :func:`warm_groups`
-names the layer groups the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
+and does not warm the grouped variants, ``whole`` restores a light step's cache group as one group
+of all its layers (A/B switches: on the ring, fewer groups mean longer copy-engine ranges and fewer
+chunks, at the price of the forward's overlap with the copy). :func:`warm_groups` names the layer
+groups the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
 restored last block (``GroupTransfer.tail``). No vLLM types, no tensors.
 """
 
@@ -38,11 +38,11 @@ def group_mode() -> str:
 
 
 def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
-    """Layer groups of a light step's restore of ``n`` layers (``mode`` ``whole``: one group of
-    all of them; else, the default): halves, then halves of the rest, down to single layers (32
-    layers: 16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and the forward's last layers, which run after the copy ends, are single-layer groups. The first
-    layer waits for the first half of the copy (a light step's forward could not hide it
-    anyway)."""
+    """Layer groups of a light step's restore of ``n`` layers (``mode`` ``whole``: one group of all
+    of them; else, the default): halves, then halves of the rest, down to single layers (32 layers:
+    16, 8, 4, 2, 1, 1): log2(n) + 1 launches instead of n, and the forward's last layers, which run
+    after the copy ends, are single-layer groups. The first layer waits for the first half of the
+    copy (a light step's forward could not hide it anyway)."""
     if mode == "whole":
         return [list(range(n))] if n else []
     out, a = [], 0
@@ -53,20 +53,25 @@ def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
     return out
 
 
-def warm_groups(registry: Registry, pool_names: Sequence[str], grouped: bool,
-                tails: bool = True, mode: str = "auto") -> list[list[int]]:
-    """The restore layer groups one launch copies together, as indices into ``pool_names`` (the
-    registered caches, in the warmup's order): per cache group its light-step groups (when
-    ``grouped``; ``mode``: :func:`load_layer_groups`) and all its layers (the tail's launch,
-    when ``tails``: full hits that end inside a block, config ``full_hit_restore``)."""
+def group_layers(registry: Registry, pool_names: Sequence[str]) -> list[list[int]]:
+    """Each cache group's layers as indices into ``pool_names`` (the registered caches, in the
+    warmup's order): the layers one launch over a whole cache group copies (a full hit's tail,
+    ``checksum_pass`` "end"'s hash)."""
     at = {name: i for i, name in enumerate(pool_names)}
+    out = [[at[n] for n in plan.group.layer_names if n in at] for plan in registry.groups]
+    return [idx for idx in out if idx]
+
+
+def warm_groups(registry: Registry, pool_names: Sequence[str], mode: str,
+                tails: bool = True) -> list[list[int]]:
+    """The restore layer groups one launch copies together (:func:`group_layers`' indices): per
+    cache group its light-step groups (``mode``, :func:`group_mode`: none for ``layer``) and all
+    its layers (the tail's launch, when ``tails``: full hits that end inside a block, config
+    ``full_hit_restore``; with ``whole`` that is the light step's one group already)."""
     out: list[list[int]] = []
-    for plan in registry.groups:
-        idx = [at[n] for n in plan.group.layer_names if n in at]
-        if not idx:
-            continue
-        if grouped:
+    for idx in group_layers(registry, pool_names):
+        if mode != "layer":
             out += [[idx[i] for i in g] for g in load_layer_groups(len(idx), mode)]
-        if tails and not (grouped and mode == "whole"):  # else: just named, the same launch
+        if tails and mode != "whole":
             out.append(idx)
     return out

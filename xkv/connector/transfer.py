@@ -49,7 +49,6 @@ from xkv.connector.group_copies import (
     record_loads,
     restore_all,
     save_all,
-    save_all_verified,
 )
 from xkv.connector.page_verify import PageVerifier
 
@@ -256,13 +255,9 @@ class SyncTransferHandler(TransferHandler):
         self.flush_saves()
 
     def save_group(self, names, pools, block_ids, card, offsets, checks=None):
-        """Every layer inline, one call per page size (:func:`save_all`; with ``checks``
-        :func:`save_all_verified`, whose prepared copies it returns)."""
-        prep = None
-        if checks is None:
-            save_all(pools, block_ids, card, offsets, "auto")
-        else:
-            prep = save_all_verified(pools, block_ids, card, offsets, checks, "auto")
+        """Every layer inline, one call per page size (:func:`save_all`; with ``checks`` the
+        words too, and its prepared copies returned)."""
+        prep = save_all(pools, block_ids, card, offsets, "auto", checks)
         if self.verifier is not None:
             for i, pool in enumerate(pools):
                 self.verifier.record("save", card, offsets[i], pool, block_ids)

@@ -65,8 +65,7 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
     align = min(p.slot_alignment for p in registry.groups)
     names = list(pools)
     mode = light_steps.group_mode()
-    groups = light_steps.warm_groups(registry, names, grouped=mode != "layer", tails=tails,
-                                     mode=mode)
+    groups = light_steps.warm_groups(registry, names, mode, tails=tails)
     saves = (save_groups(registry, names, tp_rank, {n: p.block_bytes for n, p in pools.items()})
              if save_mode == "step" else [])
     log.info("XKV: compiling copy kernels (%d caches, %d restore and %d save layer groups)",
@@ -74,7 +73,7 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
     checks = any(check_words)
     cpass = handler.checksum_pass if checks else None
     # checksum_pass "end": one hash launch per group over all its layers
-    whole = light_steps.warm_groups(registry, names, grouped=False) if cpass == "end" else []
+    whole = light_steps.group_layers(registry, names) if cpass == "end" else []
     variants = kernels.warmup(list(pools.values()), card, offset_alignment=max(1, align),
                               restore_groups=groups, save_groups=saves, checks=checks,
                               hashes=cpass == "hbm", hash_groups=whole,

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from xkv.kernels import _launch, _torch, copy_engine, staged, staged_restore
+from xkv.kernels._lazy import deferred
 from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
 from xkv.kernels.page_copy import check_engine
 from xkv.kernels.verify import Checks
@@ -262,15 +263,9 @@ def _first_then_rest(job: Job, budget: int, groups: list[list[int]],
     without an offset table plans them together (one group alone would address it otherwise)."""
     if not defer or len(groups) < 2 or job.flat_off is None:
         return list(_launch.launches(job, budget, groups=groups))
-    first, rest = _launch.launches(job, budget, groups=groups[:1]), []
-
-    def later(i: int) -> Callable[[], None]:
-        def call() -> None:
-            if not rest:
-                rest.extend(_launch.launches(job, budget, groups=groups[1:]))
-            rest[i]()
-        return call
-    return [*first, *(later(i) for i in range(len(groups) - 1))]
+    rest = deferred(lambda: _launch.launches(job, budget, groups=groups[1:]).__getitem__)
+    return [*_launch.launches(job, budget, groups=groups[:1]),
+            *(lambda i=i: rest(i)() for i in range(len(groups) - 1))]
 
 
 def _layer_call(layer: Job, eng: str, budget: int) -> Callable[[], None]:

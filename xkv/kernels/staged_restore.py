@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from xkv.kernels import _launch, copy_engine, host, staged
+from xkv.kernels._lazy import deferred
 from xkv.kernels.calibrate import calibration
 from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
@@ -71,14 +72,15 @@ def group_chunks(layers, n: int, bb: int, chunk_bytes: int,
     most ``max(chunk_bytes, bb)`` bytes: ``(ls, i0, i1)``. ``align``: the pages one stored
     object holds per layer (:func:`object_run`). Several layers whose fragments do not all fit
     one chunk, at least one fragment of each does, and a chunk of one layer would span several
-    objects (``align`` below a chunk's pages; with objects of >= 2 pages per layer also where
-    a chunk could take whole layers, which would cut every object at each chunk's layer
-    boundary): fragments ``[i0, i1)`` of every layer, ``m`` per chunk, rounded down to a multiple of ``align`` when ``m`` reaches it (whole objects: a
-    layer-major object's pages of those layers are one range in the card); when a whole object
-    of every layer does not fit a chunk (a group of more than ``per // align`` layers: ``whole``
-    groups, deep models), the layers are split into runs of ``per // align`` first, each run's
-    objects whole. Otherwise :func:`chunks` (one layer's fragments, or several whole layers):
-    where a layer's pages lie contiguous in the card, a one-layer chunk is one range already."""
+    objects (``align`` below a chunk's pages; with objects of >= 2 pages per layer also where a
+    chunk could take whole layers, which would cut every object at each chunk's layer boundary):
+    fragments ``[i0, i1)`` of every layer, ``m`` per chunk, rounded down to a multiple of ``align``
+    when ``m`` reaches it (whole objects: a layer-major object's pages of those layers are one range
+    in the card); when a whole object of every layer does not fit a chunk (a group of more than
+    ``per // align`` layers: ``whole`` groups, deep models), the layers are split into runs of
+    ``per // align`` first, each run's objects whole. Otherwise :func:`chunks` (one layer's fragments, or
+    several whole layers): where a layer's pages lie contiguous in the card, a one-layer chunk is
+    one range already."""
     ls = list(layers)
     per = max(1, chunk_bytes // bb) if bb else 1
     if (n == 0 or len(ls) < 2 or per < len(ls) or align >= per
@@ -194,7 +196,9 @@ def prepare(job: Job, max_programs: int, groups: Sequence[Sequence[int]] | None 
     ring_off[order] = ring_sorted
     ring_off = ring_off.reshape(L, n)
     per_chunk = _ranges(flat_off.ravel()[order], ring_sorted, c_sorted, bb, len(todo))
-    unpack = _deferred(lambda: _unpacks(job, r, ring_off, todo, max_programs))
+    # the unpack tables are built (and uploaded) at the first unpack: the issuer makes it after
+    # queueing the restore's first copy, so the copy engine does not wait for them
+    unpack = deferred(lambda: _unpacks(job, r, ring_off, todo, max_programs))
     out: list[list[_Chunk]] = [[] for _ in groups]
     for k, (gi, _, _, _) in enumerate(todo):
         out[gi].append(_Chunk(k, k % r.slots, per_chunk[k], unpack))
@@ -377,19 +381,6 @@ def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: 
                                            t[tab_at : tab_at + p.table.size], check))
         return launches
 
-    return unpack
-
-
-def _deferred(build: Callable[[], Callable[[int], list]]) -> Callable[[int], list]:
-    """``unpack(k)`` of :func:`_unpacks`, whose tables are built (and uploaded) by its first
-    call: the issuer makes it after queueing the restore's first copy, so the copy engine does
-    not wait for them."""
-    got: list = []
-
-    def unpack(k: int) -> list:
-        if not got:
-            got.append(build())
-        return got[0](k)
     return unpack
 
 
