@@ -41,6 +41,8 @@ def test_numpy_and_torch_match_the_definition(n, start, seed):
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(1, n) if n else \
         torch.zeros(1, 0, dtype=torch.uint8)
     assert int(C.words_torch(t, start)[0]) == want
+    assert int(C.words_device(t, start)[0]) == want
+    assert int(C.words_host(np.frombuffer(data, np.uint8).reshape(1, n), start)[0]) == want
 
 
 @given(rows=st.integers(0, 6), n=words4, seed=st.integers(0, 2**32 - 1))
@@ -48,15 +50,43 @@ def test_torch_rows_with_starts(rows, n, seed):
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 256, (rows, n), dtype=np.uint8)
     starts = rng.integers(0, 2**31, rows)
-    got = C.words_torch(torch.from_numpy(a), torch.from_numpy(starts))
-    assert got.shape == (rows,)
-    assert got.tolist() == [_loop_word(a[i].tobytes(), int(starts[i])) for i in range(rows)]
+    want = [_loop_word(a[i].tobytes(), int(starts[i])) for i in range(rows)]
+    for words in (C.words_torch, C.words_device):
+        got = words(torch.from_numpy(a), torch.from_numpy(starts))
+        assert got.shape == (rows,) and got.dtype == torch.int64
+        assert got.tolist() == want
+    host = C.words_host(a, starts)
+    assert host.dtype == np.uint32 and host.tolist() == want
+
+
+@settings(max_examples=60)
+@given(rows=st.integers(0, 40), w=st.integers(0, 70), tile=st.integers(1, 50),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_host_tiles_cover_every_word_once(rows, w, tile, seed, data):
+    """words_host's tiles (whole rows, or a row's columns in parts when a row is longer than a
+    tile) at drawn tile sizes, odd rows and columns, a strided view and a scalar or 2**40-sized
+    start: the same words as the torch ops, word for word."""
+    rng = np.random.default_rng(seed)
+    big = rng.integers(0, 256, (rows, 4 * w + 12), dtype=np.uint8)
+    a = big[:, 8:8 + 4 * w]  # not C-contiguous, not at its buffer's start
+    starts = rng.integers(0, 2**40, rows) if data.draw(st.booleans()) else int(rng.integers(0, 2**40))
+    want = C.words_device(torch.from_numpy(np.ascontiguousarray(a)),
+                          torch.from_numpy(starts) if isinstance(starts, np.ndarray) else starts)
+    old = C.HOST_TILE_WORDS
+    C.HOST_TILE_WORDS = tile
+    try:
+        got = C.words_host(a, starts)
+    finally:
+        C.HOST_TILE_WORDS = old
+    assert got.astype(np.int64).tolist() == want.tolist()
 
 
 def test_empty_is_zero_and_zero_pages_are_not():
     assert C.words_numpy(b"") == 0
     assert C.words_torch(torch.zeros(3, 0, dtype=torch.uint8)).tolist() == [0, 0, 0]
     assert C.words_torch(torch.zeros(0, 8, dtype=torch.uint8)).shape == (0,)
+    assert C.words_host(np.zeros((3, 0), np.uint8)).tolist() == [0, 0, 0]
+    assert C.words_host(np.zeros((0, 8), np.uint8)).shape == (0,)
     assert C.words_numpy(bytes(16)) != 0  # an unwritten (zero) page is not "empty"
 
 
@@ -64,8 +94,11 @@ def test_empty_is_zero_and_zero_pages_are_not():
 def test_sizes_not_multiple_of_4_are_refused(nbytes):
     with pytest.raises(ValueError, match=f"{nbytes} bytes is not a multiple of 4"):
         C.check_page_bytes(nbytes)
+    for words in (C.words_torch, C.words_device):
+        with pytest.raises(ValueError, match="not a multiple of 4"):
+            words(torch.zeros(2, nbytes, dtype=torch.uint8))
     with pytest.raises(ValueError, match="not a multiple of 4"):
-        C.words_torch(torch.zeros(2, nbytes, dtype=torch.uint8))
+        C.words_host(np.zeros((2, nbytes), np.uint8))
 
 
 @settings(max_examples=300)
