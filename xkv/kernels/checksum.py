@@ -114,9 +114,9 @@ def words_torch(pages: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Ten
     any device, any strides along dim 0), row ``i``'s first word at position ``start[i]``
     (int64 ``[m]`` or an int, in words). Returns int64 ``[m]`` in ``[0, 2**32)`` on the pages'
     device: row ``i``'s contribution to its object-layer word. The torch engine's
-    (``engine="reference"``) hash: :func:`words_host` for CPU pages (17-100 x faster there on the
-    CPU box: torch's int64 passes over the whole array leave the cache), :func:`words_device`
-    elsewhere."""
+    (``engine="reference"``) hash: :func:`words_host` for CPU pages (5-24 x faster there on the
+    2-CPU box from 4 KiB pages: torch's int64 passes over the whole array leave the cache),
+    :func:`words_device` elsewhere."""
     if pages.device.type != "cpu":
         return words_device(pages, start)
     check_page_bytes(pages.shape[1])
