@@ -44,6 +44,16 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     for k in kinds[1:]:
         assert {(k, "first_restore"), (k, "cold"), (k, "restore")} <= phases
     assert {("none", "cold"), ("none", "gpu_hit"), ("xkv", "after_kill_cold")} <= phases
+    # the first decode-shaped step of each engine: a restore (connectors) or a GPU hit (none)
+    # against its steady median, variants too
+    firsts = [r for r in res["rows"] if r["phase"] in ("first_restore", "first_hit")]
+    assert sorted((r["kind"], r["phase"]) for r in firsts) == [
+        ("none", "first_hit"), ("xkv", "first_restore"),
+        ("xkv@verify_checksums=off", "first_restore")]
+    assert all(r["cached"] > 0 for r in firsts)  # hits, not cold prefills
+    for k, what in (("none", "first GPU hit"), ("xkv", "first restore"),
+                    ("xkv@verify_checksums=off", "first restore")):
+        assert f"{what} after start ({k}, 300 tokens): " in p.stdout, p.stdout[-3000:]
     # restores are whole 128-token chunks (2 of the 300 tokens), whatever block size the CPU's
     # backend chose
     assert {r["cached"] for r in res["rows"] if r["phase"] == "restore"} == {256}
