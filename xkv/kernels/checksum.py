@@ -154,8 +154,9 @@ def _column_keys(w: int) -> np.ndarray:
 
 
 def words_host(pages: np.ndarray, start: np.ndarray | int = 0) -> np.ndarray:
-    """:func:`words_torch` on the host: ``pages`` uint8 ``[m, b]`` (a C-contiguous numpy array,
-    ``b`` a multiple of 4), ``start`` int64 ``[m]`` or an int; returns uint32 ``[m]``.
+    """:func:`words_torch` on the host: ``pages`` uint8 ``[m, b]`` (a numpy array, copied first
+    when not C-contiguous; ``b`` a multiple of 4), ``start`` int64 ``[m]`` or an int; returns
+    uint32 ``[m]``.
 
     Row ``i``'s position key splits into a row term and a column term,
     ``(start[i] + c + 1) * GOLDEN = start[i] * GOLDEN + (c + 1) * GOLDEN (mod 2**32)``, so a tile
