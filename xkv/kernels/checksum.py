@@ -74,14 +74,9 @@ def mix_numpy(x: np.ndarray, p: np.ndarray) -> np.ndarray:
     """``mix(x, p)`` on uint32 arrays (numpy's uint32 arithmetic wraps mod 2**32)."""
     x = np.asarray(x, dtype=np.uint32)
     p = np.asarray(p, dtype=np.uint64)
-    key = (((p + 1) * GOLDEN) & _MASK).astype(np.uint32)
-    with np.errstate(over="ignore"):
-        h = x ^ key
-        h ^= h >> np.uint32(16)
-        h *= np.uint32(M1)
-        h ^= h >> np.uint32(13)
-        h *= np.uint32(M2)
-        h ^= h >> np.uint32(16)
+    h = np.array(x ^ (((p + 1) * GOLDEN) & _MASK).astype(np.uint32), dtype=np.uint32)
+    with np.errstate(over="ignore"):  # a 0-d array's product is scalar math, which warns
+        _fmix_inplace(h, np.empty_like(h))
     return h
 
 
@@ -119,7 +114,6 @@ def words_torch(pages: torch.Tensor, start: torch.Tensor | int = 0) -> torch.Ten
     :func:`words_device` elsewhere."""
     if pages.device.type != "cpu":
         return words_device(pages, start)
-    check_page_bytes(pages.shape[1])
     if isinstance(start, torch.Tensor):
         start = start.cpu().numpy()
     return torch.from_numpy(words_host(pages.contiguous().numpy(), start).astype(np.int64))

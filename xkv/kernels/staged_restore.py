@@ -78,9 +78,9 @@ def group_chunks(layers, n: int, bb: int, chunk_bytes: int,
     when ``m`` reaches it (whole objects: a layer-major object's pages of those layers are one range
     in the card); when a whole object of every layer does not fit a chunk (a group of more than
     ``per // align`` layers: ``whole`` groups, deep models), the layers are split into runs of
-    ``per // align`` first, each run's objects whole. Otherwise :func:`chunks` (one layer's fragments, or
-    several whole layers): where a layer's pages lie contiguous in the card, a one-layer chunk is
-    one range already."""
+    ``per // align`` first, each run's objects whole. Otherwise :func:`chunks` (one layer's
+    fragments, or several whole layers): where a layer's pages lie contiguous in the card, a
+    one-layer chunk is one range already."""
     ls = list(layers)
     per = max(1, chunk_bytes // bb) if bb else 1
     if (n == 0 or len(ls) < 2 or per < len(ls) or align >= per
