@@ -14,7 +14,12 @@ measured one at a time), a fresh ``xkv-gateway`` for xkv, as in ``bench/e2e_ttft
 (``bench/engine_children.py``); results in ``OUT/shared_prefix.json`` and a table on stdout.
 
   python bench/shared_prefix.py --model bench/models/llama8b --out $OUT [--mode eager|graphs]
-      [--kinds none,xkv,offload] [--load-mode sync|async|auto]
+      [--kinds none,xkv,xkv@load_mode=auto,offload] [--load-mode sync|async|auto]
+
+``--kinds`` takes ``bench/e2e_kinds.py``'s variant kinds (``xkv@KEY=VALUE[+KEY=VALUE...]``: an
+xkv engine with those connector options or environment variables, its own gateway), so two
+settings (e.g. ``load_mode`` sync and auto) run on the same workload in one call; every xkv kind
+is reported against Offloading.
 
 With dummy weights the logits are nearly uniform, so a numerically different but equally correct
 computation (a restored prefix against a recomputed one) can flip a greedy tie: the report counts
@@ -33,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import e2e_kinds
 import e2e_models
 import engine_children
 
@@ -52,7 +58,8 @@ def _args(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out-tokens", type=int, default=16)
-    ap.add_argument("--gpu-blocks", type=int, default=2048, help="num_gpu_blocks_override")
+    ap.add_argument("--gpu-blocks", type=int, default=2048,
+                    help="num_gpu_blocks_override (0: none; --kv-gib then sizes the cache)")
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--max-batched", type=int, default=16384)
     ap.add_argument("--chunk-size", type=int, default=256)
@@ -64,7 +71,7 @@ def _args(argv=None):
     ap.add_argument("--child-timeout", type=float, default=400.0)
     e2e_models.add_args(ap)
     engine_children.add_args(ap)
-    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # a kind of --kinds
     return ap.parse_args(argv)
 
 
@@ -87,12 +94,12 @@ def _engine(a, kind):
               enforce_eager=(a.mode == "eager"), gpu_memory_utilization=a.gpu_util,
               max_model_len=a.prefix_len + a.suffix + a.out_tokens + 64,
               max_num_batched_tokens=a.max_batched, max_num_seqs=max(a.batch, 16),
-              enable_prefix_caching=True, seed=0, num_gpu_blocks_override=a.gpu_blocks,
+              enable_prefix_caching=True, seed=0, num_gpu_blocks_override=a.gpu_blocks or None,
               **e2e_models.engine_kwargs(a))
     if a.backend:  # "" (a CPU dry run): the platform's own
         kw["attention_backend"] = a.backend
     kw.update(engine_children.engine_kwargs(a))
-    if kind == "xkv":
+    if e2e_kinds.base(kind) == "xkv":
         kw["kv_transfer_config"] = {
             "kv_connector": "FusIOnXConnector",
             "kv_connector_module_path": "xkv_vllm_connector.fusionx_connector",
@@ -100,7 +107,8 @@ def _engine(a, kind):
             "kv_connector_extra_config": {"xkv_gateway_port": a.port,
                                           "chunk_size": e2e_models.chunk_tokens(a),
                                           "load_mode": a.load_mode,
-                                          **e2e_models.connector_extra(a)}}
+                                          **e2e_models.connector_extra(a),
+                                          **e2e_kinds.options(kind)}}
     elif kind == "offload":
         kw["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -116,7 +124,7 @@ def _child(a):
     llm = _engine(a, a.child)
     if a.hold:  # started beside the other kinds (--start-together)
         engine_children.wait_for_go(lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True))
-    out = {"kind": a.child, "round_ms": [], "outputs": []}
+    out = {"kind": a.child, "round_ms": [], "outputs": [], "cached": []}
     for r, batch in enumerate(workload(a)):
         t = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
@@ -124,6 +132,7 @@ def _child(a):
         if r:
             out["round_ms"].append(round(ms, 2))
             out["outputs"].append([list(o.outputs[0].token_ids) for o in res])
+            out["cached"].append([o.num_cached_tokens for o in res])
         print(f"SP_ROUND {json.dumps({'round': r, 'ms': round(ms, 2), 'cached': [o.num_cached_tokens for o in res]})}",
               flush=True)
     print("SP_DONE " + json.dumps(out), flush=True)
@@ -133,12 +142,15 @@ def _parent(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "kinds": {}, "rc": {}}
-    together = engine_children.together(a, len(a.kinds.split(",")))
+    kinds = a.kinds.split(",")
+    e2e_kinds.check(kinds, KINDS)
+    together = engine_children.together(a, len(kinds))
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
-        env=dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1"),
-        gateway=kind == "xkv", card=f"{int(a.card_gib * 1024)}M", port=a.port, pass_pid=False)
-        for kind in a.kinds.split(",")]
+        env=dict(os.environ, PYTHONHASHSEED="0", XKV_GATEWAY_HOSTNAME="127.0.0.1",
+                 **e2e_kinds.env(kind)),
+        gateway=e2e_kinds.base(kind) == "xkv", card=f"{int(a.card_gib * 1024)}M", port=a.port,
+        pass_pid=False) for kind in kinds]
 
     def on_line(kind, line):
         tag, _, body = line.partition(" ")
@@ -154,12 +166,17 @@ def _parent(a):
 
 
 def report(res) -> str:
+    """The table: per kind mean / median round time, the mean cached (restored or GPU-hit)
+    tokens per request of the timed rounds, and how many output tokens equal the no-connector
+    run's; then every xkv kind's mean round time against Offloading's."""
     ks = res["kinds"]
     base = ks.get("none", {}).get("outputs")
-    lines = ["| kind | mean round ms | median round ms | rounds | outputs equal to no connector |",
-             "|---|---|---|---|---|"]
+    lines = ["| kind | mean round ms | median round ms | rounds | mean cached tokens per request "
+             "| outputs equal to no connector |", "|---|---|---|---|---|---|"]
     for kind, r in ks.items():
         t = r["round_ms"]
+        hits = [c for rnd in r.get("cached", []) for c in rnd]
+        cached = f"{statistics.mean(hits):.0f}" if hits else "—"
         if base is None or kind == "none":
             eq = "—"
         else:
@@ -167,11 +184,12 @@ def report(res) -> str:
                      for x, y in zip(bx, by, strict=False)]
             eq = f"{sum(x == y for x, y in pairs)} of {len(pairs)}"
         lines.append(f"| {kind} | {statistics.mean(t):.1f} | {statistics.median(t):.1f} | {len(t)} "
-                     f"| {eq} |" if t else f"| {kind} | — | — | 0 | — |")
-    for kind in ("xkv",):
-        if kind in ks and "offload" in ks and ks[kind]["round_ms"] and ks["offload"]["round_ms"]:
-            q = statistics.mean(ks[kind]["round_ms"]) / statistics.mean(ks["offload"]["round_ms"])
-            lines.append(f"\n{kind} / Offloading mean round time: {q:.3f} (target <= 0.80)")
+                     f"| {cached} | {eq} |" if t else f"| {kind} | — | — | 0 | — | — |")
+    off = ks.get("offload", {}).get("round_ms")
+    for kind in (k for k in ks if e2e_kinds.base(k) == "xkv"):
+        if off and ks[kind]["round_ms"]:
+            q = statistics.mean(ks[kind]["round_ms"]) / statistics.mean(off)
+            lines.append(f"{kind} / Offloading mean round time: {q:.3f} (target <= 0.80)")
     lines.append(f"child exit codes: {res.get('rc')}")
     return "\n".join(lines)
 

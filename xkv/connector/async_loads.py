@@ -81,6 +81,10 @@ class AsyncLoadPlanner:
         if mode != "sync" and sync_only is not None:
             log.info("xkv: load_mode=%s: this model has %s, its restores stay synchronous "
                      "(docs/architecture.md, Asynchronous restores)", mode, sync_only)
+        elif self.enabled:
+            log.info("XKV: restores: load_mode %r (%s)", mode, "every hit parked while it copies"
+                     if mode == "async" else "parked while another request is admitted, inside "
+                     "the step when the engine is idle")
 
     def choose(self, ext: int, *, busy: bool) -> bool:
         """Whether a hit of ``ext`` tokens is restored asynchronously (``busy``: another
