@@ -378,8 +378,13 @@ def _multi(a, llm, kind, mode, prompt, clock, reset, out) -> dict:
              + [{"prompt_token_ids": p} for p in ps])
     clock.take()
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
+    # the engine runs in this process: the caching allocator's retries during the batch (each
+    # released its cache with a device-synchronising cudaFree)
+    retries = lambda: torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0  # noqa: E731
+    r0 = retries()
     with torch.profiler.profile(activities=acts) as prof:
         t = time.perf_counter()
         outs = llm.generate(batch, [dec] * 4 + [one] * len(ps), use_tqdm=False)
@@ -388,7 +393,7 @@ def _multi(a, llm, kind, mode, prompt, clock, reset, out) -> dict:
     prof.export_chrome_trace(str(path))
     row = dict(phase="multi_profiled", tokens=a.multi_len, ms=round(ms, 2),
                cached=[o.num_cached_tokens for o in outs[4:]], gpu=_gpu_view(str(path)),
-               hooks=clock.take())
+               hooks=clock.take(), alloc_retries=retries() - r0)
     if a.traces:
         with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
             g.write(f.read())
@@ -493,7 +498,8 @@ def _report(results, out):
                 if g.get("copies"):
                     lines.append(f"  - copies: {g['copies']}")
                 if row["phase"] == "multi_profiled":  # where the batch's hooks ran, host and GPU
-                    lines.append(f"  - cached tokens per prompt {row['cached']}; hooks: " + "; ".join(
+                    lines.append(f"  - cached tokens per prompt {row['cached']}; allocator retries "
+                                 f"{row.get('alloc_retries', '—')}; hooks: " + "; ".join(
                         f"{k} {v['ms']:.2f} ms host ({v['calls']} calls)"
                         + (f", GPU {v['gpu_first_ms']:.2f}-{v['gpu_last_ms']:.2f} from the first "
                            f"hook, stall {v['gpu_stall_ms']:.2f}" if "gpu_first_ms" in v else "")

@@ -198,3 +198,25 @@ def test_collections_inside_the_step_are_counted_and_long_ones_logged(monkeypatc
     t.issued(1_000_000, 1, "load")
     assert "gc_ms" not in t.report()  # a step without a collection: no field
     assert off.gc_s == 0.0
+
+
+def test_allocator_retries_inside_the_step_are_counted():
+    """The caching allocator's retries between ``begin`` and ``report`` (each a device
+    synchronisation) are on the line, those before the step are not; none: no field."""
+    count = [7]  # retries before the step
+    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: count[0])
+    t.begin("load")
+    FakeEvent.clock = 1.0
+    t.issued(1000, 1, "load")
+    count[0] += 2  # the forward's allocations retried twice
+    line = t.report()
+    head, sep, n = line.rpartition(" alloc_retries=")
+    assert LINE.match(head) and sep and n == "2", line
+    t.begin("load")  # the next step starts from the count it finds
+    FakeEvent.clock = 2.0
+    t.issued(1000, 1, "load")
+    assert "alloc_retries" not in t.report()
+    off = LoadTiming(False, FakeEvent, alloc_retries=lambda: 1 / 0)  # off: never read
+    off.begin("load")
+    off.issued(1000, 1, "load")
+    assert off.report() is None

@@ -40,5 +40,6 @@ def test_profile_steps_profiles_the_multi_case(models, tmp_path):
     assert hooks["update_state_after_alloc"]["calls"] >= 3
     text = (out / "profile.md").read_text()
     assert "profiled multi_profiled 300" in text
-    assert "cached tokens per prompt [256, 256, 256]; hooks: " in text
+    assert m["alloc_retries"] == 0  # no CUDA allocator on the CPU engine: counted as none
+    assert "cached tokens per prompt [256, 256, 256]; allocator retries 0; hooks: " in text
     assert not list(out.glob("trace_*.json"))  # the trace was read, then removed

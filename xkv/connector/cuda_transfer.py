@@ -56,7 +56,9 @@ class CudaTransferHandler(TransferHandler):
         timing = os.environ.get("XKV_TIMING", "0")
         self._timing = LoadTiming(timing in ("1", "2"),
                                   lambda: torch.cuda.Event(enable_timing=True),
-                                  watch=timing == "2")
+                                  watch=timing == "2", alloc_retries=lambda: int(
+                                      torch.cuda.memory_stats(self.device).get(
+                                          "num_alloc_retries", 0)))
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 

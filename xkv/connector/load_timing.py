@@ -18,6 +18,14 @@ restores verified by checksums of those issued; ``GBps`` = bytes / copy_ms;
 end (xkv's or vLLM's, the forward included): a first-time cost inside the step (a first restore
 once imported ``numpy.ma`` through ``np.unique``, ~8 ms; ``xkv.kernels._arrays``).
 
+``alloc_retries`` (only when any, and only where the handler passes a counter: CUDA): how often
+torch's caching allocator, inside the window ``begin`` .. ``report`` (the forward included),
+found no free block, released its cached memory and retried ``cudaMalloc``; the release
+(``cudaFree``) synchronises the device, so the host waits there for every copy queued before
+it. stop 48's 8 x 16k step (two engines sharing one H100) spent ~350 ms of host time between
+the issue and the first layer while its copy ran, outside every hook: this counts the candidate
+(bench/RESULTS.md "stop 48").
+
 ``gc_ms`` (only when any): Python garbage collection inside the window ``begin`` .. ``report``
 (``gc.callbacks``); and any collection of at least :data:`GC_LOG_MS` anywhere in the process logs
 its own ``XKV_TIMING gc`` line (generation, ms, objects collected): vLLM's own steps vary by up to
@@ -79,8 +87,13 @@ class LoadTiming:
     :meth:`begin` opened the step. ``event``: makes a timing event with ``record(stream)`` and
     ``elapsed_time(other)`` in ms (``torch.cuda.Event(enable_timing=True)``)."""
 
-    def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False) -> None:
+    def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False,
+                 alloc_retries: Callable[[], int] | None = None) -> None:
+        """``alloc_retries``: the caching allocator's retry count so far (``num_alloc_retries``
+        of ``torch.cuda.memory_stats``), read at ``begin`` and ``report``; None: not counted."""
         self.enabled, self._event, self._watch = enabled, event, enabled and watch
+        self._retries = alloc_retries if enabled else None
+        self._retries0 = 0
         self._open = False
         self.gc_s = 0.0
         if enabled:
@@ -102,6 +115,8 @@ class LoadTiming:
         # a count, not a copy: a set of the engine's ~5000 module names cost 0.75 ms of each
         # restore's issue (stop 43's profile); imports only add keys, in order
         self._mods = len(sys.modules)
+        if self._retries is not None:
+            self._retries0 = self._retries()
         self._open = True
 
     def planned(self, seconds: float, started: float | None = None) -> None:
@@ -165,6 +180,8 @@ class LoadTiming:
         new = sorted(list(sys.modules)[self._mods:]) if len(sys.modules) > self._mods else []
         more = f" imported={','.join(new)[:400]}" if new else ""
         more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
+        retries = self._retries() - self._retries0 if self._retries is not None else 0
+        more += f" alloc_retries={retries}" if retries else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} "
                 f"issue_cpu_ms={(self._cpu1 - self._cpu0) * 1e3:.2f} pre_ms={pre * 1e3:.2f} "
