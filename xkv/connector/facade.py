@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from xkv.connector import compat, issue_profile, setup
+from xkv.connector import compat, early_issue, issue_profile, setup
 from xkv.connector.metadata import StepMetadata, WorkerReport
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import PromMetricsMixin, StatsMixin
@@ -101,6 +101,10 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         self._registry, self._num_blocks, self._kv_layout = s.registry, s.num_blocks, s.kv_layout
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # XKV_EARLY_ISSUE: the scheduler side hands each step to its engine's worker on this
+        # thread (early_issue.py); the engine id pairs the two roles of one engine
+        self._engine_id = str(getattr(self._kv_transfer_config, "engine_id", "") or "")
+        self._early = early_issue.enabled()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = setup.scheduler_side(s, vllm_config, kv_cache_config)
         else:
@@ -108,6 +112,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = setup.worker_side(s, vllm_config, kv_cache_config, self._tp_rank)
             self._start_lines = [s.chunk_line, runner_line(vllm_config)]
             self._issue_profile = issue_profile.from_env()  # XKV_PROFILE_ISSUE: a diagnostic
+            self._handover = early_issue.Handover()
+            self._issued_early = False  # the bound step's restores were issued at scheduling
 
     # ================================================================ scheduler role
 
@@ -124,7 +130,11 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return FusIOnXConnectorMetadata(self._scheduler.build_connector_meta(scheduler_output))
+        meta = FusIOnXConnectorMetadata(self._scheduler.build_connector_meta(scheduler_output))
+        worker = early_issue.peer(self._engine_id) if self._early else None
+        if worker is not None:
+            worker._issue_at_scheduling(meta.step)
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
@@ -163,13 +173,35 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info(line)
             for line in self._registry.describe_layout():
                 log.debug(line)
+        if self._early:
+            early_issue.register(self._engine_id, self, compat.parallel_sizes(self._vllm_config)[2],
+                                 fanout=self._worker.fanout is not None)
+            self._handover.note_thread()
+
+    def _issue_at_scheduling(self, step: StepMetadata) -> None:
+        """``XKV_EARLY_ISSUE``: the scheduler side of this engine built ``step`` on this thread:
+        bind it and issue its restores now, if the worker is between steps (early_issue.py)."""
+        assert self._worker is not None
+        if self._handover.may_issue(step, between_steps=not self._worker.in_step):
+            self._worker.bind(step)
+            self._issue(step)
+            self._handover.issued(step)
+
+    def _issue(self, step: StepMetadata) -> None:
+        loads = bool(step.loads)
+        self._issue_profile.call(self._worker.start_load_kv, loads=loads,
+                                 kind=issue_profile.step_kind(step.loads)
+                                 if loads and self._issue_profile.enabled else "")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert self._worker is not None and isinstance(
             connector_metadata, FusIOnXConnectorMetadata
         )
-        self._worker.bind(connector_metadata.step)
+        self._issued_early = self._handover.take(connector_metadata.step)
+        if not self._issued_early:  # else bound (and its restores issued) at scheduling
+            self._worker.bind(connector_metadata.step)
+        self._handover.note_thread()
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -192,9 +224,13 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
-        self._issue_profile.call(self._worker.start_load_kv, loads=loads,
-                                 kind=issue_profile.step_kind(meta.step.loads)
-                                 if loads and self._issue_profile.enabled else "")
+        if self._issued_early:  # issued when the step was scheduled (XKV_EARLY_ISSUE)
+            self._issued_early = False
+            self._handover.started()
+        elif loads:
+            self._issue(meta.step)
+        else:
+            self._worker.start_load_kv()  # nothing to restore: returns at once
         self._worker.start_async_loads()
         if loads and forward_context is not None and (
                 getattr(forward_context, "attn_metadata", None) is None

@@ -266,6 +266,11 @@ class WorkerSide:
                 self.offpath.release(old, record_fences(self._fence_owners(),
                                                         self.offpath.device))
 
+    @property
+    def in_step(self) -> bool:
+        """A step's metadata is bound and not yet cleared."""
+        return self._meta is not None
+
     def start_load_kv(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads:

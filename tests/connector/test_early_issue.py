@@ -1,0 +1,81 @@
+"""The hand-over rules of ``XKV_EARLY_ISSUE`` (xkv/connector/early_issue.py), without vLLM: when a
+step built by the scheduler side may be issued by the worker at once, and that the step bound
+next must be the one issued."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from xkv.connector import early_issue
+
+
+@dataclass
+class Job:
+    job_id: int
+
+
+@dataclass
+class Step:
+    loads: tuple = ()
+
+
+def test_the_switch_refuses_other_values(monkeypatch):
+    monkeypatch.delenv(early_issue.ENV, raising=False)
+    assert not early_issue.enabled()
+    monkeypatch.setenv(early_issue.ENV, "1")
+    assert early_issue.enabled()
+    monkeypatch.setenv(early_issue.ENV, "yes")
+    with pytest.raises(ValueError, match="XKV_EARLY_ISSUE='yes': expected 0 or 1"):
+        early_issue.enabled()
+
+
+def test_only_a_single_worker_without_fanout_registers(monkeypatch, caplog):
+    monkeypatch.setenv(early_issue.ENV, "1")
+
+    class W:
+        pass
+
+    w1, w2, w3 = W(), W(), W()
+    early_issue.register("e1", w1, world_size=1, fanout=False)
+    with caplog.at_level("INFO", logger="xkv.connector"):
+        early_issue.register("e2", w2, world_size=2, fanout=False)
+        early_issue.register("e3", w3, world_size=1, fanout=True)
+    assert early_issue.peer("e1") is w1
+    assert early_issue.peer("e2") is None and early_issue.peer("e3") is None
+    assert "world size 2" in caplog.text and "fan-out" in caplog.text
+    monkeypatch.setenv(early_issue.ENV, "0")
+    early_issue.register("e4", W(), world_size=1, fanout=False)
+    assert early_issue.peer("e4") is None  # off: never offered
+    del w1
+    assert early_issue.peer("e1") is None  # a weak reference: a dropped engine is not kept
+
+
+def test_a_step_is_issued_early_only_between_steps_on_the_workers_thread():
+    h = early_issue.Handover()
+    step = Step(loads=(Job(3), Job(4)))
+    assert not h.may_issue(step, between_steps=True)  # no step ran on any thread yet
+    h.note_thread()
+    assert not h.may_issue(Step(), between_steps=True)  # nothing to restore
+    assert not h.may_issue(step, between_steps=False)  # the worker is inside a step
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(h.may_issue(step, between_steps=True)))
+    t.start()
+    t.join()
+    assert seen == [False]  # another thread: another CUDA stream, maybe a step running
+    assert h.may_issue(step, between_steps=True)
+    h.issued(step)
+    assert not h.may_issue(Step(loads=(Job(5),)), between_steps=True)  # one at a time
+    assert h.take(Step(loads=(Job(3), Job(4))))  # a copy of the metadata matches by job ids
+    h.started()
+    assert not h.take(step)  # started: the next bind issues as usual
+
+
+def test_binding_another_step_than_the_one_issued_stops():
+    h = early_issue.Handover()
+    h.note_thread()
+    h.issued(Step(loads=(Job(7),)))
+    with pytest.raises(RuntimeError, match=r"load jobs \[8\]\) is not the one .* \[7\]"):
+        h.take(Step(loads=(Job(8),)))

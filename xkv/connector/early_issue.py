@@ -1,0 +1,112 @@
+"""``XKV_EARLY_ISSUE=1``: a step's restores issued when the scheduler builds the step, not when the
+worker starts it.
+
+Between the scheduler's ``build_connector_meta`` and the worker's ``start_load_kv`` vLLM prepares
+the step's inputs and attention metadata on the same thread: 2.2-3 ms of a 2k restore step on
+stop 43's H100, 4.9 ms of a 16k one on stop 48's (``bench/profile_steps.py``'s hook positions,
+bench/RESULTS.md "stop 48"), during which the GPU's copy engine and the load stream are idle and
+the step's copies have not started. Where both roles live on one thread (one worker: tensor and
+pipeline parallel size 1, vLLM's in-process executor), the scheduler side hands the step's
+metadata to its own engine's worker as soon as it is built; the worker binds it and issues the
+restores then, on the same CUDA stream order as ``start_load_kv`` would (the load stream waits
+for the compute stream's queued work first), and the step's own ``bind_connector_metadata`` /
+``start_load_kv`` find it done and only add what belongs to the forward (fences of layers
+without hooks, async loads).
+
+Conditions, each checked for every step (otherwise the step runs as without the switch):
+the switch is on; the worker of the same engine (``kv_transfer_config.engine_id``) registered in
+this process with a world size of 1 and no NVLink fan-out; the call comes on the thread that ran
+that worker's last step (a thread-local CUDA stream and no concurrent step); the worker is
+between steps (its last metadata cleared); the step has synchronous restores.
+
+Off by default: an A/B switch until a GPU run measured it (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("xkv.connector")
+
+ENV = "XKV_EARLY_ISSUE"
+LINE = "XKV: restores issued when the scheduler builds the step (XKV_EARLY_ISSUE)"
+OFF_LINE = ("XKV: XKV_EARLY_ISSUE has no effect here: the workers are not this process's "
+            "single worker ({why}); restores are issued by start_load_kv")
+
+_PEERS: dict[str, weakref.ref] = {}  # engine id -> the worker-role façade of that engine
+
+
+def enabled() -> bool:
+    """The switch: ``1`` on, ``0`` or unset off; anything else refuses to start."""
+    v = os.environ.get(ENV, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def register(engine_id: str, worker: Any, world_size: int, fanout: bool) -> None:
+    """The worker-role façade of ``engine_id`` offers early issue (when the switch is on and it
+    is the engine's only worker); says once why not otherwise."""
+    if not enabled():
+        return
+    why = (f"world size {world_size}" if world_size != 1 else
+           "the NVLink fan-out exchanges every restore" if fanout else "")
+    if why:
+        log.info(OFF_LINE.format(why=why))
+        return
+    _PEERS[engine_id] = weakref.ref(worker)
+
+
+def peer(engine_id: str) -> Any | None:
+    """The registered worker-role façade of ``engine_id`` in this process, or None."""
+    ref = _PEERS.get(engine_id)
+    return ref() if ref is not None else None
+
+
+def key(step: Any) -> tuple[int, ...]:
+    """A step's identity for the hand-over: its load jobs' ids (unique per scheduler; equal on a
+    copy of the metadata, so a serialised hand-over still matches)."""
+    return tuple(job.job_id for job in step.loads)
+
+
+class Handover:
+    """The worker-role façade's record of a step issued early (one at a time)."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[int, ...] | None = None  # key of the step issued, not yet started
+        self.thread: int | None = None  # the thread of the worker's last step
+        self.logged = False
+
+    def note_thread(self) -> None:
+        self.thread = threading.get_ident()
+
+    def may_issue(self, step: Any, between_steps: bool) -> bool:
+        """Whether a step built now may be issued now (see the module's conditions)."""
+        return (bool(step.loads) and self.pending is None and between_steps
+                and self.thread == threading.get_ident())
+
+    def issued(self, step: Any) -> None:
+        self.pending = key(step)
+        if not self.logged:
+            self.logged = True
+            log.info(LINE)
+
+    def take(self, step: Any) -> bool:
+        """At ``bind_connector_metadata``: True when this step was issued early (then its bind
+        and issue are done). A different step while one is pending is a broken invariant: its
+        copies would run without their step, so it stops with a clear error."""
+        if self.pending is None:
+            return False
+        if key(step) != self.pending:
+            raise RuntimeError(
+                f"xkv: {ENV}: the step bound (load jobs {list(key(step))}) is not the one whose "
+                f"restores were issued when it was scheduled (load jobs {list(self.pending)})")
+        return True
+
+    def started(self) -> None:
+        """At ``start_load_kv``: the early step is the worker's current one now."""
+        self.pending = None
