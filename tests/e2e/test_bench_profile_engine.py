@@ -6,29 +6,22 @@ it to find where a many-request restore step spends what its copy does not expla
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from e2e_harness import run_bench
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_steps_profiles_the_multi_case(models, tmp_path):
     out = tmp_path / "p"
-    cmd = [sys.executable, str(ROOT / "bench" / "profile_steps.py"), "--model", models["llama"],
-           "--out", str(out), "--lens", "300", "--modes", "eager", "--kinds", "xkv", "--reps",
-           "1", "--backend", "", "--chunk-size", "128", "--vocab", "1024", "--card-gib", "0.25",
-           "--kv-gib", "0.25", "--gpu-util", "0.1", "--max-batched", "2048", "--multi", "3",
-           "--multi-len", "300", "--child-timeout", "600"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    args = ["--model", models["llama"],
+            "--out", str(out), "--lens", "300", "--modes", "eager", "--kinds", "xkv", "--reps",
+            "1", "--backend", "", "--chunk-size", "128", "--vocab", "1024", "--card-gib", "0.25",
+            "--kv-gib", "0.25", "--gpu-util", "0.1", "--max-batched", "2048", "--multi", "3",
+            "--multi-len", "300", "--child-timeout", "600"]
+    run_bench("profile_steps.py", args)
     (res,) = json.loads((out / "profile.json").read_text())
     rows = [r for r in res["rows"] if r["phase"] == "multi_profiled"]
     assert len(rows) == 1, [r["phase"] for r in res["rows"]]

@@ -6,16 +6,12 @@ prefix, and the report must name each xkv kind against the no-connector outputs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from e2e_harness import run_bench
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
@@ -25,16 +21,13 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
     # a KV cache of ~1100 tokens (512 B each: two concurrent requests of 490), sized in bytes so
     # that it holds as many tokens whatever block size the CPU's backend picks: eight prefixes
     # fall out of it and come back from the card
-    cmd = [sys.executable, str(ROOT / "bench" / "shared_prefix.py"), "--model", models["llama"],
-           "--out", str(out), "--kinds", ",".join(kinds), "--backend", "", "--prefixes", "8",
-           "--prefix-len", str(prefix_len), "--suffix", str(suffix), "--batch", "2",
-           "--rounds", "2", "--out-tokens", "2", "--gpu-blocks", "0", "--kv-gib", "0.000525",
-           "--gpu-util", "0.1", "--max-batched", "2048", "--chunk-size", "128", "--vocab",
-           "1024", "--card-gib", "0.25", "--child-timeout", "400", "--lookup-timeout-ms", "2000"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    args = ["--model", models["llama"],
+            "--out", str(out), "--kinds", ",".join(kinds), "--backend", "", "--prefixes", "8",
+            "--prefix-len", str(prefix_len), "--suffix", str(suffix), "--batch", "2",
+            "--rounds", "2", "--out-tokens", "2", "--gpu-blocks", "0", "--kv-gib", "0.000525",
+            "--gpu-util", "0.1", "--max-batched", "2048", "--chunk-size", "128", "--vocab",
+            "1024", "--card-gib", "0.25", "--child-timeout", "400", "--lookup-timeout-ms", "2000"]
+    p = run_bench("shared_prefix.py", args)
     res = json.loads((out / "shared_prefix.json").read_text())
     assert res["rc"] == dict.fromkeys(kinds, 0), p.stdout[-3000:]
     assert list(res["kinds"]) == kinds

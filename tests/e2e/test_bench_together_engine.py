@@ -6,32 +6,25 @@ are there, as one after the other."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from e2e_harness import run_bench
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_e2e_ttft_engines_started_together(models, tmp_path):
     out = tmp_path / "o"
     kinds = ["none", "xkv", "xkv@verify_checksums=off"]
-    cmd = [sys.executable, str(ROOT / "bench" / "e2e_ttft.py"), "--model", models["llama"],
-           "--out", str(out), "--kinds", ",".join(kinds), "--backend", "", "--mode", "eager",
-           "--lens", "300", "--reps", "2", "--cold-reps", "1", "--multi", "0",
-           "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
-           "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
-           "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together",
-           "--gpu-util", "0.1", "--ab-unverified"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    args = ["--model", models["llama"],
+            "--out", str(out), "--kinds", ",".join(kinds), "--backend", "", "--mode", "eager",
+            "--lens", "300", "--reps", "2", "--cold-reps", "1", "--multi", "0",
+            "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
+            "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
+            "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together",
+            "--gpu-util", "0.1", "--ab-unverified"]
+    p = run_bench("e2e_ttft.py", args)
     res = json.loads((out / "e2e_ttft.json").read_text())
     assert res["rc"] == dict.fromkeys(kinds, 0), p.stdout[-3000:]
     t = res["times"]
