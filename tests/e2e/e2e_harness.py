@@ -99,12 +99,15 @@ def run_engine(models, kind, gateway, steps, *, extra=None, multiprocess=False, 
     return res, log
 
 
-def run_bench(script: str, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+def run_bench(script: str, args: list[str], timeout: int = 900,
+              unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``bench/<script>`` with ``args`` on vLLM's CPU engine (offline, this checkout first on
-    ``PYTHONPATH``), from the repository root; fails the test with the output's tail unless it
-    exits 0."""
+    ``PYTHONPATH``, the variables ``unset`` removed), from the repository root; fails the test
+    with the output's tail unless it exits 0."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for name in unset:
+        env.pop(name, None)
     p = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True,
                        text=True, timeout=timeout, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -27,7 +27,9 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
             "--rounds", "2", "--out-tokens", "2", "--gpu-blocks", "0", "--kv-gib", "0.000525",
             "--gpu-util", "0.1", "--max-batched", "2048", "--chunk-size", "128", "--vocab",
             "1024", "--card-gib", "0.25", "--child-timeout", "400", "--lookup-timeout-ms", "2000"]
-    p = run_bench("shared_prefix.py", args)
+    # the suite's VLLM_CPU_KVCACHE_SPACE (scripts/test.sh: 1 GiB) would size the CPU engine's
+    # cache instead of --kv-gib: every prefix would stay cached
+    p = run_bench("shared_prefix.py", args, unset=("VLLM_CPU_KVCACHE_SPACE",))
     res = json.loads((out / "shared_prefix.json").read_text())
     assert res["rc"] == dict.fromkeys(kinds, 0), p.stdout[-3000:]
     assert list(res["kinds"]) == kinds
