@@ -107,6 +107,8 @@ class Handover:
                 f"restores were issued when it was scheduled (load jobs {list(self.pending)})")
         return True
 
-    def started(self) -> None:
-        """At ``start_load_kv``: the early step is the worker's current one now."""
-        self.pending = None
+    def started(self) -> bool:
+        """At ``start_load_kv``: True when the bound step was issued early (its copies are under
+        way: nothing to issue); the worker's current step from now on, none pending."""
+        early, self.pending = self.pending is not None, None
+        return early

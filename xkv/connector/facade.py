@@ -113,7 +113,6 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
             self._start_lines = [s.chunk_line, runner_line(vllm_config)]
             self._issue_profile = issue_profile.from_env()  # XKV_PROFILE_ISSUE: a diagnostic
             self._handover = early_issue.Handover()
-            self._issued_early = False  # the bound step's restores were issued at scheduling
 
     # ================================================================ scheduler role
 
@@ -184,13 +183,14 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         if self._handover.may_issue(step, between_steps=not self._worker.in_step):
             self._worker.bind(step)
-            self._issue(step)
+            self._issue(step.loads)
             self._handover.issued(step)
 
-    def _issue(self, step: StepMetadata) -> None:
-        loads = bool(step.loads)
-        self._issue_profile.call(self._worker.start_load_kv, loads=loads,
-                                 kind=issue_profile.step_kind(step.loads)
+    def _issue(self, loads: tuple) -> None:
+        """The worker's issue of the bound step's restores (``loads``: its load jobs), profiled
+        under ``XKV_PROFILE_ISSUE``."""
+        self._issue_profile.call(self._worker.start_load_kv, loads=bool(loads),
+                                 kind=issue_profile.step_kind(loads)
                                  if loads and self._issue_profile.enabled else "")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -198,8 +198,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None and isinstance(
             connector_metadata, FusIOnXConnectorMetadata
         )
-        self._issued_early = self._handover.take(connector_metadata.step)
-        if not self._issued_early:  # else bound (and its restores issued) at scheduling
+        if not self._handover.take(connector_metadata.step):  # else bound at scheduling
             self._worker.bind(connector_metadata.step)
         self._handover.note_thread()
 
@@ -224,13 +223,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
-        if self._issued_early:  # issued when the step was scheduled (XKV_EARLY_ISSUE)
-            self._issued_early = False
-            self._handover.started()
-        elif loads:
-            self._issue(meta.step)
-        else:
-            self._worker.start_load_kv()  # nothing to restore: returns at once
+        if not self._handover.started():  # else issued when it was scheduled (XKV_EARLY_ISSUE)
+            self._issue(meta.step.loads if loads else ())
         self._worker.start_async_loads()
         if loads and forward_context is not None and (
                 getattr(forward_context, "attn_metadata", None) is None
