@@ -34,8 +34,8 @@ log = logging.getLogger("xkv.connector")
 
 ENV = "XKV_EARLY_ISSUE"
 LINE = "XKV: restores issued when the scheduler builds the step (XKV_EARLY_ISSUE)"
-OFF_LINE = ("XKV: XKV_EARLY_ISSUE has no effect here: the workers are not this process's "
-            "single worker ({why}); restores are issued by start_load_kv")
+OFF_LINE = ("XKV: XKV_EARLY_ISSUE has no effect here ({why}): restores are issued by "
+            "start_load_kv")
 
 _PEERS: dict[str, weakref.ref] = {}  # engine id -> the worker-role façade of that engine
 
