@@ -36,7 +36,7 @@ def test_only_a_single_worker_without_fanout_registers(monkeypatch, caplog):
     monkeypatch.setenv(early_issue.ENV, "1")
 
     class W:
-        pass
+        """A worker-role façade stand-in (weakly referenced, as the registry holds them)."""
 
     w1, w2, w3 = W(), W(), W()
     early_issue.register("e1", w1, world_size=1, fanout=False)

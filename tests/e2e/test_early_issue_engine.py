@@ -6,8 +6,11 @@ restored page checked against its card bytes when its layer is waited for, ``ver
 number of restored block-layers (a step issued twice would count twice), greedy tokens equal to
 the no-connector run."""
 
+import json
+
 import pytest
 from e2e_harness import run_engine
+from early_marks import MARK
 
 from xkv.connector import early_issue
 
@@ -35,13 +38,19 @@ def _scenario(models, gateway, env, namespace):
         {"op": "generate", "name": "restore1", "prompts": [{"tokens": P1}]},
         {"op": "reset"},
         {"op": "generate", "name": "batch", "prompts": [{"tokens": Q1}, {"tokens": Q2}]},
-    ], extra={"chunk_size": 64, "key_namespace": namespace}, env=env)
+    ], extra={"chunk_size": 64, "key_namespace": namespace}, env=env, imports=["early_marks"])
 
 
 def test_early_issue_restores_the_same_pages_once(models, gateway):
     plain, plain_log = _scenario(models, gateway, {"XKV_EARLY_ISSUE": "0"}, "plain")
     early, early_log = _scenario(models, gateway, {"XKV_EARLY_ISSUE": "1"}, "early")
     assert early_issue.LINE in early_log and early_issue.LINE not in plain_log
+    # both restore steps went early (P1 alone: one load job; Q1 and Q2 together: two), every
+    # load job once; none without the switch
+    marks = [json.loads(ln.split(MARK, 1)[1]) for ln in early_log.splitlines() if MARK in ln]
+    assert [len(m) for m in marks] == [1, 2], marks
+    assert len({j for m in marks for j in m}) == early["load_jobs"]
+    assert MARK not in plain_log
     for res in (plain, early):
         runs = {r["name"]: r for r in res["runs"]}
         ref = runs["ref"]["tokens"]
