@@ -237,21 +237,29 @@ def written_part(block_ids, offsets, checks):
 
 
 class Warnings(logging.Handler):
-    """The xkv connector's warnings, each record once (whatever other handlers exist)."""
+    """The xkv connector's warnings, each record once (whatever other handlers exist, and
+    whatever level an earlier test or vLLM's set-up left on the root logger: the connector's
+    logger is set to WARNING for the block)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
         self.lines = []
+        self._level = logging.NOTSET
 
     def emit(self, record):
         self.lines.append(record.getMessage())
 
     def __enter__(self):
-        logging.getLogger("xkv.connector").addHandler(self)
+        logger = logging.getLogger("xkv.connector")
+        self._level = logger.level
+        logger.setLevel(logging.WARNING)
+        logger.addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        logging.getLogger("xkv.connector").removeHandler(self)
+        logger = logging.getLogger("xkv.connector")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
 
     def count(self, text):
         return sum(text in line for line in self.lines)
