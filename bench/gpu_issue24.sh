@@ -7,6 +7,8 @@
 #                   none / xkv / offload, 2k and 16k: hook host time, CUDA events around every hook
 #                   (GPU position, stall on each layer's copy), a torch.profiler view per case
 #   profile_mla     the same on bench/models/dsv2_mla16 (TRITON_MLA); profile_mla_xkv: xkv only
+#   profile_mla_ab  the MLA model, xkv checked and xkv@verify_checksums=off (issue 25: stop 49's
+#                   same-engine 32k ratio 1.067), LENS (default 32768), 5 reps each
 #   profile_qwen_2k  the same on bench/models/qwen3_8b at 2048 only, 5 reps: its restores took 25 or 42 ms
 #                   with the same copy (stop 41): where do the other 17 ms go
 #   profile_llama_2k  xkv (unchecked, checked) and the GPU hit at 2k only, 5 reps: where the
@@ -135,6 +137,8 @@ for spec in "$@"; do
     profile_mla) prof "$step" "$secs" "${MLA[@]}" --kinds none,xkv,offload ;;
     profile_qwen_2k) prof "$step" "$secs" "${QW[@]}" --kinds none,xkv,offload --lens 2048 --reps 5 ;;
     profile_mla_xkv) prof "$step" "$secs" "${MLA[@]}" --kinds xkv ;;
+    profile_mla_ab) prof "$step" "$secs" "${MLA[@]}" --kinds xkv,xkv@verify_checksums=off \
+      --lens "${LENS:-32768}" --reps 5 ;;
     profile_llama_2k) prof "$step" "$secs" "${LL[@]}" --kinds none,xkv@verify_checksums=off,xkv --lens 2048 --reps 5 ;;
     profile_multi) prof "$step" "$secs" "${LL[@]}" --kinds "${MULTI_KINDS:-xkv,offload}" --lens 16384 \
       --reps 1 --multi 8 --multi-len 16384 ;;
