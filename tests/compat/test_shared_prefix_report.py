@@ -1,0 +1,67 @@
+"""bench/shared_prefix.py's per-round copy accounting (no GPU): which ``XKV_TIMING restore``
+lines belong to which timed round, and the floor a fully hidden copy would leave."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import shared_prefix  # noqa: E402
+
+
+def _timing(nbytes: int, ms: float) -> str:
+    return (f"(EngineCore pid=7) INFO [cuda_transfer.py:180] XKV_TIMING restore bytes={nbytes} "
+            f"copy_ms={ms} issue_ms=1.00 launches=2 checked=1/1 GBps=40.0")
+
+
+def _round(r: int) -> str:
+    return "SP_ROUND " + json.dumps({"round": r, "ms": 1.0, "cached": [0]})
+
+
+def test_lines_before_each_round_mark_are_that_rounds_and_round_0_is_dropped():
+    rc = shared_prefix.RoundCopies()
+    feed = [("a", _timing(5, 1.5)), ("a", _round(0)),           # the untimed prefill round
+            ("a", _timing(100, 2.25)), ("b", _timing(7, 9.0)),  # kinds interleave
+            ("a", "XKV_TIMING gc generation=1 ms=2.19 collected=3"), ("a", _timing(50, 1.0)),
+            ("a", _round(1)), ("b", _round(0)), ("a", _round(2)),  # a round without restores
+            ("b", _timing(3, 0.5)), ("b", _round(1))]
+    for kind, line in feed:
+        rc.line(kind, line)
+    assert rc.rounds == {"a": [[150, 3.25], [0, 0.0]], "b": [[3, 0.5]]}
+
+
+def test_no_timing_lines_no_rows_and_no_floor():
+    rc = shared_prefix.RoundCopies()
+    for r in range(3):
+        rc.line("xkv", _round(r))
+    assert rc.rounds == {"xkv": [[0, 0.0], [0, 0.0]]}
+    assert shared_prefix.hidden_floor([10.0, 12.0], rc.rounds["xkv"], 20.0) is None
+    assert shared_prefix.hidden_floor([10.0, 12.0], [], 20.0) is None
+    # a round count that does not match the timed rounds (a cut child): no floor either
+    assert shared_prefix.hidden_floor([10.0, 12.0], [[1e9, 2.0]], 20.0) is None
+
+
+def test_the_floor_is_the_mean_round_minus_copy_over_offloadings_mean():
+    line = shared_prefix.hidden_floor([1500.0, 1300.0], [[12e9, 300.0], [10e9, 100.0]], 1600.0)
+    # round minus copy: 1200 and 1200 -> mean 1200 / 1600
+    assert line == ("restored 10.0-12.0 GB per round, copy 100-300 ms (XKV_TIMING); round minus "
+                    "copy 1200-1200 ms, mean 1200: with every copy hidden >= 0.750 x "
+                    "Offloading's mean round")
+
+
+def test_the_report_prints_the_floor_under_each_xkv_kind():
+    res = {"rc": {}, "copies": {"xkv": [[2e9, 50.0], [2e9, 150.0]]}, "kinds": {
+        "xkv": {"round_ms": [400.0, 500.0], "outputs": [], "cached": []},
+        "xkv@load_mode=auto": {"round_ms": [450.0, 450.0], "outputs": [], "cached": []},
+        "offload": {"round_ms": [500.0, 500.0], "outputs": [], "cached": []}}}
+    text = shared_prefix.report(res)
+    assert "xkv / Offloading mean round time: 0.900" in text
+    assert "xkv: restored 2.0-2.0 GB per round, copy 50-150 ms" in text
+    assert ">= 0.700 x Offloading's mean round" in text
+    # the variant logged no timing: its ratio line only
+    assert "xkv@load_mode=auto / Offloading mean round time: 0.900" in text
+    assert "xkv@load_mode=auto: restored" not in text
