@@ -30,7 +30,10 @@ With ``XKV_TIMING=1`` in the environment (``bench/gpu_issue24.sh`` sets it) ever
 restored bytes and GPU copy time are summed per timed round (:class:`RoundCopies`, into
 ``shared_prefix.json``'s ``copies``), and the report adds the ratio to Offloading that xkv could
 not beat even with every copy hidden (:func:`hidden_floor`: a round takes at least its time
-minus its copy time; stop 49: 0.76 against the target's 0.80).
+minus its copy time; stop 49: 0.76 against the target's 0.80). ``--engine-stats`` turns vLLM's
+stats on in every kind's engine and reports, per kind, the mean engine steps, preemptions and
+prefix-cache hits (GPU and connector) of a timed round (:data:`ENGINE_METRICS`): whether a
+``load_mode`` costs steps or preempts requests.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ import e2e_models
 import engine_children
 
 KINDS = ("none", "xkv", "offload")
+#: what ``--engine-stats`` reads per round from vLLM's Prometheus metrics (``LLM.get_metrics``):
+#: counters summed over their labels, a histogram's observation count (one per engine step)
+ENGINE_METRICS = {"steps": "vllm:iteration_tokens_total", "preemptions": "vllm:num_preemptions",
+                  "gpu_hit_tokens": "vllm:prefix_cache_hits",
+                  "connector_hit_tokens": "vllm:external_prefix_cache_hits"}
 _RESTORE = re.compile(r"XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+)")
 
 
@@ -73,6 +81,28 @@ class RoundCopies:
             cur = self._cur.pop(kind, [0, 0.0])
             if json.loads(line.partition(" ")[2])["round"]:
                 self.rounds.setdefault(kind, []).append([cur[0], round(cur[1], 2)])
+
+
+def engine_counts(metrics) -> dict[str, int]:
+    """:data:`ENGINE_METRICS` in one ``LLM.get_metrics()`` snapshot (0 where absent)."""
+    by_name = {v: k for k, v in ENGINE_METRICS.items()}
+    out = dict.fromkeys(ENGINE_METRICS, 0)
+    for m in metrics:
+        key = by_name.get(m.name)
+        if key is not None:
+            out[key] += int(m.value if hasattr(m, "value") else m.count)
+    return out
+
+
+def engine_line(rows: list[dict[str, int]]) -> str | None:
+    """The report line of one kind's ``--engine-stats`` rows (one per timed round): means."""
+    if not rows:
+        return None
+    mean = {k: statistics.mean(r.get(k, 0) for r in rows) for k in ENGINE_METRICS}
+    return (f"per round (mean of {len(rows)}): {mean['steps']:.1f} engine steps, "
+            f"{mean['preemptions']:.1f} preemptions, GPU prefix-cache hits "
+            f"{mean['gpu_hit_tokens']:.0f} tokens, connector hits "
+            f"{mean['connector_hit_tokens']:.0f} tokens")
 
 
 def hidden_floor(round_ms: list[float], copies: list[list[float]], off_mean: float) -> str | None:
@@ -114,6 +144,9 @@ def _args(argv=None):
     ap.add_argument("--port", type=int, default=5598)
     ap.add_argument("--vocab", type=int, default=120000)
     ap.add_argument("--child-timeout", type=float, default=400.0)
+    ap.add_argument("--engine-stats", action="store_true",
+                    help="vLLM's stats on (disable_log_stats=False) and, per round and kind, its "
+                         "engine steps, preemptions and prefix-cache hits (ENGINE_METRICS)")
     e2e_models.add_args(ap)
     engine_children.add_args(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a kind of --kinds
@@ -140,6 +173,7 @@ def _engine(a, kind):
               max_model_len=a.prefix_len + a.suffix + a.out_tokens + 64,
               max_num_batched_tokens=a.max_batched, max_num_seqs=max(a.batch, 16),
               enable_prefix_caching=True, seed=0, num_gpu_blocks_override=a.gpu_blocks or None,
+              disable_log_stats=not a.engine_stats,
               **e2e_models.engine_kwargs(a))
     if a.backend:  # "" (a CPU dry run): the platform's own
         kw["attention_backend"] = a.backend
@@ -169,17 +203,22 @@ def _child(a):
     llm = _engine(a, a.child)
     if a.hold:  # started beside the other kinds (--start-together)
         engine_children.wait_for_go(lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True))
-    out = {"kind": a.child, "round_ms": [], "outputs": [], "cached": []}
+    out = {"kind": a.child, "round_ms": [], "outputs": [], "cached": [], "engine": []}
+    counts = (lambda: engine_counts(llm.get_metrics())) if a.engine_stats else dict
     for r, batch in enumerate(workload(a)):
+        before = counts()
         t = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
         ms = (time.perf_counter() - t) * 1e3
+        engine = {k: v - before[k] for k, v in counts().items()}
         if r:
             out["round_ms"].append(round(ms, 2))
             out["outputs"].append([list(o.outputs[0].token_ids) for o in res])
             out["cached"].append([o.num_cached_tokens for o in res])
-        print(f"SP_ROUND {json.dumps({'round': r, 'ms': round(ms, 2), 'cached': [o.num_cached_tokens for o in res]})}",
-              flush=True)
+            if engine:
+                out["engine"].append(engine)
+        row = {"round": r, "ms": round(ms, 2), "cached": [o.num_cached_tokens for o in res]}
+        print(f"SP_ROUND {json.dumps(row | ({'engine': engine} if engine else {}))}", flush=True)
     print("SP_DONE " + json.dumps(out), flush=True)
 
 
@@ -244,6 +283,10 @@ def report(res) -> str:
                                  statistics.mean(off))
             if floor:
                 lines.append(f"{kind}: {floor}")
+    for kind, r in ks.items():
+        eng = engine_line(r.get("engine", []))
+        if eng:
+            lines.append(f"{kind}: {eng}")
     lines.append(f"child exit codes: {res.get('rc')}")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace as NS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -65,3 +66,28 @@ def test_the_report_prints_the_floor_under_each_xkv_kind():
     # the variant logged no timing: its ratio line only
     assert "xkv@load_mode=auto / Offloading mean round time: 0.900" in text
     assert "xkv@load_mode=auto: restored" not in text
+
+
+def test_engine_counts_sum_counters_over_labels_and_count_histogram_observations():
+    snap = [NS(name="vllm:num_preemptions", value=2), NS(name="vllm:num_preemptions", value=1),
+            NS(name="vllm:iteration_tokens_total", count=17, sum=4000.0),
+            NS(name="vllm:prefix_cache_hits", value=512),
+            NS(name="vllm:generation_tokens", value=99)]  # not read
+    assert shared_prefix.engine_counts(snap) == {
+        "steps": 17, "preemptions": 3, "gpu_hit_tokens": 512, "connector_hit_tokens": 0}
+    assert shared_prefix.engine_counts([]) == dict.fromkeys(shared_prefix.ENGINE_METRICS, 0)
+
+
+def test_engine_line_means_and_its_place_in_the_report():
+    rows = [{"steps": 10, "preemptions": 0, "gpu_hit_tokens": 100, "connector_hit_tokens": 8192},
+            {"steps": 13, "preemptions": 3, "gpu_hit_tokens": 0, "connector_hit_tokens": 0}]
+    assert shared_prefix.engine_line(rows) == (
+        "per round (mean of 2): 11.5 engine steps, 1.5 preemptions, GPU prefix-cache hits 50 "
+        "tokens, connector hits 4096 tokens")
+    assert shared_prefix.engine_line([]) is None
+    res = {"rc": {}, "kinds": {
+        "none": {"round_ms": [1.0, 1.0], "outputs": [], "cached": [], "engine": rows},
+        "xkv": {"round_ms": [1.0, 1.0], "outputs": [], "cached": []}}}
+    text = shared_prefix.report(res)
+    assert "none: per round (mean of 2): 11.5 engine steps" in text
+    assert "xkv: per round" not in text

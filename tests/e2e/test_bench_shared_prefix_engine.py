@@ -26,7 +26,8 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
             "--prefix-len", str(prefix_len), "--suffix", str(suffix), "--batch", "2",
             "--rounds", "2", "--out-tokens", "2", "--gpu-blocks", "0", "--kv-gib", "0.000525",
             "--gpu-util", "0.1", "--max-batched", "2048", "--chunk-size", "128", "--vocab",
-            "1024", "--card-gib", "0.25", "--child-timeout", "400", "--lookup-timeout-ms", "2000"]
+            "1024", "--card-gib", "0.25", "--child-timeout", "400", "--lookup-timeout-ms", "2000",
+            "--engine-stats"]
     # the suite's VLLM_CPU_KVCACHE_SPACE (scripts/test.sh: 1 GiB) would size the CPU engine's
     # cache instead of --kv-gib: every prefix would stay cached
     p = run_bench("shared_prefix.py", args, unset=("VLLM_CPU_KVCACHE_SPACE",))
@@ -49,3 +50,11 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
     for kind in kinds[1:]:
         assert f"| {kind} | " in p.stdout, p.stdout[-3000:]
     assert p.stdout.count(" of 4 |") == 2, p.stdout[-3000:]
+    # --engine-stats: vLLM's own counters per timed round; the connectors' hits are the cards',
+    # the no-connector engine has none, and every round took engine steps
+    for kind in kinds:
+        rows = res["kinds"][kind]["engine"]
+        assert len(rows) == 2 and all(r["steps"] > 0 for r in rows), (kind, rows)
+        conn = sum(r["connector_hit_tokens"] for r in rows)
+        assert conn == 0 if kind == "none" else conn > 0, (kind, rows)
+        assert f"{kind}: per round (mean of 2): " in p.stdout, p.stdout[-3000:]
