@@ -27,12 +27,12 @@ equal outputs per request instead of a single yes/no, and a mismatch is evidence
 proof of a wrong byte (``e2e_ttft.py``'s ``verify`` kind is the byte check).
 
 With ``XKV_TIMING=1`` in the environment (``bench/gpu_issue24.sh`` sets it) every xkv kind's
-restored bytes and GPU copy time are summed per timed round (:class:`RoundCopies`, into
+restored bytes and GPU copy time are summed per timed round (``round_stats.RoundCopies``, into
 ``shared_prefix.json``'s ``copies``), and the report adds the ratio to Offloading that xkv could
-not beat even with every copy hidden (:func:`hidden_floor`: a round takes at least its time
+not beat even with every copy hidden (``round_stats.hidden_floor``: a round takes at least its time
 minus its copy time; stop 49: 0.76 against the target's 0.80). ``--engine-stats`` turns vLLM's
 stats on in every kind's engine and reports, per kind, the mean engine steps, preemptions and
-prefix-cache hits (GPU and connector) of a timed round (:data:`ENGINE_METRICS`): whether a
+prefix-cache hits (GPU and connector) of a timed round (``round_stats.ENGINE_METRICS``): whether a
 ``load_mode`` costs steps or preempts requests.
 """
 
@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -51,73 +50,9 @@ from pathlib import Path
 import e2e_kinds
 import e2e_models
 import engine_children
+from round_stats import RoundCopies, engine_counts, engine_line, hidden_floor
 
 KINDS = ("none", "xkv", "offload")
-#: what ``--engine-stats`` reads per round from vLLM's Prometheus metrics (``LLM.get_metrics``):
-#: counters summed over their labels, a histogram's observation count (one per engine step)
-ENGINE_METRICS = {"steps": "vllm:iteration_tokens_total", "preemptions": "vllm:num_preemptions",
-                  "gpu_hit_tokens": "vllm:prefix_cache_hits",
-                  "connector_hit_tokens": "vllm:external_prefix_cache_hits"}
-_RESTORE = re.compile(r"XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+)")
-
-
-class RoundCopies:
-    """Per kind and timed round, the restores' bytes and GPU copy time (``XKV_TIMING restore``
-    lines of the engine, on a GPU with ``XKV_TIMING=1``), from the child's output in order: the
-    lines before ``SP_ROUND r`` belong to round ``r``; round 0 (the untimed prefill) is dropped.
-    ``rounds[kind]``: ``[[bytes, copy_ms], ...]``, one per timed round (empty: no timing lines)."""
-
-    def __init__(self) -> None:
-        self.rounds: dict[str, list[list[float]]] = {}
-        self._cur: dict[str, list[float]] = {}
-
-    def line(self, kind: str, line: str) -> None:
-        m = _RESTORE.search(line)
-        if m:
-            cur = self._cur.setdefault(kind, [0, 0.0])
-            cur[0] += int(m[1])
-            cur[1] += float(m[2])
-        elif line.startswith("SP_ROUND "):
-            cur = self._cur.pop(kind, [0, 0.0])
-            if json.loads(line.partition(" ")[2])["round"]:
-                self.rounds.setdefault(kind, []).append([cur[0], round(cur[1], 2)])
-
-
-def engine_counts(metrics) -> dict[str, int]:
-    """:data:`ENGINE_METRICS` in one ``LLM.get_metrics()`` snapshot (0 where absent)."""
-    by_name = {v: k for k, v in ENGINE_METRICS.items()}
-    out = dict.fromkeys(ENGINE_METRICS, 0)
-    for m in metrics:
-        key = by_name.get(m.name)
-        if key is not None:
-            out[key] += int(m.value if hasattr(m, "value") else m.count)
-    return out
-
-
-def engine_line(rows: list[dict[str, int]]) -> str | None:
-    """The report line of one kind's ``--engine-stats`` rows (one per timed round): means."""
-    if not rows:
-        return None
-    mean = {k: statistics.mean(r.get(k, 0) for r in rows) for k in ENGINE_METRICS}
-    return (f"per round (mean of {len(rows)}): {mean['steps']:.1f} engine steps, "
-            f"{mean['preemptions']:.1f} preemptions, GPU prefix-cache hits "
-            f"{mean['gpu_hit_tokens']:.0f} tokens, connector hits "
-            f"{mean['connector_hit_tokens']:.0f} tokens")
-
-
-def hidden_floor(round_ms: list[float], copies: list[list[float]], off_mean: float) -> str | None:
-    """The report line of one xkv kind: its restored GB and copy ms per round, and the ratio to
-    Offloading's mean round that even a restore whose copy were entirely hidden could not beat:
-    a round takes at least its time minus its copy time. None without one copy row per round."""
-    if not copies or len(copies) != len(round_ms) or not any(b for b, _ in copies):
-        return None
-    gb = [b / 1e9 for b, _ in copies]
-    ms = [c for _, c in copies]
-    rest = [r - c for r, c in zip(round_ms, ms, strict=True)]
-    return (f"restored {min(gb):.1f}-{max(gb):.1f} GB per round, copy {min(ms):.0f}-{max(ms):.0f} "
-            f"ms (XKV_TIMING); round minus copy {min(rest):.0f}-{max(rest):.0f} ms, mean "
-            f"{statistics.mean(rest):.0f}: with every copy hidden >= "
-            f"{statistics.mean(rest) / off_mean:.3f} x Offloading's mean round")
 
 
 def _args(argv=None):
@@ -257,7 +192,7 @@ def report(res) -> str:
     """The table: per kind mean / median round time, the mean cached (restored or GPU-hit)
     tokens per request of the timed rounds, and how many output tokens equal the no-connector
     run's; then every xkv kind's mean round time against Offloading's and, where the engine
-    logged ``XKV_TIMING`` (``res["copies"]``), its copies per round and :func:`hidden_floor`."""
+    logged ``XKV_TIMING`` (``res["copies"]``), its copies per round and ``hidden_floor``."""
     ks = res["kinds"]
     base = ks.get("none", {}).get("outputs")
     lines = ["| kind | mean round ms | median round ms | rounds | mean cached tokens per request "

@@ -1,5 +1,6 @@
-"""bench/shared_prefix.py's per-round copy accounting (no GPU): which ``XKV_TIMING restore``
-lines belong to which timed round, and the floor a fully hidden copy would leave."""
+"""bench/round_stats.py, bench/shared_prefix.py's per-round accounting (no GPU): which
+``XKV_TIMING restore`` lines belong to which timed round, the floor a fully hidden copy would
+leave, vLLM's counters per round, and where the report prints each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace as NS
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import round_stats  # noqa: E402
 import shared_prefix  # noqa: E402
 
 
@@ -24,7 +26,7 @@ def _round(r: int) -> str:
 
 
 def test_lines_before_each_round_mark_are_that_rounds_and_round_0_is_dropped():
-    rc = shared_prefix.RoundCopies()
+    rc = round_stats.RoundCopies()
     feed = [("a", _timing(5, 1.5)), ("a", _round(0)),           # the untimed prefill round
             ("a", _timing(100, 2.25)), ("b", _timing(7, 9.0)),  # kinds interleave
             ("a", "XKV_TIMING gc generation=1 ms=2.19 collected=3"), ("a", _timing(50, 1.0)),
@@ -36,18 +38,18 @@ def test_lines_before_each_round_mark_are_that_rounds_and_round_0_is_dropped():
 
 
 def test_no_timing_lines_no_rows_and_no_floor():
-    rc = shared_prefix.RoundCopies()
+    rc = round_stats.RoundCopies()
     for r in range(3):
         rc.line("xkv", _round(r))
     assert rc.rounds == {"xkv": [[0, 0.0], [0, 0.0]]}
-    assert shared_prefix.hidden_floor([10.0, 12.0], rc.rounds["xkv"], 20.0) is None
-    assert shared_prefix.hidden_floor([10.0, 12.0], [], 20.0) is None
+    assert round_stats.hidden_floor([10.0, 12.0], rc.rounds["xkv"], 20.0) is None
+    assert round_stats.hidden_floor([10.0, 12.0], [], 20.0) is None
     # a round count that does not match the timed rounds (a cut child): no floor either
-    assert shared_prefix.hidden_floor([10.0, 12.0], [[1e9, 2.0]], 20.0) is None
+    assert round_stats.hidden_floor([10.0, 12.0], [[1e9, 2.0]], 20.0) is None
 
 
 def test_the_floor_is_the_mean_round_minus_copy_over_offloadings_mean():
-    line = shared_prefix.hidden_floor([1500.0, 1300.0], [[12e9, 300.0], [10e9, 100.0]], 1600.0)
+    line = round_stats.hidden_floor([1500.0, 1300.0], [[12e9, 300.0], [10e9, 100.0]], 1600.0)
     # round minus copy: 1200 and 1200 -> mean 1200 / 1600
     assert line == ("restored 10.0-12.0 GB per round, copy 100-300 ms (XKV_TIMING); round minus "
                     "copy 1200-1200 ms, mean 1200: with every copy hidden >= 0.750 x "
@@ -73,18 +75,18 @@ def test_engine_counts_sum_counters_over_labels_and_count_histogram_observations
             NS(name="vllm:iteration_tokens_total", count=17, sum=4000.0),
             NS(name="vllm:prefix_cache_hits", value=512),
             NS(name="vllm:generation_tokens", value=99)]  # not read
-    assert shared_prefix.engine_counts(snap) == {
+    assert round_stats.engine_counts(snap) == {
         "steps": 17, "preemptions": 3, "gpu_hit_tokens": 512, "connector_hit_tokens": 0}
-    assert shared_prefix.engine_counts([]) == dict.fromkeys(shared_prefix.ENGINE_METRICS, 0)
+    assert round_stats.engine_counts([]) == dict.fromkeys(round_stats.ENGINE_METRICS, 0)
 
 
 def test_engine_line_means_and_its_place_in_the_report():
     rows = [{"steps": 10, "preemptions": 0, "gpu_hit_tokens": 100, "connector_hit_tokens": 8192},
             {"steps": 13, "preemptions": 3, "gpu_hit_tokens": 0, "connector_hit_tokens": 0}]
-    assert shared_prefix.engine_line(rows) == (
+    assert round_stats.engine_line(rows) == (
         "per round (mean of 2): 11.5 engine steps, 1.5 preemptions, GPU prefix-cache hits 50 "
         "tokens, connector hits 4096 tokens")
-    assert shared_prefix.engine_line([]) is None
+    assert round_stats.engine_line([]) is None
     res = {"rc": {}, "kinds": {
         "none": {"round_ms": [1.0, 1.0], "outputs": [], "cached": [], "engine": rows},
         "xkv": {"round_ms": [1.0, 1.0], "outputs": [], "cached": []}}}
