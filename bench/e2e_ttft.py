@@ -175,6 +175,14 @@ def _rec(o, wall):
                 out_tokens=list(o.outputs[0].token_ids), logprobs=lp)
 
 
+def decode_hit_len(n: int, block_size: int) -> int:
+    """A prompt length near ``n`` whose GPU prefix hit computes one token: one past a whole
+    number (at least one) of ``block_size``-token blocks."""
+    if block_size < 1:
+        raise ValueError(f"block_size {block_size!r}: expected a positive number of tokens")
+    return max(1, n // block_size) * block_size + 1
+
+
 def _run(llm, prompts, logprobs=None, params=None):
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sp(1, logprobs, params),
@@ -226,10 +234,18 @@ def _child(a):
         _run(llm, [p])
         reset()
         row("first_restore", min(lens), _run(llm, [p])[0])
-    elif kind == "none":  # its first decode-shaped step, what a first restore's step also is
+    elif kind == "none":
+        # its first GPU hit: vLLM recomputes the prompt's last block (a prefill-shaped step)
         p = prompt(min(lens))
         _run(llm, [p])
         row("first_hit", min(lens), _run(llm, [p])[0])
+        # then its first decode-shaped step, what a whole-prompt restore's step is (one token
+        # computed): a prompt one token past a block boundary hits every block before it
+        p = prompt(decode_hit_len(min(lens), llm.llm_engine.vllm_config.cache_config.block_size))
+        _run(llm, [p])
+        row("first_decode_hit", len(p), _run(llm, [p])[0])
+        for _ in range(2):
+            row("decode_hit", len(p), _run(llm, [p])[0])
     # reference logprobs first (fresh engine, nothing cached): cold, then GPU hit / restore
     ref = {"cold": _run(llm, [ref_prompt], logprobs=5)[0]}
     if kind == "none":
@@ -430,25 +446,29 @@ def _targets(res, lens, bpt: int) -> list[str]:
                              bw)
         out.append(f"| {n} | " + " | ".join(marks) + " |")
     out += _after_kill(res, lens)
-    out += _first_steps(rows, lens)
+    out += _first_steps(rows)
     return out
 
 
-def _first_steps(rows, lens) -> list[str]:
-    """Each kind's first restore after start (``first_restore``; issue 24's target) and the
-    no-connector engine's first GPU hit (``first_hit``: its first decode-shaped step, which a
-    full hit's restore step also is), each against the same kind's steady median."""
+def _first_steps(rows) -> list[str]:
+    """Each kind's first restore after start (``first_restore``; issue 24's target), the
+    no-connector engine's first GPU hit (``first_hit``: vLLM recomputes the last block, a
+    prefill-shaped step) and its first decode-shaped GPU hit (``first_decode_hit``: one token
+    computed, the shape of a whole-prompt restore's step, where a piecewise engine compiles its
+    decode attention), each against the same kind's steady median."""
     out = []
-    n = min(lens) if lens else None
     for first, steady, what in (("first_restore", "restore", "first restore"),
-                                ("first_hit", "gpu_hit", "first GPU hit")):
+                                ("first_hit", "gpu_hit", "first GPU hit"),
+                                ("first_decode_hit", "decode_hit",
+                                 "first decode-shaped GPU hit")):
         for kind in dict.fromkeys(r["kind"] for r in rows if r["phase"] == first):
-            fr = [r["ttft_ms"] for r in rows if r["kind"] == kind and r["phase"] == first]
-            st = _median(rows, kind, steady, n)
-            q = f"{fr[0] / st:.2f}x" if st else "—"
+            fr = [r for r in rows if r["kind"] == kind and r["phase"] == first]
+            m = fr[0]["tokens"]
+            st = _median(rows, kind, steady, m)
+            q = f"{fr[0]['ttft_ms'] / st:.2f}x" if st else "—"
             aim = " (target <= 1.2x)" if first == "first_restore" else ""
-            out.append(f"{what} after start ({kind}, {n} tokens): {fr[0]:.1f} ms vs steady "
-                       f"{st} ms = {q}{aim}")
+            out.append(f"{what} after start ({kind}, {m} tokens): {fr[0]['ttft_ms']:.1f} ms vs "
+                       f"steady {st} ms = {q}{aim}")
     return out
 
 

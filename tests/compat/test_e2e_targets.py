@@ -1,9 +1,12 @@
-"""bench/e2e_targets.py: issue 24's targets as bench/e2e_ttft.py marks them (no GPU)."""
+"""bench/e2e_targets.py: issue 24's targets as bench/e2e_ttft.py marks them, and e2e_ttft's helpers
+(no GPU)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -94,3 +97,13 @@ def test_ab_report_adds_the_restores_copy_times_by_length_and_check():
            for ln in lines]  # lines of an engine before pre_ms: the copy times alone
     (_, line) = e2e_ab.report(rows, [4096], {"xkv": old}, bpt)
     assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps)")
+
+
+def test_a_decode_shaped_hit_is_one_token_past_a_block_boundary():
+    assert e2e_ttft.decode_hit_len(2048, 16) == 2049
+    assert e2e_ttft.decode_hit_len(300, 16) == 289
+    assert e2e_ttft.decode_hit_len(300, 128) == 257
+    assert e2e_ttft.decode_hit_len(10, 16) == 17  # at least one whole block to hit
+    for bad in (0, -16):
+        with pytest.raises(ValueError, match=f"block_size {bad}"):
+            e2e_ttft.decode_hit_len(2048, bad)

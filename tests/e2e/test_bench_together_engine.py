@@ -37,8 +37,8 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     for k in kinds[1:]:
         assert {(k, "first_restore"), (k, "cold"), (k, "restore")} <= phases
     assert {("none", "cold"), ("none", "gpu_hit"), ("xkv", "after_kill_cold")} <= phases
-    # the first decode-shaped step of each engine: a restore (connectors) or a GPU hit (none)
-    # against its steady median, variants too
+    # each engine's first hit after start against its steady median, variants too: a restore
+    # (connectors) or a GPU hit (none, vLLM recomputing the last block)
     firsts = [r for r in res["rows"] if r["phase"] in ("first_restore", "first_hit")]
     assert sorted((r["kind"], r["phase"]) for r in firsts) == [
         ("none", "first_hit"), ("xkv", "first_restore"),
@@ -47,6 +47,14 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
     for k, what in (("none", "first GPU hit"), ("xkv", "first restore"),
                     ("xkv@verify_checksums=off", "first restore")):
         assert f"{what} after start ({k}, 300 tokens): " in p.stdout, p.stdout[-3000:]
+    # the no-connector engine's first decode-shaped GPU hit (one token computed, a restore
+    # step's shape) and its steady repeats: a prompt one past a block boundary of vLLM's choice
+    dec = [r for r in res["rows"] if r["phase"] in ("first_decode_hit", "decode_hit")]
+    assert [(r["kind"], r["phase"]) for r in dec] == [
+        ("none", "first_decode_hit"), ("none", "decode_hit"), ("none", "decode_hit")]
+    m = dec[0]["tokens"]
+    assert 2 <= m <= 301 and all(r["tokens"] == m and r["cached"] == m - 1 for r in dec), dec
+    assert f"first decode-shaped GPU hit after start (none, {m} tokens): " in p.stdout
     # restores are whole 128-token chunks (2 of the 300 tokens), whatever block size the CPU's
     # backend chose
     assert {r["cached"] for r in res["rows"] if r["phase"] == "restore"} == {256}
