@@ -6,15 +6,15 @@ counters per round (``--engine-stats``)."""
 from __future__ import annotations
 
 import json
-import re
 import statistics
+
+from timing_rest import TIMING
 
 #: what ``--engine-stats`` reads per round from vLLM's Prometheus metrics (``LLM.get_metrics``):
 #: counters summed over their labels, a histogram's observation count (one per engine step)
 ENGINE_METRICS = {"steps": "vllm:iteration_tokens_total", "preemptions": "vllm:num_preemptions",
                   "gpu_hit_tokens": "vllm:prefix_cache_hits",
                   "connector_hit_tokens": "vllm:external_prefix_cache_hits"}
-_RESTORE = re.compile(r"XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+)")
 
 
 class RoundCopies:
@@ -28,7 +28,7 @@ class RoundCopies:
         self._cur: dict[str, list[float]] = {}
 
     def line(self, kind: str, line: str) -> None:
-        m = _RESTORE.search(line)
+        m = TIMING.search(line)  # the XKV_TIMING restore line: bytes, copy_ms, issue_ms
         if m:
             cur = self._cur.setdefault(kind, [0, 0.0])
             cur[0] += int(m[1])

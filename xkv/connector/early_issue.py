@@ -19,7 +19,9 @@ this process with a world size of 1 and no NVLink fan-out; the call comes on the
 that worker's last step (a thread-local CUDA stream and no concurrent step); the worker is
 between steps (its last metadata cleared); the step has synchronous restores.
 
-Off by default: an A/B switch until a GPU run measured it (docs/configuration.md).
+Off by default: on its one GPU run (stop 49, an H100 whose probe chose the ring) it made 2k
+restores 30 % slower and 4k 5.7 % faster (docs/configuration.md, bench/RESULTS.md "stop 49");
+not yet run where the probe keeps the Triton kernel.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ torch's caching allocator, inside the window ``begin`` .. ``report`` (the forwar
 found no free block, released its cached memory and retried ``cudaMalloc``; the release
 (``cudaFree``) synchronises the device, so the host waits there for every copy queued before
 it. stop 48's 8 x 16k step (two engines sharing one H100) spent ~350 ms of host time between
-the issue and the first layer while its copy ran, outside every hook: this counts the candidate
-(bench/RESULTS.md "stop 48").
+the issue and the first layer while its copy ran, outside every hook: this counted the
+candidate, and stop 49's profile of that case (xkv's engine alone on an H100) found 0 retries
+(bench/RESULTS.md "stop 49").
 
 ``gc_ms`` (only when any): Python garbage collection inside the window ``begin`` .. ``report``
 (``gc.callbacks``); and any collection of at least :data:`GC_LOG_MS` anywhere in the process logs
