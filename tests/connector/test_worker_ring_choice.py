@@ -54,8 +54,12 @@ def test_auto_probes_the_first_cache_that_fits_a_slot_and_logs_the_verdict(calls
     got, result = calls
     line = choose("auto")
     assert got == [("reserve", "cuda:0"), ("probe", "attn", "CARD", 64)]
-    assert "through the copy engine and the ring: yes" in line
+    # from the size where the ring's faster copy pays for its host work (ring_from_bytes)
+    start = Probe(30.0, 53.0, 64 << 20).ring_from_bytes
+    assert 131 << 20 < start <= 132 << 20
+    assert "restores of >= 132 MiB through the copy engine and the ring: yes" in line
     assert "ring 53.0 GB/s, Triton kernel 30.0 GB/s" in line
+    assert "where its copy saves 2 ms" in line
     result["probe"] = Probe(50.8, 54.0, 64 << 20)
     assert "ring: no, the Triton kernel" in choose("auto")
     result["probe"] = Probe(0.0, 0.0, 64 << 20, error="RuntimeError: boom")

@@ -79,18 +79,71 @@ def test_copy_rates_of_one_path_is_copy_gbps_and_refuses_nothing_odd():
 
 
 def test_the_verdict_is_kept_per_gpu_and_unprobed_takes_the_ring():
+    big = 4 << 30
     try:
-        assert ring_choice.choice(7) is None and ring_choice.ring_wins(7)
+        assert ring_choice.choice(7) is None and ring_choice.takes_ring(7, big)
+        assert ring_choice.takes_ring(7, 1)  # unprobed: every size (STAGED_MIN_BYTES is preferred's)
         lose = Probe(triton_gbps=50.0, ring_gbps=52.0, nbytes=64 << 20)
         ring_choice.set_choice(lose, 7)
-        assert ring_choice.choice(7) is lose and not ring_choice.ring_wins(7)
-        assert ring_choice.ring_wins(6)  # another GPU: unprobed
+        assert ring_choice.choice(7) is lose and not ring_choice.takes_ring(7, big)
+        assert ring_choice.takes_ring(6, big)  # another GPU: unprobed
         ring_choice.set_choice(Probe(30.0, 53.0, 64 << 20), 7)
-        assert ring_choice.ring_wins(7)
+        assert ring_choice.takes_ring(7, big)
         ring_choice.set_choice(None, 7)
-        assert ring_choice.choice(7) is None and ring_choice.ring_wins(7)
+        assert ring_choice.choice(7) is None and ring_choice.takes_ring(7, big)
     finally:
         ring_choice.set_choice(None, 7)
+
+
+# stop 50's H100: probe rates (GB/s) and two full-hit restores' bytes measured against each other
+STOP50 = Probe(triton_gbps=31.3, ring_gbps=51.8, nbytes=64 << 20)
+MLA_4K = 16 * 257 * 18432  # 16 layers x 257 blocks of 18 KiB (the tail's block included)
+LLAMA_2K = 32 * 129 * 65536
+
+
+def test_the_ring_takes_only_restores_whose_faster_copy_pays_for_its_host_work():
+    """Where the ring won the probe, a restore takes it from the size at which copying at the
+    ring's rate instead of the kernel's saves ``RING_EXTRA_S``: stop 50's MLA 4k restore (ring 1.5
+    ms slower in the engine) stays on the kernel, its Llama 2k restore (1.6 ms faster) takes the
+    ring."""
+    start = STOP50.ring_from_bytes
+    saved = start / (STOP50.triton_gbps * 1e9) - start / (STOP50.ring_gbps * 1e9)
+    assert saved == pytest.approx(ring_choice.RING_EXTRA_S, rel=1e-6)
+    assert (start - 1) / (STOP50.triton_gbps * 1e9) - (start - 1) / (STOP50.ring_gbps * 1e9) \
+        < ring_choice.RING_EXTRA_S
+    assert MLA_4K < start < LLAMA_2K
+    assert 100 << 20 < start < 200 << 20  # ~158 MB
+    # the closer the rates, the larger the restore must be; no gain, never
+    assert Probe(31.3, 31.3 * MIN_GAIN, 1).ring_from_bytes > 3 * start
+    assert Probe(31.3, 31.3 * MIN_GAIN - 0.01, 1).ring_from_bytes is None
+    assert Probe(1.0, 99.0, 1, error="RuntimeError: x").ring_from_bytes is None
+    try:
+        ring_choice.set_choice(STOP50, 7)
+        assert not ring_choice.takes_ring(7, MLA_4K)
+        assert ring_choice.takes_ring(7, LLAMA_2K)
+        assert not ring_choice.takes_ring(7, start - 1) and ring_choice.takes_ring(7, start)
+    finally:
+        ring_choice.set_choice(None, 7)
+
+
+@pytest.mark.parametrize("layers,n,bb,ring", [(16, 257, 18432, False), (32, 129, 65536, True),
+                                              (16, 4097, 18432, True), (1, 128, 65536, False)])
+def test_preferred_asks_the_probe_with_the_whole_restores_bytes(monkeypatch, layers, n, bb, ring):
+    """``staged_restore.preferred`` passes the restore's bytes (every layer's pages) to the
+    probe's rule: with stop 50's probe recorded, MLA 4k stays on the kernel, Llama 2k and MLA 64k
+    take the ring, 8 MiB (below ``STAGED_MIN_BYTES``) never does."""
+    from xkv.kernels import copy_engine
+
+    monkeypatch.setattr(copy_engine, "available", lambda: True)
+    monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
+    dev = torch.device("cuda", 7)  # a device index no test GPU has: this GPU's probe only
+    job = NS(save=False, sliced=False, pools=[NS(device=dev)] * layers, n=n, block_bytes=bb,
+             flat=NS(device=NS(type="cpu")))
+    try:
+        ring_choice.set_choice(STOP50, dev)
+        assert staged_restore.preferred(job) is ring
+    finally:
+        ring_choice.set_choice(None, dev)
 
 
 def test_auto_follows_the_probe(monkeypatch):
@@ -103,10 +156,13 @@ def test_auto_follows_the_probe(monkeypatch):
     job = NS(save=False, sliced=False, pools=[NS(device=NS(type="cuda"))] * 32, n=128,
              block_bytes=65536, flat=NS(device=NS(type="cpu")))
     verdict = {"wins": True}
-    monkeypatch.setattr(staged_restore, "ring_wins", lambda dev: verdict["wins"])
+    asked = []
+    monkeypatch.setattr(staged_restore, "takes_ring",
+                        lambda dev, nbytes: asked.append(nbytes) or verdict["wins"])
     assert staged_restore.preferred(job)
     verdict["wins"] = False
     assert not staged_restore.preferred(job)
+    assert asked == [32 * 128 * 65536] * 2
 
 
 def test_the_probe_declines_what_the_ring_cannot_restore():
@@ -147,7 +203,9 @@ def test_a_probe_restores_the_cards_bytes_and_auto_follows_its_verdict():
         offs = (np.arange(200, dtype=np.int64) * 65536)[None]
         prep = K.prepare_restore(card, offs, [pool_gpu], ids)  # 12.5 MiB >= STAGED_MIN_BYTES
         assert staged.STAGED_MIN_BYTES <= 200 * 65536
-        assert prep.engines == (("staged",) if p.ring_wins else ("triton",))
+        ring = p.ring_from_bytes is not None and p.ring_from_bytes <= 200 * 65536
+        assert ring_choice.takes_ring(dev, 200 * 65536) is ring
+        assert prep.engines == (("staged",) if ring else ("triton",))
     finally:
         ring_choice.set_choice(None, dev)
 
@@ -168,6 +226,6 @@ def test_a_probe_that_raises_keeps_the_triton_kernel(monkeypatch):
     try:
         p = K.probe_ring(pool_gpu, card, 4, nbytes=256 * 65536)
         assert p is not None and "CUresult 1" in p.error and not p.ring_wins
-        assert not ring_choice.ring_wins(dev)
+        assert not ring_choice.takes_ring(dev, 4 << 30)
     finally:
         ring_choice.set_choice(None, dev)

@@ -46,10 +46,13 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
         return None
     if p.error:
         return f"XKV: restores stay on the Triton kernel (ring probe: {p.error})"
-    return (f"XKV: restores of >= 8 MiB through the copy engine and the ring: "
-            f"{'yes' if p.ring_wins else 'no, the Triton kernel'} (start-up probe of "
+    start = p.ring_from_bytes
+    size = f"{-(-start // (1 << 20))} MiB" if start is not None else "8 MiB"
+    return (f"XKV: restores of >= {size} through the copy engine and the ring: "
+            f"{'yes' if start is not None else 'no, the Triton kernel'} (start-up probe of "
             f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
-            f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x)")
+            f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x and where its "
+            f"copy saves {kernels.RING_EXTRA_S * 1e3:g} ms)")
 
 
 def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torch.Tensor | None,

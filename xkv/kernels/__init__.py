@@ -20,7 +20,8 @@ Public API (see each module's docstring for shapes and units):
 * :mod:`~xkv.kernels.ring`: the GPU staging ring of restores through the copy engine
   (:mod:`~xkv.kernels.staged_restore`); ``reserve_staging`` allocates it at start-up;
 * :mod:`~xkv.kernels.ring_choice`: ``probe_ring`` (at start-up: does the ring beat the Triton
-  kernel on this host by enough to take it, ``auto``'s choice from then on);
+  kernel on this host by enough to take it, ``auto``'s choice from then on, for restores of at
+  least its ``ring_from_bytes``);
 * :mod:`~xkv.kernels.pinned`: the page-locked staging pool every copy step takes its tables,
   words and readbacks from (``pinned.reserve_for`` at start: no allocation inside a step);
 * ``launch_config`` / ``default_programs`` (launch sizes, ``XKV_MAX_PROGRAMS``),
@@ -60,6 +61,7 @@ from xkv.kernels.page_copy import (
 from xkv.kernels.prepared import PreparedCopy, prepare_restore, prepare_save
 from xkv.kernels.ring import reserve as reserve_staging
 from xkv.kernels.ring_choice import MIN_GAIN as RING_MIN_GAIN
+from xkv.kernels.ring_choice import RING_EXTRA_S
 from xkv.kernels.ring_choice import probe as probe_ring
 from xkv.kernels.staged_restore import MAX_PAGE_BYTES as RING_PAGE_BYTES
 from xkv.kernels.staging import pack, unpack
@@ -67,6 +69,7 @@ from xkv.kernels.verify import Checks, CheckWords, mismatch_flags
 from xkv.kernels.warmup import warmup
 
 __all__ = [
+    "RING_EXTRA_S",
     "RING_MIN_GAIN",
     "RING_PAGE_BYTES",
     "CheckWords",

@@ -13,13 +13,19 @@ ring (1.02-1.13x): the probe kept the Triton kernel, and the ring forced was 15 
 
 :func:`probe` times both paths' copies on one restore of real pages (a layer's cache, before
 serving) from the card, as the page mover does (bench/page_mover.py: prepared launches), and
-records the result per GPU; :func:`ring_wins` is what ``auto`` follows: the ring
+records the result per GPU; ``auto`` follows its verdict (:attr:`Probe.ring_wins`): the ring
 when it copied at least :data:`MIN_GAIN` x the Triton kernel's rate, the Triton kernel otherwise.
 Unprobed (no worker start, e.g. tests and the page mover) the ring is taken, as before the probe.
+
+A ring that copies faster still costs more host time per restore than the kernel (its plan, each
+chunk's batched copy, events and unpack issued by Python): :data:`RING_EXTRA_S`. So even where
+the ring wins the probe, :func:`takes_ring` gives it only restores large enough for the faster
+copy to pay that back (:attr:`Probe.ring_from_bytes`); smaller ones stay on the kernel.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,13 +36,21 @@ from xkv.kernels.calibrate import copy_rates, device_index
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
 
-__all__ = ["MIN_GAIN", "PROBE_BYTES", "Probe", "choice", "probe", "ring_wins", "set_choice"]
+__all__ = ["MIN_GAIN", "PROBE_BYTES", "RING_EXTRA_S", "Probe", "choice", "probe", "set_choice",
+           "takes_ring"]
 
 #: the ring's rate over the Triton kernel's from which ``auto`` takes the ring: above stop 41's
 #: H200 (1.05-1.07, where the ring lost end to end), below stop 40's H100 (~1.6, where it won)
 MIN_GAIN = 1.15
 #: bytes one probe restores per path (~1.3 ms at 50 GB/s): a whole ring's worth of chunks
 PROBE_BYTES = 64 << 20
+#: seconds of engine time a restore through the ring costs beyond one through the Triton kernel
+#: at equal copy rates. Stop 50's H100 (probe: ring 51.8, kernel 31.3 GB/s), the same call,
+#: engine time of a full-hit restore, ring / kernel forced: the MLA model's 4k restore (75.8 MB)
+#: 15.2 / 13.7 ms, the ring 1.5 ms slower though its copy should save 1.0 (so ~2.5 ms extra);
+#: the Llama-3-8B shape's 2k (270.5 MB) and 4k (541 MB) restores 16.1 / 17.7 and 19.6 / 26.9 ms,
+#: the ring faster (bench/RESULTS.md "stop 50", bench/results/h100_2026-12-07_stop50/c1, c2)
+RING_EXTRA_S = 2.0e-3
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,15 @@ class Probe:
     @property
     def ring_wins(self) -> bool:
         return not self.error and self.ring_gbps >= MIN_GAIN * self.triton_gbps
+
+    @property
+    def ring_from_bytes(self) -> int | None:
+        """The smallest restore (bytes) the ring takes: where copying it at the ring's rate
+        instead of the kernel's saves :data:`RING_EXTRA_S`; None where the ring never wins."""
+        if not self.ring_wins:
+            return None
+        saved_per_byte = (1.0 / self.triton_gbps - 1.0 / self.ring_gbps) / 1e9  # seconds
+        return math.ceil(RING_EXTRA_S / saved_per_byte)
 
 
 _CHOICE: dict[int, Probe] = {}  # device index -> its probe
@@ -69,10 +92,14 @@ def set_choice(p: Probe | None, device: torch.device | int | None = None) -> Non
         _CHOICE[device_index(device)] = p
 
 
-def ring_wins(device) -> bool:
-    """What ``auto`` follows on ``device``: its probe's verdict, True where none ran."""
+def takes_ring(device, nbytes: int) -> bool:
+    """What ``auto`` follows for a restore of ``nbytes`` on ``device``: the ring where no probe
+    ran, else where the ring won the probe and ``nbytes`` reaches its :attr:`~Probe.ring_from_bytes`."""
     p = _CHOICE.get(device_index(device))
-    return True if p is None else p.ring_wins
+    if p is None:
+        return True
+    start = p.ring_from_bytes
+    return start is not None and nbytes >= start
 
 
 def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,

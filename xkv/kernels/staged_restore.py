@@ -50,7 +50,7 @@ from xkv.kernels._lazy import deferred
 from xkv.kernels.calibrate import calibration
 from xkv.kernels.jobs import Job
 from xkv.kernels.ring import SLOT_BYTES, Ring, ring
-from xkv.kernels.ring_choice import ring_wins
+from xkv.kernels.ring_choice import takes_ring
 
 __all__ = ["CHUNK_MIN_BYTES", "MAX_PAGE_BYTES", "absolute_ranges", "card_order", "chunks",
            "group_chunks", "object_run", "preferred", "prepare", "ring_offset_gcd",
@@ -266,17 +266,18 @@ def preferred(job: Job) -> bool:
     at least ``staged.STAGED_MIN_BYTES`` from host memory into CUDA pages that fit a slot, the
     copy engine's batch call available, no calibration installed for the GPU (one decides
     per fragment size instead), and the GPU's start-up probe (:mod:`~xkv.kernels.ring_choice`)
-    found the ring at least ``MIN_GAIN`` x faster than the Triton kernel, or none ran. SMs read
-    host memory at 0.6-0.93 of the copy engine's rate by host (bench/RESULTS.md "stop 40",
-    "stop 41"); where they read nearly as fast, the ring's host work loses more than its copy
-    gains."""
+    found the ring at least ``MIN_GAIN`` x faster than the Triton kernel and the restore large
+    enough for that to pay for the ring's host work (``ring_choice.takes_ring``), or none ran.
+    SMs read host memory at 0.6-0.93 of the copy engine's rate by host (bench/RESULTS.md "stop
+    40", "stop 41"); where they read nearly as fast, or the restore is short (stop 50: the MLA
+    model's 4k restore), the ring's host work loses more than its copy gains."""
     if job.save or job.sliced or not job.pools or job.n == 0:
         return False
     dev = job.pools[0].device
+    nbytes = len(job.pools) * job.n * job.block_bytes
     return (dev.type == "cuda" and job.flat.device.type == "cpu"
-            and job.block_bytes <= MAX_PAGE_BYTES
-            and len(job.pools) * job.n * job.block_bytes >= staged.STAGED_MIN_BYTES
-            and copy_engine.available() and calibration(dev) is None and ring_wins(dev))
+            and job.block_bytes <= MAX_PAGE_BYTES and nbytes >= staged.STAGED_MIN_BYTES
+            and copy_engine.available() and calibration(dev) is None and takes_ring(dev, nbytes))
 
 
 def _unpacks(job: Job, r: Ring, ring_off: np.ndarray, todo: list, max_programs: int):
