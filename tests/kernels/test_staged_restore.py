@@ -412,7 +412,7 @@ def test_auto_prefers_the_ring_for_large_restores_from_host_memory(monkeypatch):
 
     monkeypatch.setattr(copy_engine, "available", lambda: True)
     monkeypatch.setattr(staged_restore, "calibration", lambda dev: None)
-    monkeypatch.setattr(staged_restore, "ring_wins", lambda dev: True)  # test_ring_choice.py
+    monkeypatch.setattr(staged_restore, "takes_ring", lambda dev, nbytes: True)  # test_ring_choice.py
     cuda, cpu = NS(type="cuda"), NS(type="cpu")
 
     def job(L=32, n=128, bb=65536, dev=cuda, flat=cpu, save=False, sliced=False):
