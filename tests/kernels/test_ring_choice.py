@@ -117,6 +117,8 @@ def test_the_ring_takes_only_restores_whose_faster_copy_pays_for_its_host_work()
     assert Probe(31.3, 31.3 * MIN_GAIN, 1).ring_from_bytes > 3 * start
     assert Probe(31.3, 31.3 * MIN_GAIN - 0.01, 1).ring_from_bytes is None
     assert Probe(1.0, 99.0, 1, error="RuntimeError: x").ring_from_bytes is None
+    # never below what a staged restore needs to fill its pipeline
+    assert Probe(1.0, 99.0, 1).ring_from_bytes == staged.STAGED_MIN_BYTES
     try:
         ring_choice.set_choice(STOP50, 7)
         assert not ring_choice.takes_ring(7, MLA_4K)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xkv.kernels import _launch
+from xkv.kernels import _launch, staged
 from xkv.kernels.calibrate import copy_rates, device_index
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
@@ -47,9 +47,10 @@ PROBE_BYTES = 64 << 20
 #: seconds of engine time a restore through the ring costs beyond one through the Triton kernel
 #: at equal copy rates. Stop 50's H100 (probe: ring 51.8, kernel 31.3 GB/s), the same call,
 #: engine time of a full-hit restore, ring / kernel forced: the MLA model's 4k restore (75.8 MB)
-#: 15.2 / 13.7 ms, the ring 1.5 ms slower though its copy should save 1.0 (so ~2.5 ms extra);
-#: the Llama-3-8B shape's 2k (270.5 MB) and 4k (541 MB) restores 16.1 / 17.7 and 19.6 / 26.9 ms,
-#: the ring faster (bench/RESULTS.md "stop 50", bench/results/h100_2026-12-07_stop50/c1, c2)
+#: 15.2 / 13.7 ms, the ring 1.5 ms slower where its copy should save 1.0 (~2.5 ms extra); the
+#: Llama-3-8B shape's 2k (270.5 MB) 16.1 / 17.7 ms, 1.6 faster where its copy should save 3.4
+#: (~1.8 extra); 4k (541 MB) 19.6 / 26.9 ms (bench/RESULTS.md "stop 50",
+#: bench/results/h100_2026-12-07_stop50/c1.tgz, c2.tgz)
 RING_EXTRA_S = 2.0e-3
 
 
@@ -69,11 +70,12 @@ class Probe:
     @property
     def ring_from_bytes(self) -> int | None:
         """The smallest restore (bytes) the ring takes: where copying it at the ring's rate
-        instead of the kernel's saves :data:`RING_EXTRA_S`; None where the ring never wins."""
+        instead of the kernel's saves :data:`RING_EXTRA_S`, and at least
+        ``staged.STAGED_MIN_BYTES``; None where the ring never wins."""
         if not self.ring_wins:
             return None
         saved_per_byte = (1.0 / self.triton_gbps - 1.0 / self.ring_gbps) / 1e9  # seconds
-        return math.ceil(RING_EXTRA_S / saved_per_byte)
+        return max(staged.STAGED_MIN_BYTES, math.ceil(RING_EXTRA_S / saved_per_byte))
 
 
 _CHOICE: dict[int, Probe] = {}  # device index -> its probe
@@ -113,7 +115,7 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
     ``error``: the ring is not taken on this GPU. **Overwrites those pages**: call it at a
     worker's start, before anything is served. None (nothing recorded) where the ring cannot
     restore these pages or fewer than ``staged.STAGED_MIN_BYTES`` fit."""
-    from xkv.kernels import copy_engine, staged, staged_restore
+    from xkv.kernels import copy_engine, staged_restore
 
     dev = pool.device
     bb = pool.block_bytes
