@@ -27,13 +27,14 @@ def phase(checked: bool) -> str:
 
 _TIMING = re.compile(r"bytes=(\d+) copy_ms=([\d.]+) .*checked=(\d+)/(\d+)")
 _PRE = re.compile(r" pre_ms=([\d.]+)")
+_SYNC = re.compile(r" sync_ms=([\d.]+)")
 
 
 def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
-    """{(tokens, checked): [(copy_ms, pre_ms)]} of ``XKV_TIMING restore`` lines whose bytes are
-    within 5 % of ``tokens * bytes_per_token`` (a verified restore also counts its hash-only
-    pages); ``checked``: every group of the step verified; ``pre_ms`` None where the line has
-    none."""
+    """{(tokens, checked): [(copy_ms, pre_ms, sync_ms)]} of ``XKV_TIMING restore`` lines whose
+    bytes are within 5 % of ``tokens * bytes_per_token`` (a verified restore also counts its
+    hash-only pages); ``checked``: every group of the step verified; ``pre_ms`` / ``sync_ms``
+    None where the line has none (engines before those fields)."""
     out: dict = {}
     if not bytes_per_token:
         return out
@@ -42,11 +43,11 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
         if not m:
             continue
         nbytes, ms, ck, groups = int(m[1]), float(m[2]), int(m[3]), int(m[4])
-        pre = _PRE.search(ln)
+        pre, sync = _PRE.search(ln), _SYNC.search(ln)
         for n in lens:
             if abs(nbytes - n * bytes_per_token) <= 0.05 * n * bytes_per_token and groups:
                 out.setdefault((n, ck == groups), []).append(
-                    (ms, float(pre[1]) if pre else None))
+                    (ms, float(pre[1]) if pre else None, float(sync[1]) if sync else None))
     return out
 
 
@@ -80,15 +81,18 @@ def report(rows: list[dict], lens: list[int], timing: dict | None = None,
             ct = copy_times((timing or {}).get(kind, []), [n], bytes_per_token)
             ck_t, un_t = ct.get((n, True)), ct.get((n, False))
             if ck_t and un_t:
-                c, u = (statistics.median(ms for ms, _ in t) for t in (ck_t, un_t))
+                c, u = (statistics.median(t_[0] for t_ in t) for t in (ck_t, un_t))
                 out[-1] += (f"; XKV_TIMING copy_ms median {c:.2f} / {u:.2f} ({c / u:.3f}, "
                             f"{len(ck_t)} / {len(un_t)} steps)")
-                pres = [[p for _, p in t if p is not None] for t in (ck_t, un_t)]
-                if all(pres):  # host time before the first copy: not the same on both sides
-                    # (stop 43: unverified requests 2.5-8 ms more), so the TTFT ratio is not
-                    # the copies' alone
-                    out[-1] += (f", pre_ms median {statistics.median(pres[0]):.2f} / "
-                                f"{statistics.median(pres[1]):.2f}")
+                # pre_ms: host time before the first copy, not the same on both sides (stop 43:
+                # unverified requests 2.5-8 ms more), so the TTFT ratio is not the copies' alone;
+                # sync_ms: the end of the step waiting for the loads (stop 50: a checked 32k MLA
+                # restore's load stream ended after the forward)
+                for k, name in ((1, "pre_ms"), (2, "sync_ms")):
+                    vals = [[t_[k] for t_ in t if t_[k] is not None] for t in (ck_t, un_t)]
+                    if all(vals):
+                        out[-1] += (f", {name} median {statistics.median(vals[0]):.2f} / "
+                                    f"{statistics.median(vals[1]):.2f}")
     if out:
         out.insert(0, "")
     return out

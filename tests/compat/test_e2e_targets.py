@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -80,21 +81,26 @@ def test_ab_report_pairs_each_repetitions_two_restores():
 
 def test_ab_report_adds_the_restores_copy_times_by_length_and_check():
     bpt = 131072
-    tl = lambda n, ms, ck, extra=0, pre=3.0: (  # noqa: E731
+    tl = lambda n, ms, ck, extra=0, pre=3.0, sync=0.9: (  # noqa: E731
         f"XKV_TIMING restore bytes={n * bpt + extra} copy_ms={ms} issue_ms=5.0 issue_cpu_ms=5.0 "
-        f"pre_ms={pre} plan_ms=1.0 launches=6 checked={ck}/1 GBps=30.0")
-    lines = [tl(4096, 15.0, 1, 2 << 20), tl(4096, 16.0, 0, pre=7.0), tl(4096, 17.0, 1, 2 << 20),
-             tl(4096, 15.5, 0, pre=9.0), tl(512, 3.0, 1), "XKV_TIMING gc generation=0 ms=3.1"]
+        f"pre_ms={pre} plan_ms=1.0 launches=6 checked={ck}/1 GBps=30.0 gc_ms=1.20 sync_ms={sync}")
+    lines = [tl(4096, 15.0, 1, 2 << 20), tl(4096, 16.0, 0, pre=7.0, sync=0.1),
+             tl(4096, 17.0, 1, 2 << 20, sync=0.7), tl(4096, 15.5, 0, pre=9.0, sync=0.05),
+             tl(512, 3.0, 1), "XKV_TIMING gc generation=0 ms=3.1"]
     ct = e2e_ab.copy_times(lines, [512, 4096], bpt)
-    assert ct == {(4096, True): [(15.0, 3.0), (17.0, 3.0)],
-                  (4096, False): [(16.0, 7.0), (15.5, 9.0)], (512, True): [(3.0, 3.0)]}
+    assert ct == {(4096, True): [(15.0, 3.0, 0.9), (17.0, 3.0, 0.7)],
+                  (4096, False): [(16.0, 7.0, 0.1), (15.5, 9.0, 0.05)],
+                  (512, True): [(3.0, 3.0, 0.9)]}
     rows = [dict(kind="xkv", phase=p, tokens=4096, ttft_ms=30.0, engine_ms=26.0, cached=4095)
             for p in ("restore", "restore_unverified")]
     (_, line) = e2e_ab.report(rows, [4096], {"xkv": lines}, bpt)
     assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps), "
+                         "pre_ms median 3.00 / 8.00, sync_ms median 0.80 / 0.08")
+    no_sync = [re.sub(r" sync_ms=[\d.]+", "", ln) for ln in lines]  # before sync_ms (stop 50)
+    (_, line) = e2e_ab.report(rows, [4096], {"xkv": no_sync}, bpt)
+    assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps), "
                          "pre_ms median 3.00 / 8.00")
-    old = [ln.replace(" pre_ms=3.0", "").replace(" pre_ms=7.0", "").replace(" pre_ms=9.0", "")
-           for ln in lines]  # lines of an engine before pre_ms: the copy times alone
+    old = [re.sub(r" pre_ms=[\d.]+", "", ln) for ln in no_sync]  # before pre_ms too
     (_, line) = e2e_ab.report(rows, [4096], {"xkv": old}, bpt)
     assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps)")
 

@@ -220,3 +220,25 @@ def test_allocator_retries_inside_the_step_are_counted():
     off.begin("load")
     off.issued(1000, 1, "load")
     assert off.report() is None
+
+
+def test_the_end_of_step_wait_for_the_loads_is_on_the_line():
+    """``sync_ms``: the host time ``sync_loads`` waited for the step's loads, last on the line
+    (after the optional fields bench/ reads by name); absent where the handler does not time it
+    (the CPU handler), and a step's value does not leak into the next step's line."""
+    t = LoadTiming(True, FakeEvent)
+    t.begin("load")
+    FakeEvent.clock = 2.0
+    t.issued(1000, 1, "load")
+    t.synced(0.00083)
+    line = t.report()
+    assert line.endswith(" sync_ms=0.83") and LINE.match(line.removesuffix(" sync_ms=0.83"))
+    t.begin("load")
+    FakeEvent.clock = 3.0
+    t.issued(1000, 1, "load")
+    line = t.report()
+    assert "sync_ms" not in line and LINE.match(line)
+    t.synced(0.5)  # after the report: the step is closed, nothing is kept
+    t.begin("load")
+    t.issued(1000, 1, "load")
+    assert "sync_ms" not in t.report()

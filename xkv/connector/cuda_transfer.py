@@ -172,7 +172,9 @@ class CudaTransferHandler(TransferHandler):
         self._events.clear()
 
     def sync_loads(self) -> None:
+        t0 = time.perf_counter()
         self.load_stream.synchronize()
+        self._timing.synced(time.perf_counter() - t0)
         self._events.clear()
         self._preps.clear()
         line = self._timing.report()

@@ -27,6 +27,13 @@ the issue and the first layer while its copy ran, outside every hook: this count
 candidate, and stop 49's profile of that case (xkv's engine alone on an H100) found 0 retries
 (bench/RESULTS.md "stop 49").
 
+``sync_ms`` (only where the handler times it: CUDA): host time the end of the step waited for
+the step's loads (``sync_loads``, after the forward): a restore whose load stream ends after the
+forward shows here. Stop 50's profile of the MLA model's 32k restore found vLLM's
+``get_finished`` hook stalling 0.7-1.0 ms when checked against 0.0-0.15 unchecked (bench/RESULTS.md
+"stop 50"); this field puts that wait on every step's line, so a same-engine A/B
+(``bench/e2e_ab.py``) reads it without a profile.
+
 ``gc_ms`` (only when any): Python garbage collection inside the window ``begin`` .. ``report``
 (``gc.callbacks``); and any collection of at least :data:`GC_LOG_MS` anywhere in the process logs
 its own ``XKV_TIMING gc`` line (generation, ms, objects collected): vLLM's own steps vary by up to
@@ -112,6 +119,7 @@ class LoadTiming:
         self._first_plan: float | None = None
         self.nbytes, self.launches, self.plan_s, self.tail_s = 0, 0, 0.0, 0.0
         self.launch_s = self.readback_s = self.launch_max_s = self.gc_s = 0.0
+        self.sync_s: float | None = None
         self.groups = self.checked = 0
         # a count, not a copy: a set of the engine's ~5000 module names cost 0.75 ms of each
         # restore's issue (stop 43's profile); imports only add keys, in order
@@ -168,6 +176,11 @@ class LoadTiming:
             self.nbytes += nbytes
             self.tail_s += seconds
 
+    def synced(self, seconds: float) -> None:
+        """The end of the step waited ``seconds`` for its loads (host time)."""
+        if self._open:
+            self.sync_s = seconds
+
     def report(self) -> str | None:
         """The step's line once its copies finished (the caller synchronised the stream), or
         None (off, or no group issued); closes the step."""
@@ -183,6 +196,7 @@ class LoadTiming:
         more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
         retries = self._retries() - self._retries0 if self._retries is not None else 0
         more += f" alloc_retries={retries}" if retries else ""
+        more += f" sync_ms={self.sync_s * 1e3:.2f}" if self.sync_s is not None else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} "
                 f"issue_cpu_ms={(self._cpu1 - self._cpu0) * 1e3:.2f} pre_ms={pre * 1e3:.2f} "
