@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 import statistics
 
+from timing_rest import field
+
 UNCHECKED = {"xkv_verify": False}  # the request's kv_transfer_params (xkv.connector.compat)
 
 
@@ -26,8 +28,8 @@ def phase(checked: bool) -> str:
 
 
 _TIMING = re.compile(r"bytes=(\d+) copy_ms=([\d.]+) .*checked=(\d+)/(\d+)")
-_PRE = re.compile(r" pre_ms=([\d.]+)")
-_SYNC = re.compile(r" sync_ms=([\d.]+)")
+#: the optional fields the report compares checked / unchecked, beside ``copy_ms``
+_SIDE_FIELDS = ("pre_ms", "sync_ms")
 
 
 def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
@@ -43,11 +45,10 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
         if not m:
             continue
         nbytes, ms, ck, groups = int(m[1]), float(m[2]), int(m[3]), int(m[4])
-        pre, sync = _PRE.search(ln), _SYNC.search(ln)
         for n in lens:
             if abs(nbytes - n * bytes_per_token) <= 0.05 * n * bytes_per_token and groups:
                 out.setdefault((n, ck == groups), []).append(
-                    (ms, float(pre[1]) if pre else None, float(sync[1]) if sync else None))
+                    (ms, *(field(ln, k) for k in _SIDE_FIELDS)))
     return out
 
 
@@ -81,15 +82,15 @@ def report(rows: list[dict], lens: list[int], timing: dict | None = None,
             ct = copy_times((timing or {}).get(kind, []), [n], bytes_per_token)
             ck_t, un_t = ct.get((n, True)), ct.get((n, False))
             if ck_t and un_t:
-                c, u = (statistics.median(t_[0] for t_ in t) for t in (ck_t, un_t))
+                c, u = (statistics.median(row[0] for row in t) for t in (ck_t, un_t))
                 out[-1] += (f"; XKV_TIMING copy_ms median {c:.2f} / {u:.2f} ({c / u:.3f}, "
                             f"{len(ck_t)} / {len(un_t)} steps)")
                 # pre_ms: host time before the first copy, not the same on both sides (stop 43:
                 # unverified requests 2.5-8 ms more), so the TTFT ratio is not the copies' alone;
                 # sync_ms: the end of the step waiting for the loads (stop 50: a checked 32k MLA
                 # restore's load stream ended after the forward)
-                for k, name in ((1, "pre_ms"), (2, "sync_ms")):
-                    vals = [[t_[k] for t_ in t if t_[k] is not None] for t in (ck_t, un_t)]
+                for k, name in enumerate(_SIDE_FIELDS, start=1):
+                    vals = [[row[k] for row in t if row[k] is not None] for t in (ck_t, un_t)]
                     if all(vals):
                         out[-1] += (f", {name} median {statistics.median(vals[0]):.2f} / "
                                     f"{statistics.median(vals[1]):.2f}")

@@ -28,7 +28,6 @@ import cProfile
 import logging
 import os
 import pstats
-import re
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from timing_rest import field  # noqa: E402  (bench/, the script's own directory)
 
 from xkv import kernels  # noqa: E402
 from xkv.connector import checksums, group_copies, light_steps, loads  # noqa: E402
@@ -108,8 +108,7 @@ class _Lines(logging.Handler):
 
 
 def _fields(line: str) -> dict[str, float]:
-    return {k: float(m.group(1)) for k in _FIELDS
-            if (m := re.search(rf" {k}=([\d.]+)", line)) is not None}
+    return {k: v for k in _FIELDS if (v := field(line, k)) is not None}
 
 
 def _layout(L: int, n: int, run: int, dev: str, pin: bool):

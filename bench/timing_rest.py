@@ -16,6 +16,13 @@ import tarfile
 TIMING = re.compile(r"XKV_TIMING restore bytes=(\d+) copy_ms=([\d.]+) issue_ms=([\d.]+)")
 
 
+def field(line: str, name: str) -> float | None:
+    """The number of ``name=`` on an ``XKV_TIMING`` line (``pre_ms``, ``sync_ms``, ...; the
+    optional ones are absent on some lines and on older engines' lines): None where absent."""
+    m = re.search(rf" {re.escape(name)}=([\d.]+)", line)
+    return float(m[1]) if m else None
+
+
 def rows_of(text: str) -> list[dict]:
     """Restore rows of one engine log with the timing line that preceded each."""
     out, last = [], None
