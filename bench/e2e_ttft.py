@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import e2e_ab
+import e2e_decode
 import e2e_kinds
 import e2e_models
 import engine_children
@@ -103,6 +104,7 @@ def _args(argv=None):
                     help="cold requests timed one by one after the gateway's SIGKILL (xkv)")
     ap.add_argument("--report-only", default=None, help="rebuild table/plot from this JSON")
     e2e_models.add_args(ap)
+    e2e_decode.add_args(ap)
     engine_children.add_args(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--gateway-pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -162,17 +164,21 @@ def _sp(max_tokens=1, logprobs=None, params=None):
 
 def _rec(o, wall):
     m = getattr(o, "metrics", None)
-    eng = ftl = None
+    eng = ftl = tpot = None
     if m is not None:
         if getattr(m, "scheduled_ts", 0) and getattr(m, "first_token_ts", 0):
             eng = round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)
         if getattr(m, "first_token_latency", 0):
             ftl = round(m.first_token_latency * 1e3, 2)
+        tpot = e2e_decode.tpot_ms(m, len(o.outputs[0].token_ids))
     lp = None
     if o.outputs[0].logprobs:
         lp = sorted((int(k), float(v.logprob)) for k, v in o.outputs[0].logprobs[0].items())
-    return dict(ttft_ms=round(wall, 2), engine_ms=eng, ftl_ms=ftl, cached=o.num_cached_tokens,
-                out_tokens=list(o.outputs[0].token_ids), logprobs=lp)
+    r = dict(ttft_ms=round(wall, 2), engine_ms=eng, ftl_ms=ftl, cached=o.num_cached_tokens,
+             out_tokens=list(o.outputs[0].token_ids), logprobs=lp)
+    if tpot is not None:
+        r["tpot_ms"] = tpot
+    return r
 
 
 def decode_hit_len(n: int, block_size: int) -> int:
@@ -183,9 +189,10 @@ def decode_hit_len(n: int, block_size: int) -> int:
     return max(1, n // block_size) * block_size + 1
 
 
-def _run(llm, prompts, logprobs=None, params=None):
+def _run(llm, prompts, logprobs=None, params=None, max_tokens=1):
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sp(1, logprobs, params),
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        _sp(max_tokens, logprobs, params),
                         use_tqdm=False)
     wall = (time.perf_counter() - t) * 1e3
     return [_rec(o, wall) for o in outs]
@@ -283,6 +290,13 @@ def _child(a):
                     r = _run(llm, [p], params=None if checked else e2e_ab.UNCHECKED)[0]
                     r["reset_ok"] = ok
                     row(e2e_ab.phase(checked), n, r)
+    if a.decode_tokens:  # every later token of a restored request (e2e_decode)
+        for _ in range(reps):
+            p = prompt(min(lens))
+            _run(llm, [p])
+            if kind != "none":
+                reset()
+            row(e2e_decode.PHASE, min(lens), _run(llm, [p], max_tokens=a.decode_tokens)[0])
     if a.multi:
         # restores cost most when other requests decode beside them
         ps = [prompt(a.multi_len) for _ in range(a.multi)]
@@ -394,6 +408,7 @@ def _parent(a):
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
+    e2e_decode.check(a.decode_tokens)
     together = engine_children.together(a, len(a.kinds.split(",")))
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],
@@ -516,6 +531,7 @@ def _report(res, out):
                      f"{f(xc)} ({pc(xc, rc)}) | {f(oc)} ({pc(oc, rc)}) |")
     lines += e2e_kinds.report(rows, lens, _median)
     lines += e2e_ab.report(rows, lens, res.get("timing"), bpt)
+    lines += e2e_decode.report(rows)
     lines += ["", "Engine scheduled-to-first-token, ms (median): "
               + "; ".join(f"{n}: none cold {f(_median(rows, 'none', 'cold', n, 'engine_ms'))}, hit "
                           f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "

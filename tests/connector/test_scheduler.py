@@ -84,6 +84,38 @@ def test_store_then_restore(make, fake_gateway, full_hit, n, expect):
     assert st.hits == expect and st.queries == n
 
 
+@pytest.mark.parametrize("from_tokens,n,expect", [
+    (1, 256, 254), (1, 65, 63), (1, 300, 256), (1, 200, 192), (200, 256, 254), (200, 64, 63),
+    (128, 129, 127), (129, 129, 128)])
+def test_piecewise_restores_leave_two_tokens(make, fake_gateway, from_tokens, n, expect):
+    """``piecewise_restores_from`` (with ``full_cuda_graphs``): a full hit of at least that many
+    restored tokens leaves vLLM two tokens to compute; a shorter one, one; a hit the stored
+    prefix ends before the last token is not cut."""
+    s = make()
+    _run(s, fake_gateway, H.make_request("a", _prompt(n)))
+    s = make(extra={**EXTRA, "full_cuda_graphs": True, "piecewise_restores_from": from_tokens})
+    r = H.make_request("b", _prompt(n))
+    s.add_request(r)
+    so, meta = H.step(s)
+    assert so.num_scheduled_tokens["b"] == n - expect
+    assert r.num_computed_tokens == n
+    if expect:
+        assert meta.loads[0].num_tokens == expect
+    st = H.LAST_STATS.connector_prefix_cache_stats
+    assert st.hits == expect
+
+
+def test_piecewise_restores_need_full_cuda_graphs():
+    from xkv.connector.config import ConfigError, ConnectorConfig
+
+    with pytest.raises(ConfigError, match="needs full_cuda_graphs: true"):
+        ConnectorConfig.from_extra({"piecewise_restores_from": 1}, {"PYTHONHASHSEED": "0"})
+    with pytest.raises(ConfigError, match="piecewise_restores_from=-1: expected a token count"):
+        ConnectorConfig.from_extra({"piecewise_restores_from": -1, "full_cuda_graphs": True},
+                                   {"PYTHONHASHSEED": "0"})
+    assert ConnectorConfig.from_extra({}, {"PYTHONHASHSEED": "0"}).piecewise_restores_from == 0
+
+
 def test_partly_stored_prefix(make, fake_gateway):
     s = make()
     _run(s, fake_gateway, H.make_request("a", _prompt(300)))

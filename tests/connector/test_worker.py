@@ -93,6 +93,38 @@ def test_full_hit_restores_all_but_the_last_token(fake_gateway, llama_dir, mla):
             assert torch.equal(H.page(kv, bid), want), (name, i)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
+def test_piecewise_restores_leave_two_tokens_and_stay_exact(fake_gateway, llama_dir, mla, caplog):
+    """``piecewise_restores_from`` (with ``full_cuda_graphs``): a full hit of an attention model
+    leaves two tokens to compute (a step vLLM does not replay as a full graph), the last block
+    restored up to them, byte for byte; an MLA model keeps its one-token step and says so."""
+    s1, w1, c1, bs = _engine(llama_dir, mla=mla)
+    n = 4 * CHUNK
+    p = _prompt(n)
+    _run(s1, w1, c1, bs, H.make_request("a", p, block_size=bs))
+    with caplog.at_level(logging.INFO, logger="xkv"):
+        logging.getLogger("xkv").propagate = True
+        s2, w2, c2, _ = _engine(llama_dir, mla=mla, extra={"full_cuda_graphs": True,
+                                                           "piecewise_restores_from": 1})
+    r = H.make_request("b", p, block_size=bs)
+    s2.add_request(r)
+    for kv in c2.values():
+        kv.fill_(-3)  # poisoned: every restored byte must come from the card
+    so, meta, out = H.step_with_worker(s2, w2, c2, bs)
+    computed = 1 if mla else 2
+    assert so.num_scheduled_tokens["b"] == computed and not out.invalid_block_ids
+    assert meta.loads[0].num_tokens == n - computed
+    (gt,) = meta.loads[0].groups
+    assert len(gt.block_ids) == n // bs and gt.tail == 1
+    for i, bid in enumerate(gt.block_ids):
+        for name, kv in c2.items():
+            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
+            assert torch.equal(H.page(kv, bid), want), (name, i)
+    needle = ("piecewise_restores_from has no effect here (an MLA model)" if mla
+              else "full hits of >= 1 restored tokens leave vLLM two tokens to compute")
+    assert needle in caplog.text
+
+
 def test_registration_log_lines(fake_gateway, llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="xkv"):
         logging.getLogger("xkv").propagate = True

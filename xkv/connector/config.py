@@ -69,6 +69,7 @@ OPTIONS: dict[str, Option] = {
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
     "full_cuda_graphs": Option(False, (bool,), "let vLLM keep full CUDA graphs for decode-only batches (a restore in such a step is fenced before the forward); off: piecewise graphs only"),
+    "piecewise_restores_from": Option(0, (int,), "with full_cuda_graphs, on a model of one attention cache group (not MLA): a whole-prompt restore of at least this many tokens leaves vLLM two tokens to compute, a step it runs with piecewise graphs, so the restore overlaps the forward layer by layer (shorter ones leave one: a full-graph step after the fenced restore); 0: never"),
     "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy'), each layer's pages in GPU memory after its copy ('hbm'), or every layer's at once after the last copy ('end')"),
     "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
     "xkv_gateway_curve_server_key": Option(None, (str,), "gateway's public certificate file: TCP+CURVE"),
@@ -96,6 +97,7 @@ class ConnectorConfig:
     load_mode: str = "sync"
     full_hit_restore: bool = True
     full_cuda_graphs: bool = False
+    piecewise_restores_from: int = 0
     save_mode: str = "step"
     checksum_pass: str = "copy"
     gateway_host: str = DEFAULT_GATEWAY_HOST
@@ -172,6 +174,14 @@ class ConnectorConfig:
                 "the default; 'hbm': copy unchecked, then hash each layer's pages in GPU memory; 'end': "
                 "copy unchecked, then hash every layer's pages in GPU memory at once after the "
                 "last copy)")
+        n = self.piecewise_restores_from
+        if n < 0:
+            raise ConfigError(f"piecewise_restores_from={n}: expected a token count >= 0 "
+                              "(0: never)")
+        if n and not self.full_cuda_graphs:
+            raise ConfigError(
+                f"piecewise_restores_from={n} needs full_cuda_graphs: true (without it vLLM runs "
+                "every step with piecewise graphs already, and every restore overlaps the forward)")
         for name in ("lookup_timeout_ms", "gateway_timeout_ms"):
             v = getattr(self, name)
             if not 0 < v <= 60_000:

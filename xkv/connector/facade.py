@@ -284,7 +284,9 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         per-layer hooks, which a full graph's replay skips; with ``full_cuda_graphs`` vLLM keeps
         its full graphs for decode-only batches and such a step fences every restore before the
         forward (:meth:`start_load_kv`; saves of layers without their hook run after the
-        forward). The fan-out's all-gathers stay in the hooks."""
+        forward; ``piecewise_restores_from`` makes long full hits compute two tokens, a step vLLM
+        runs piecewise, so their restores keep overlapping). The fan-out's all-gathers stay in
+        the hooks."""
         extra = extra_config or {}
         return not (extra.get("full_cuda_graphs") is True and not extra.get("nvlink_fanout"))
 

@@ -5,7 +5,8 @@ One request's life (see docs/architecture.md):
 1. ``get_num_new_matched_tokens`` — chunk keys from ``request.block_hashes``; one LOOKUP (leased)
    for the chunks past the local hit; answer the tokens of the stored prefix, at most
    ``num_tokens - 1 - num_computed_tokens`` (a synchronous full hit crashes vLLM's scheduler;
-   one attention group may end inside a block, so a full hit computes one token).
+   one attention group may end inside a block, so a full hit computes one token; two with
+   ``piecewise_restores_from``, see :func:`two_token_restores_from`).
    vLLM may ask several times: the answer is cached per (request, local hit), so a repeated
    question sends no message and takes no second lease.
 2. ``update_state_after_alloc`` — turn the promised tokens into a load job (block ids per group,
@@ -93,6 +94,7 @@ class SchedulerSide:
             and all(p.group.kind in (kinds.ATTENTION, kinds.MLA) and not p.group.layer_bytes
                     for p in registry.groups))
         self._boundary = [g for g, p in enumerate(registry.groups) if p.at_boundary]
+        self._two_from = two_token_restores_from(cfg, registry, self._whole_prompt)
         if self.chunk_size % hash_block_size:
             raise ValueError(
                 f"chunk_size={self.chunk_size} is not a multiple of vLLM's hash block size "
@@ -192,6 +194,8 @@ class SchedulerSide:
         if not self._whole_prompt:
             limit = limit // self._block_size * self._block_size
         ext = min(ext, max(0, limit - num_computed_tokens))
+        if self._two_from and ext >= self._two_from and num_computed_tokens + ext == limit:
+            ext -= 1  # two tokens computed: a step vLLM never replays as a full graph
         if self.registry.multi_group and ext and (
             lease is None or (self._boundary and state_lease is None)
             or (self._boundary and num_computed_tokens + ext != (start + hits) * self.chunk_size)
@@ -374,3 +378,28 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self._release_all(self.ledger.close())
         self.session.close()
+
+
+def two_token_restores_from(cfg: ConnectorConfig, registry: Registry, whole_prompt: bool) -> int:
+    """The restored tokens from which a full hit leaves vLLM two tokens to compute instead of one
+    (``piecewise_restores_from``; 0: never). With ``full_cuda_graphs`` vLLM replays a
+    decode-shaped step (one token per request) as a full graph, where no per-layer hook runs and
+    every restore is fenced before the forward; a step computing two tokens runs with piecewise
+    graphs, its restore overlapping the forward layer by layer. Only for whole-prompt restores of
+    plain attention pages: MLA computes a two-token request through its prefill path, which
+    up-projects the whole cached latent (stop 32: a 16-token GPU hit 25.7 ms against 19.5 for a
+    one-token restore), and other models stop at whole blocks anyway."""
+    n = cfg.piecewise_restores_from
+    if not n:
+        return 0
+    why = (None if whole_prompt and all(p.group.kind == kinds.ATTENTION for p in registry.groups)
+           else "an MLA model" if any(p.group.kind == kinds.MLA for p in registry.groups)
+           else "restores here stop at whole blocks")
+    if why:
+        log.info("XKV: piecewise_restores_from has no effect here (%s): a full hit leaves vLLM "
+                 "one token to compute", why)
+        return 0
+    log.info("XKV: full hits of >= %d restored tokens leave vLLM two tokens to compute "
+             "(piecewise graphs, the restore overlapping the forward); shorter ones one (a full "
+             "graph after the fenced restore)", n)
+    return n
