@@ -105,6 +105,17 @@ def test_piecewise_restores_leave_two_tokens(make, fake_gateway, from_tokens, n,
     assert st.hits == expect
 
 
+@pytest.mark.parametrize("load_mode,expect", [("sync", (254, False)), ("async", (255, True))])
+def test_piecewise_restores_leave_asynchronous_restores_alone(make, fake_gateway, load_mode,
+                                                              expect):
+    """An asynchronous restore lands before its step: its one-token step stays a full graph."""
+    s = make()
+    _run(s, fake_gateway, H.make_request("a", _prompt(256)))
+    s = make(extra={**EXTRA, "full_cuda_graphs": True, "piecewise_restores_from": 1,
+                    "load_mode": load_mode})
+    assert s.connector.get_num_new_matched_tokens(H.make_request("b", _prompt(256)), 0) == expect
+
+
 def test_piecewise_restores_need_full_cuda_graphs():
     from xkv.connector.config import ConfigError, ConnectorConfig
 

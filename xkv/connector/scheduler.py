@@ -194,8 +194,6 @@ class SchedulerSide:
         if not self._whole_prompt:
             limit = limit // self._block_size * self._block_size
         ext = min(ext, max(0, limit - num_computed_tokens))
-        if self._two_from and ext >= self._two_from and num_computed_tokens + ext == limit:
-            ext -= 1  # two tokens computed: a step vLLM never replays as a full graph
         if self.registry.multi_group and ext and (
             lease is None or (self._boundary and state_lease is None)
             or (self._boundary and num_computed_tokens + ext != (start + hits) * self.chunk_size)
@@ -204,6 +202,12 @@ class SchedulerSide:
             # model, so a hit is promised only when every byte of it is leased (and, with states, when it
             # ends exactly on the stored state's boundary).
             ext = 0
+        load_async = self._async.choose(ext, busy=self.ledger.others_admitted(req_id))
+        if (self._two_from and not load_async and ext >= self._two_from
+                and num_computed_tokens + ext == limit):
+            # two tokens computed: a step vLLM never replays as a full graph, so this synchronous
+            # restore overlaps the forward (an asynchronous one lands before its step anyway)
+            ext -= 1
         if ext == 0:
             self._release_all([lease, state_lease])
             lease = state_lease = None
@@ -221,7 +225,7 @@ class SchedulerSide:
             state_slots=state_slots,
             checks=({} if self.cfg.allow_unverified_requests and compat.request_skips_checks(
                 request) else self._lookup_checks(res, keys, hits, got["state_checks"])),
-            load_async=self._async.choose(ext, busy=self.ledger.others_admitted(req_id)),
+            load_async=load_async,
         )))
         return ext
 
