@@ -385,8 +385,9 @@ class SchedulerSide:
 
 
 def two_token_restores_from(cfg: ConnectorConfig, registry: Registry, whole_prompt: bool) -> int:
-    """The restored tokens from which a full hit leaves vLLM two tokens to compute instead of one
-    (``piecewise_restores_from``; 0: never). With ``full_cuda_graphs`` vLLM replays a
+    """The restored tokens from which a synchronous full hit leaves vLLM two tokens to compute
+    instead of one (``piecewise_restores_from``; 0: never; an asynchronous restore lands before
+    its step, which then needs no fence). With ``full_cuda_graphs`` vLLM replays a
     decode-shaped step (one token per request) as a full graph, where no per-layer hook runs and
     every restore is fenced before the forward; a step computing two tokens runs with piecewise
     graphs, its restore overlapping the forward layer by layer. Only for whole-prompt restores of
