@@ -45,6 +45,15 @@ def _run(sched, wk, caches, bs, req, **kw):
     return outs
 
 
+def _assert_blocks_hold(p, block_ids, caches, bs):
+    """Block ``i`` of ``block_ids`` holds, in every layer, the bytes the simulated forward wrote
+    for the prompt ``p``'s first ``(i + 1) * bs`` tokens."""
+    for i, bid in enumerate(block_ids):
+        for name, kv in caches.items():
+            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
+            assert torch.equal(H.page(kv, bid), want), (name, i)
+
+
 @pytest.mark.parametrize("save_mode", ["layer", "step"])
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
 @pytest.mark.parametrize("n", [300, 200])
@@ -61,10 +70,7 @@ def test_save_then_restore_bit_exact(fake_gateway, llama_dir, mla, n, save_mode)
     assert so.num_scheduled_tokens["b"] == n - expect and not out.invalid_block_ids
     (gt,) = meta.loads[0].groups
     assert len(gt.block_ids) == expect // bs
-    for i, bid in enumerate(gt.block_ids):
-        for name, kv in c2.items():
-            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
-            assert torch.equal(H.page(kv, bid), want), (name, i)
+    _assert_blocks_hold(p, gt.block_ids, c2, bs)
     st = out.kv_connector_stats.data
     assert st["blocks_restored"] == expect // bs
     assert st["bytes_restored"] == expect // bs * len(c2) * H.page(c2[next(iter(c2))], 0).numel()
@@ -87,10 +93,7 @@ def test_full_hit_restores_all_but_the_last_token(fake_gateway, llama_dir, mla):
     assert meta.scheduled_tokens == 1 and w2._worker.handler.light_step
     (gt,) = meta.loads[0].groups
     assert len(gt.block_ids) == n // bs and gt.tail == 1
-    for i, bid in enumerate(gt.block_ids):
-        for name, kv in c2.items():
-            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
-            assert torch.equal(H.page(kv, bid), want), (name, i)
+    _assert_blocks_hold(p, gt.block_ids, c2, bs)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
@@ -116,10 +119,7 @@ def test_piecewise_restores_leave_two_tokens_and_stay_exact(fake_gateway, llama_
     assert meta.loads[0].num_tokens == n - computed
     (gt,) = meta.loads[0].groups
     assert len(gt.block_ids) == n // bs and gt.tail == 1
-    for i, bid in enumerate(gt.block_ids):
-        for name, kv in c2.items():
-            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
-            assert torch.equal(H.page(kv, bid), want), (name, i)
+    _assert_blocks_hold(p, gt.block_ids, c2, bs)
     needle = ("piecewise_restores_from has no effect here (an MLA model)" if mla
               else "full hits of >= 1 restored tokens leave vLLM two tokens to compute")
     assert needle in caplog.text
@@ -180,10 +180,7 @@ def test_layers_without_a_save_hook_are_saved_after_the_forward(fake_gateway, ll
     so, meta, out = H.step_with_worker(s2, w2, c2, bs)
     (gt,) = meta.loads[0].groups
     assert not out.invalid_block_ids and len(gt.block_ids) == 256 // bs
-    for i, bid in enumerate(gt.block_ids):
-        for name, kv in c2.items():
-            want = H.pattern(p[: (i + 1) * bs], name, H.page(kv, 0).numel())
-            assert torch.equal(H.page(kv, bid), want), (name, i)
+    _assert_blocks_hold(p, gt.block_ids, c2, bs)
 
 
 def test_worker_turns_off_once(fake_gateway, llama_dir, caplog):
