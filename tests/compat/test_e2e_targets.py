@@ -75,8 +75,13 @@ def test_ab_report_pairs_each_repetitions_two_restores():
     assert blank == ""
     assert line.startswith("same-engine checked / unchecked restore (xkv, 4096 tokens, 3 pairs): "
                            "TTFT median 31.0 / 33.0 ms, median of the pairs' ratios 1.025")
-    assert "(engine-side 1.000)" in line
+    assert "(engine-side 1.000)" in line and "quartiles" not in line  # 3 pairs: no spread
     assert e2e_ab.report([x for x in rows if x["phase"] != "restore_unverified"], [4096]) == []
+    # from 4 pairs the pairs' ratios' quartiles follow their median (1.0, 1.1, 1.2, 1.3)
+    four = [r(p, ms, 20.0) for c in (20.0, 22.0, 24.0, 26.0)
+            for p, ms in (("restore", c), ("restore_unverified", 20.0))]
+    (_, line) = e2e_ab.report(four, [4096])
+    assert "median of the pairs' ratios 1.150 (quartiles 1.075-1.225) (engine-side 1.000)" in line
 
 
 def test_ab_report_adds_the_restores_copy_times_by_length_and_check():
