@@ -219,7 +219,8 @@ def test_cuda_forward_write_after_tail_copy_wins(order, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("light,mode", [(False, "auto"), (True, "auto"), (True, "whole")])
+@pytest.mark.parametrize("light,mode", [(False, "auto"), (True, "auto"), (True, "whole"),
+                                        (True, "eighths")])
 def test_cuda_light_step_restores_in_layer_groups(light, mode, monkeypatch):
     """A light step (few tokens computed) restores in ``load_layer_groups`` launches
     (``XKV_LOAD_GROUPS`` ``mode``): every layer's bytes are the card's, and each layer's fence is
@@ -254,7 +255,18 @@ def test_layer_groups_cover_every_layer_once_and_end_with_single_layers():
         assert [k for g in groups for k in g] == list(range(L))
         assert len(groups[-1]) == 1 and len(groups) <= L.bit_length() + 1
         assert light_steps.load_layer_groups(L, "whole") == [list(range(L))]
+        # eighths: groups of L // 8 layers (at least one), the last such group halved
+        eighths = light_steps.load_layer_groups(L, "eighths")
+        k = max(1, L // 8)
+        assert [i for g in eighths for i in g] == list(range(L)) and len(eighths[-1]) == 1
+        body = [len(g) for g in eighths if g[0] < L - k]  # the last k layers are the tail
+        tail = [len(g) for g in eighths if g[0] >= L - k]
+        assert sum(tail) == k and tail == [len(g) for g in light_steps.load_layer_groups(k)]
+        assert all(n == k for n in body[:-1]) and all(0 < n <= k for n in body)
+        assert len(eighths) <= min(L, -(-L // k) + k.bit_length())
     assert light_steps.load_layer_groups(0) == light_steps.load_layer_groups(0, "whole") == []
+    assert light_steps.load_layer_groups(0, "eighths") == []
+    assert [len(g) for g in light_steps.load_layer_groups(32, "eighths")] == [4] * 7 + [2, 1, 1]
 
 
 def test_light_step_threshold_and_group_mode(monkeypatch):
@@ -270,13 +282,15 @@ def test_light_step_threshold_and_group_mode(monkeypatch):
     assert light_steps.group_mode() == "layer"
     monkeypatch.setenv("XKV_LOAD_GROUPS", "whole")
     assert light_steps.group_mode() == "whole"
+    monkeypatch.setenv("XKV_LOAD_GROUPS", "eighths")
+    assert light_steps.group_mode() == "eighths"
     monkeypatch.setenv("XKV_LOAD_GROUPS", "halves")
     with pytest.raises(ValueError, match="XKV_LOAD_GROUPS='halves'"):
         light_steps.group_mode()
 
 
 @pytest.mark.parametrize("tails", [True, False])
-@pytest.mark.parametrize("mode", ["auto", "layer", "whole"])
+@pytest.mark.parametrize("mode", ["auto", "layer", "whole", "eighths"])
 def test_warm_groups_name_the_light_and_tail_launches(mode, tails):
     """The warmup's restore groups: per cache group its light-step groups (halves with ``auto``,
     one group with ``whole``, none with ``layer``) and all its layers (a tail's launch; with
@@ -291,5 +305,8 @@ def test_warm_groups_name_the_light_and_tail_launches(mode, tails):
     ta, tb = ([a], [b]) if tails else ([], [])
     want = {"auto": [[a[i] for i in g] for g in light_steps.load_layer_groups(5)] + ta
             + [[b[i] for i in g] for g in light_steps.load_layer_groups(2)] + tb,
-            "layer": ta + tb, "whole": [a, b]}[mode]
+            "layer": ta + tb, "whole": [a, b],
+            "eighths": [[a[i] for i in g] for g in light_steps.load_layer_groups(5, "eighths")]
+            + ta + [[b[i] for i in g] for g in light_steps.load_layer_groups(2, "eighths")]
+            + tb}[mode]
     assert light_steps.warm_groups(reg, names, mode, tails=tails) == want

@@ -223,14 +223,16 @@ def _launched(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.parametrize("mode", ["auto", "eighths"])
 @pytest.mark.parametrize("L", [5, 16, 32])
-def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, monkeypatch):
-    """What the connector launches for a light step (halving layer groups) and for a partly
-    restored last block (every layer in one launch) uses variants the worker's warmup ran."""
+def test_grouped_and_all_layer_restores_after_warmup_compile_nothing_new(L, mode, monkeypatch):
+    """What the connector launches for a light step (``XKV_LOAD_GROUPS`` ``mode``'s layer groups)
+    and for a partly restored last block (every layer in one launch) uses variants the worker's
+    warmup ran."""
     from xkv.connector.light_steps import load_layer_groups
 
     pools, card = _layers(L)
-    groups = load_layer_groups(L)
+    groups = load_layer_groups(L, mode)
     keys = K.warmup(pools, card, engine="triton", restore_groups=groups + [list(range(L))])
     seen = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self: seen.append(self.key))
