@@ -8,10 +8,11 @@ worker tells its handler per step (``TransferHandler.set_light_step``). ``XKV_LO
 and does not warm the grouped variants, ``whole`` restores a light step's cache group as one group
 of all its layers, ``eighths`` in groups of an eighth of its layers, the last one halved down to
 single layers (A/B switches: on the ring, fewer groups mean longer copy-engine ranges and fewer
-chunks, at the price of the forward's overlap with the copy; ``eighths`` trades two to four more
-launches for a forward that starts after an eighth of the copy, not half of it). :func:`warm_groups` names the layer
-groups the worker's kernel warmup compiles: a light step's and the all-layer launch of a partly
-restored last block (``GroupTransfer.tail``). No vLLM types, no tensors.
+chunks, at the price of the forward's overlap with the copy; ``eighths`` trades a few more
+launches, 10 against 6 for 32 layers, for a forward that starts after an eighth of the copy, not
+half of it). :func:`warm_groups` names the layer groups the worker's kernel warmup compiles: a
+light step's and the all-layer launch of a partly restored last block (``GroupTransfer.tail``).
+No vLLM types, no tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
     above (32 layers: seven groups of 4, then 2, 1, 1): the first layer waits for an eighth of the
     copy, so where a layer's copy takes about as long as its forward (a 2k Llama-shape restore on
     an H100: 8.4 MB per layer at ~48 GB/s, 0.17 ms, against ~0.15 ms of a one-token forward per
-    layer) the forward hides most of it, for two to four launches more."""
+    layer) the forward hides most of it, for a few launches more (``bench/layer_groups_model.py``
+    ranks the groupings)."""
     if mode == "whole":
         return [list(range(n))] if n else []
     if mode == "eighths":
