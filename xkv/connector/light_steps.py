@@ -48,10 +48,10 @@ def load_layer_groups(n: int, mode: str = "auto") -> list[list[int]]:
     copy (where the copy of a layer takes longer than its forward, the forward cannot hide it).
     ``eighths``: groups of ``n // 8`` layers (at least one), then the last such group halved as
     above (32 layers: seven groups of 4, then 2, 1, 1): the first layer waits for an eighth of the
-    copy, so where a layer's copy takes about as long as its forward (a 2k Llama-shape restore on
-    an H100: 8.4 MB per layer at ~48 GB/s, 0.17 ms, against ~0.15 ms of a one-token forward per
-    layer) the forward hides most of it, for a few launches more (``bench/layer_groups_model.py``
-    ranks the groupings)."""
+    copy, so where a layer's copy takes about as long as its forward (estimated for a 2k
+    Llama-shape restore on an H100: 8.4 MB per layer at ~48 GB/s, 0.17 ms, against ~0.15 ms of a
+    one-token forward's weight reads per layer; not measured) the forward hides most of it, for a
+    few launches more (``bench/layer_groups_model.py`` ranks the groupings)."""
     if mode == "whole":
         return [list(range(n))] if n else []
     if mode == "eighths":

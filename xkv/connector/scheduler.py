@@ -392,8 +392,9 @@ def two_token_restores_from(cfg: ConnectorConfig, registry: Registry, whole_prom
     every restore is fenced before the forward; a step computing two tokens runs with piecewise
     graphs, its restore overlapping the forward layer by layer. Only for whole-prompt restores of
     plain attention pages: MLA computes a two-token request through its prefill path, which
-    up-projects the whole cached latent (stop 32: a 16-token GPU hit 25.7 ms against 19.5 for a
-    one-token restore), and other models stop at whole blocks anyway."""
+    up-projects the whole cached latent (bench/RESULTS.md, stop 29 on the H200: the MLA model's
+    16k restore 57.0 ms computing 16 tokens, 25.7 ms computing one), and other models stop at
+    whole blocks anyway."""
     n = cfg.piecewise_restores_from
     if not n:
         return 0
