@@ -15,8 +15,8 @@ import time
 import torch
 
 from xkv import kernels
+from xkv.connector import graph_waits, handler_settings, light_steps
 from xkv.connector import group_copies as copies
-from xkv.connector import handler_settings, light_steps
 from xkv.connector.load_timing import LoadTiming
 from xkv.connector.transfer import TransferHandler, page_verifier
 
@@ -60,6 +60,7 @@ class CudaTransferHandler(TransferHandler):
                                       torch.cuda.memory_stats(self.device).get(
                                           "num_alloc_retries", 0)))
         self._preps: list = []  # this step's prepared loads (see load_group)
+        self._graph: graph_waits.GraphWaits | None = None  # enable_graph_waits
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 
     def set_light_step(self, light: bool) -> None:
@@ -101,10 +102,15 @@ class CudaTransferHandler(TransferHandler):
                 ta = time.perf_counter()
                 prep.launch(g)
                 longest = max(longest, time.perf_counter() - ta)
-                ev = torch.cuda.Event()
-                ev.record(self.load_stream)
-                for i in idx:
-                    self._events[names[i]] = ev
+                if self._graph is not None:  # each layer's own persistent event (graph_waits)
+                    for i in idx:
+                        ev = self._events[names[i]] = self._graph.record(names[i],
+                                                                         self.load_stream)
+                else:
+                    ev = torch.cuda.Event()
+                    ev.record(self.load_stream)
+                    for i in idx:
+                        self._events[names[i]] = ev
                 if hashed:  # layer g's hash beside layer g + 1's copy; the forward never waits
                     self.check_stream.wait_event(ev)
                     prep.launch_check(g, self.check_stream)
@@ -157,6 +163,25 @@ class CudaTransferHandler(TransferHandler):
     def pending_layers(self) -> list[str]:
         """Layers whose per-layer event no :meth:`wait_layer` consumed this step (no GPU work)."""
         return list(self._events)
+
+    def enable_graph_waits(self, names) -> bool:
+        """One persistent external event per layer of ``names`` (``graph_waits``), recorded
+        after that layer's copy in every restore; False where this torch has no external
+        events."""
+        if not graph_waits.supported():
+            return False
+        self._graph = graph_waits.GraphWaits(names, self.load_stream)
+        return True
+
+    def capture_wait(self, name: str) -> None:
+        if self._graph is not None:
+            self._graph.capture(name, torch.cuda.current_stream(self.device))
+
+    def graph_waited(self) -> bool:
+        if self._graph is None or not self._graph.covers(self._events):
+            return False
+        self._events.clear()
+        return True
 
     def load_fence(self) -> torch.cuda.Event:
         """A CUDA event on the load stream after every load issued so far."""

@@ -219,9 +219,12 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         forward can read a page (async loads complete on their own). Full graphs run only with
         ``full_cuda_graphs`` (:meth:`requires_piecewise_for_cudagraph`: otherwise vLLM turns any
         full ``cudagraph_mode`` into PIECEWISE). ``None`` (tests driving the hooks by hand)
-        fences nothing."""
+        fences nothing. A full-graph step's loads are waited for inside the graph where its
+        capture put a wait before every loaded layer (``graph_waits``,
+        :meth:`WorkerSide.fence_full_graph_step`)."""
         assert self._worker is not None
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        meta = (self._get_connector_metadata()
+                if KVConnectorBase_V1.has_connector_metadata(self) else None)
         loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
         if not self._handover.started():  # else issued when it was scheduled (XKV_EARLY_ISSUE)
             self._issue(meta.step.loads if loads else ())
@@ -230,17 +233,26 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 getattr(forward_context, "attn_metadata", None) is None
                 or getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name",
                            None) == "FULL"):
-            for plan in self._registry.groups:
-                for name in plan.group.layer_names:
-                    self._worker.wait_for_layer_load(name)
+            self._worker.fence_full_graph_step()
+
+    def has_connector_metadata(self) -> bool:
+        """Also true while vLLM captures a CUDA graph on a rank with ``graph_waits``: vLLM's
+        per-layer hook decorator then calls :meth:`wait_for_layer_load`, which puts the layer's
+        restore wait into the graph (a capture binds no metadata)."""
+        return super().has_connector_metadata() or (
+            self._worker is not None and self._worker.capturing())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.wait_for_layer_load(layer_name)
+        if self._worker.capturing():
+            self._worker.capture_wait(layer_name)
+        else:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs):
         assert self._worker is not None
-        self._worker.save_kv_layer(layer_name)
+        if not self._worker.capturing():  # a capture has nothing to save
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

@@ -147,6 +147,7 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         full_hit_restore=s.cfg.full_hit_restore,
         save_mode=mode, save_line=line,
         verify_checksums=s.cfg.verify_checksums,
+        full_graphs=s.cfg.full_cuda_graphs and not s.cfg.fanout.enabled,
     )
 
 

@@ -125,6 +125,25 @@ class TransferHandler(abc.ABC):
         when they already landed (copies run inline)."""
         return None
 
+    # Full CUDA graphs (``graph_waits``): per-layer waits captured into the graphs. A handler
+    # without graphs has none, and a full-graph step's loads are then fenced before the forward.
+
+    def enable_graph_waits(self, names) -> bool:
+        """Keep a persistent per-layer event for ``names`` that a captured full graph can wait
+        on; False: this handler cannot (no CUDA graphs here)."""
+        return False
+
+    def capture_wait(self, name: str) -> None:
+        """While a full graph is captured: the capturing stream waits on layer ``name``'s
+        persistent event (:meth:`enable_graph_waits`)."""
+        return None
+
+    def graph_waited(self) -> bool:
+        """Before a full graph's replay with loads: True when the captured graphs wait for
+        every layer loaded this step and not yet waited for (they are then consumed: the graph
+        is their fence); False: the caller must fence them."""
+        return False
+
     def verify_layers(self, names) -> None:
         """``verify_restores``: compare these (waited-for) layers' restored pages now, before
         the forward may change them (a Mamba ``align`` running block)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from xkv.connector import card_pin, light_steps
+from xkv.connector import card_pin, graph_waits, light_steps
 from xkv.connector.async_loads import AsyncLoadWorker
 from xkv.connector.cache_pools import cache_pools
 from xkv.connector.checksums import check_words, session_words
@@ -100,8 +100,11 @@ class WorkerSide:
         save_mode: str = "layer",
         save_line: str = "",
         verify_checksums: bool = True,
+        full_graphs: bool = False,
     ):
         """``reattach``: follow the scheduler to a restarted gateway (see :meth:`bind`).
+        ``full_graphs``: vLLM keeps full CUDA graphs (``full_cuda_graphs``): their captures get
+        per-layer restore waits where the handler can (``graph_waits``).
         ``handler_factory(device)``: a transfer handler (default: the inline CPU one).
         ``save_mode``: the saver's (``setup.save_mode``), ``save_line`` its start-up line.
         ``verify_checksums``: saves compute checksum words, restores check them
@@ -118,6 +121,9 @@ class WorkerSide:
         self.parts: WorkerParts | None = None  # built by register_kv_caches
         self.stats = ConnectorStats()
         self.verify_checksums = verify_checksums
+        self._full_graphs = full_graphs and graph_waits.enabled()
+        self.graph_waits = False  # the handler keeps per-layer events for full graphs' captures
+        self._graph_logged = False  # the first full-graph step with loads logged its fence
         self.session = GatewaySession(
             gateway_factory,
             [LayoutSpec(fp, p.num_shards, p.registered_bytes,
@@ -205,6 +211,9 @@ class WorkerSide:
             compile_copies(self.registry, self.pools, self.session.card, self.handler,
                            self.session.check_words, tp_rank=self.tp_rank,
                            save_mode=self._save_mode, tails=self._warm_tails)
+        if self._full_graphs and cuda and self.fanout is None:
+            self.graph_waits = self.handler.enable_graph_waits(
+                [n for p in self.registry.groups for n in p.group.layer_names])
         lines = [f"XKV: {len(self.pools)} cache tensors registered for exchange"]
         lines += [ring_line] if ring_line else []
         lines += [self._save_line] if self._save_line else []
@@ -335,6 +344,35 @@ class WorkerSide:
         """Requests whose async load completed on this rank (``finished_recving``); polls."""
         self.async_loads.poll()
         return self.async_loads.take_finished()
+
+    def capturing(self) -> bool:
+        """vLLM is capturing a CUDA graph on this thread's stream and this rank puts per-layer
+        restore waits into full graphs (``graph_waits``)."""
+        return self.graph_waits and torch.cuda.is_current_stream_capturing()
+
+    def capture_wait(self, layer_name: str) -> None:
+        """``wait_for_layer_load`` while a full graph is captured: a wait node on the layer's
+        event, in the graph (``graph_waits``)."""
+        self.handler.capture_wait(layer_name)
+
+    def fence_full_graph_step(self) -> None:
+        """The step's forward is a full graph's replay, where no per-layer hook runs: its loads
+        are waited for by the graph's own per-layer waits where every loaded layer has one
+        (``graph_waits``), else the compute stream waits for every layer now, before the forward
+        reads a page."""
+        waited = self.fanout is None and self.handler.graph_waited()
+        if not waited:
+            for plan in self.registry.groups:
+                for name in plan.group.layer_names:
+                    self.wait_for_layer_load(name)
+        if not self._graph_logged:
+            self._graph_logged = True
+            log.info("XKV: restores in full-CUDA-graph steps: %s", (
+                "the graph waits for each layer's copy (per-layer waits captured)" if waited else
+                "fenced before the forward (" + (
+                    "the captured graphs lack a layer's wait" if self.graph_waits else
+                    "this torch has no external CUDA events" if self._full_graphs else
+                    "XKV_GRAPH_WAITS=0") + ")"))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.fanout is not None and layer_name in self.fanout.layers:
