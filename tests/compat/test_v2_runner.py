@@ -414,3 +414,28 @@ def test_no_forward_and_disabled_warmup(engines):
     assert kv_transfer_state.get_kv_transfer_group() is e.conn
     e.run("x", P[:100])  # and it serves again
 
+
+
+@pytest.mark.parametrize("graph", [True, "v1"])
+def test_full_graph_step_whose_graphs_wait_per_layer_is_not_fenced(engines, monkeypatch, graph):
+    """``graph_waits``: where the captured full graphs wait for every loaded layer themselves
+    (the handler says so; on CPU it is told), start_load_kv fences no layer, the worker's
+    missed-fence check raises no load error, and the restored pages are the stored ones (the
+    CPU copies ran inline)."""
+    ns = f"v2-graph-waits-{graph}-{next(_ns)}"
+    a = engines(ns)
+    a.run("a", P)
+    a.close()
+    c = engines(ns)
+    h = c.conn._worker.handler
+    monkeypatch.setattr(h, "graph_waited", lambda: (h.fence_loads(), True)[1])
+    fenced = []
+    orig = c.conn._worker.wait_for_layer_load
+    monkeypatch.setattr(c.conn._worker, "wait_for_layer_load",
+                        lambda name: (fenced.append(name), orig(name)))
+    c.sched.add_request(V.make_request("c", P, block_size=BS, max_tokens=2))
+    so, out = c.step(graph=graph)
+    assert so.num_scheduled_tokens == {"c": 300 - 256}
+    assert fenced == [] and not out.invalid_block_ids
+    assert out.kv_connector_stats.data["blocks_restored"] == 256 // BS
+    c.assert_restored("c", P, 256)
