@@ -14,8 +14,10 @@ captures), and the hook makes the capturing stream wait on a persistent, externa
 of that layer (``torch.cuda.Event(external=True)``): an event-wait node in the graph, before
 that layer's attention. Every restore step re-records each layer's event on the load stream
 right after that layer's copy (:meth:`GraphWaits.record`). A wait on an event waits for its
-most recent record made before the wait is submitted, and a graph's nodes are submitted at its
-launch, after the step's copies were issued: the replay's layer ``l`` waits for layer ``l``'s
+most recent record made before the wait is submitted (CUDA's stream semantics; that a graph's
+wait node takes the record made before the graph's launch is what
+``tests/connector/test_graph_waits.py``'s back-to-back GPU test checks), and the step's copies
+are issued before its graph is launched: the replay's layer ``l`` waits for layer ``l``'s
 copy only, and the copy overlaps the forward as in a piecewise step. A step without restores
 waits on records that completed long ago (one no-op node per layer).
 
