@@ -296,6 +296,15 @@ def test_store_then_restore_through_v2_wrapper(engines, defer, save_mode, caplog
     b.assert_restored("b", P, 256)
 
 
+def _spy_fences(engine, monkeypatch) -> list:
+    """The layers the worker fences (``wait_for_layer_load``), in call order."""
+    fenced = []
+    orig = engine.conn._worker.wait_for_layer_load
+    monkeypatch.setattr(engine.conn._worker, "wait_for_layer_load",
+                        lambda name: (fenced.append(name), orig(name)))
+    return fenced
+
+
 @pytest.mark.parametrize("graph", [True, "v1"])
 @pytest.mark.parametrize("save_mode", ["layer", "step"])
 def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines, monkeypatch,
@@ -312,10 +321,7 @@ def test_full_graph_step_fences_every_layer_and_saves_after_the_forward(engines,
     a.close()
     prompt = P + [(3 + 11 * i) % 1000 + 4 for i in range(100)]  # 400 tokens, 6 whole chunks
     c = engines(ns, save_mode=save_mode)
-    fenced = []
-    orig = c.conn._worker.wait_for_layer_load
-    monkeypatch.setattr(c.conn._worker, "wait_for_layer_load",
-                        lambda name: (fenced.append(name), orig(name)))
+    fenced = _spy_fences(c, monkeypatch)
     c.sched.add_request(V.make_request("c", prompt, block_size=BS, max_tokens=2))
     so, out = c.step(graph=graph)
     assert so.num_scheduled_tokens == {"c": 400 - 256}
@@ -429,10 +435,7 @@ def test_full_graph_step_whose_graphs_wait_per_layer_is_not_fenced(engines, monk
     c = engines(ns)
     h = c.conn._worker.handler
     monkeypatch.setattr(h, "graph_waited", lambda: (h.fence_loads(), True)[1])
-    fenced = []
-    orig = c.conn._worker.wait_for_layer_load
-    monkeypatch.setattr(c.conn._worker, "wait_for_layer_load",
-                        lambda name: (fenced.append(name), orig(name)))
+    fenced = _spy_fences(c, monkeypatch)
     c.sched.add_request(V.make_request("c", P, block_size=BS, max_tokens=2))
     so, out = c.step(graph=graph)
     assert so.num_scheduled_tokens == {"c": 300 - 256}

@@ -150,6 +150,25 @@ def _restore(h, plan, card, gt, pools, kvs):
     loads.load_transfers(h, plan, 0, card, [gt], pools, fence_tail=False)
 
 
+def _graph_setup(seed, captured):
+    """A CUDA handler with graph waits, caches, card, and a graph reading every layer into the
+    returned outputs, captured with waits for the layers in ``captured``."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kvs, pools, plan, card, obj = _setup("cuda", seed)
+    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
+    assert h.enable_graph_waits(NAMES)
+    outs = [torch.empty_like(kv) for kv in kvs]
+    return h, kvs, pools, plan, card, obj, outs, _capture(h, kvs, outs, captured)
+
+
+def _assert_restored(outs, plan, card, gt, n):
+    for layer, o in enumerate(outs):
+        flat = _flat(o)
+        for i in range(n):
+            assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
+
+
 def _synced(deadline_s=30.0):
     """Wait for the GPU with a deadline (a deadlocked replay fails instead of hanging)."""
     t = time.monotonic()
@@ -164,13 +183,7 @@ def test_cuda_graph_replay_reads_each_layer_after_its_copy():
     """Three steps, the host issuing the next step's restore before the GPU finished the last
     replay: every replay reads its own step's restored bytes (a wait node waits for the record
     made before its graph's launch); a graph captured without the waits reads the poison."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    kvs, pools, plan, card, obj = _setup("cuda", 6)
-    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
-    assert h.enable_graph_waits(NAMES)
-    outs = [torch.empty_like(kv) for kv in kvs]
-    g = _capture(h, kvs, outs, set(NAMES))
+    h, kvs, pools, plan, card, obj, outs, g = _graph_setup(6, set(NAMES))
     assert h.graph_waited()  # nothing loaded yet: nothing to fence
     n = 2 * 2 * 3
     steps = [[5, 2, 0, 4, 1, 3], [0, 1, 2, 3, 4, 5], [3, 4, 5, 0, 1, 2]]
@@ -184,10 +197,7 @@ def test_cuda_graph_replay_reads_each_layer_after_its_copy():
     _synced()
     h.sync_loads()
     for gt, got in results:
-        for layer, o in enumerate(got):
-            flat = _flat(o)
-            for i in range(n):
-                assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
+        _assert_restored(got, plan, card, gt, n)
     # the negative control: the same restore, a graph without the waits, reads the poison
     bare = [torch.empty_like(kv) for kv in kvs]
     g2 = _capture(h, kvs, bare, set())
@@ -203,13 +213,7 @@ def test_cuda_graph_replay_reads_each_layer_after_its_copy():
 def test_cuda_graph_lacking_a_layer_is_fenced_by_the_caller():
     """Captured waits for two of three layers: ``graph_waited`` is False and leaves every
     pending layer to the caller's fence (the worker then waits for each before the replay)."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    kvs, pools, plan, card, obj = _setup("cuda", 7)
-    h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
-    assert h.enable_graph_waits(NAMES)
-    outs = [torch.empty_like(kv) for kv in kvs]
-    g = _capture(h, kvs, outs, set(NAMES[:2]))
+    h, kvs, pools, plan, card, obj, outs, g = _graph_setup(7, set(NAMES[:2]))
     n = 2 * 2 * 3
     gt = _transfer(list(range(n)), 0, n, [5, 2, 0, 4, 1, 3], obj, 0)
     _restore(h, plan, card, gt, pools, kvs)
@@ -220,7 +224,4 @@ def test_cuda_graph_lacking_a_layer_is_fenced_by_the_caller():
     g.replay()
     _synced()
     h.sync_loads()
-    for layer, o in enumerate(outs):
-        flat = _flat(o)
-        for i in range(n):
-            assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
+    _assert_restored(outs, plan, card, gt, n)
