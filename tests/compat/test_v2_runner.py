@@ -442,3 +442,35 @@ def test_full_graph_step_whose_graphs_wait_per_layer_is_not_fenced(engines, monk
     assert fenced == [] and not out.invalid_block_ids
     assert out.kv_connector_stats.data["blocks_restored"] == 256 // BS
     c.assert_restored("c", P, 256)
+
+
+def test_a_full_graph_capture_runs_vllms_layer_hook_into_the_graph_waits(engines, monkeypatch):
+    """vLLM's own decorator chain (``eager_break_during_capture``, ``maybe_transfer_kv_layer``)
+    while a full graph is captured (simulated on CPU: the stream 'captures', no step metadata
+    is bound, a FULL forward context): with graph waits each layer's hook reaches the handler's
+    ``capture_wait`` and nothing is saved; without them vLLM runs no hook (no metadata)."""
+    from vllm.config import CUDAGraphMode
+
+    c = engines(f"v2-capture-{next(_ns)}")
+    w = c.conn._worker
+    captured, saved = [], []
+    monkeypatch.setattr(w.handler, "capture_wait", captured.append)
+    monkeypatch.setattr(w, "save_kv_layer", saved.append)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    meta = {n: SimpleNamespace(layer=n) for n in LAYERS}
+
+    def capture():
+        c._agent()
+        with set_forward_context(meta, c.vc, slot_mapping={},
+                                 cudagraph_runtime_mode=CUDAGraphMode.FULL):
+            for name in LAYERS:
+                attention_op()(name, c.caches, [])
+
+    monkeypatch.setattr(w, "graph_waits", True)
+    capture()
+    assert captured == list(LAYERS) and saved == []
+    monkeypatch.setattr(w, "graph_waits", False)
+    c.spy.take()
+    capture()
+    assert captured == list(LAYERS) and saved == []
+    assert not [x for x in c.spy.take() if x.startswith(("wait_for_layer_load", "save_kv_layer"))]
