@@ -65,6 +65,7 @@ class _Worker(worker.WorkerSide):
         self.graph_waits = graph_waits_on
         self._full_graphs = graph_waits_on
         self._graph_logged = False
+        self._meta = None  # no step bound (vLLM captures between steps)
 
     handler = property(lambda self: self._h)
     fanout = property(lambda self: None)
@@ -111,8 +112,13 @@ def test_capture_runs_the_hook_into_the_handler_and_skips_saves(monkeypatch):
     c.wait_for_layer_load("l0")
     c.save_kv_layer("l0", None, None)
     assert h.captured == ["l0"] and h.waited == ["l0"] and saved == ["l0"]
+    capturing[0] = True  # a bound step's hooks are the step's own, whatever the stream says
+    w._meta = object()
+    c.wait_for_layer_load("l0")
+    c.save_kv_layer("l0", None, None)
+    assert h.captured == ["l0"] and h.waited == ["l0", "l0"] and saved == ["l0", "l0"]
+    w._meta = None
     w.graph_waits = False  # off: a capture is not a hook call
-    capturing[0] = True
     assert not c.has_connector_metadata()
 
 

@@ -244,14 +244,15 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        if self._worker.capturing():
+        # a capture binds no step (checked first: no CUDA query in a serving step's hooks)
+        if not self._worker.in_step and self._worker.capturing():
             self._worker.capture_wait(layer_name)
         else:
             self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs):
         assert self._worker is not None
-        if not self._worker.capturing():  # a capture has nothing to save
+        if self._worker.in_step or not self._worker.capturing():  # a capture saves nothing
             self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
