@@ -290,13 +290,14 @@ def _child(a):
                     r = _run(llm, [p], params=None if checked else e2e_ab.UNCHECKED)[0]
                     r["reset_ok"] = ok
                     row(e2e_ab.phase(checked), n, r)
-    if a.decode_tokens:  # every later token of a restored request (e2e_decode)
+    if a.decode_tokens:  # every later token of restored requests (e2e_decode)
         for _ in range(reps):
-            p = prompt(min(lens))
-            _run(llm, [p])
+            ps = [prompt(min(lens)) for _ in range(a.decode_batch)]
+            _run(llm, ps)
             if kind != "none":
                 reset()
-            row(e2e_decode.PHASE, min(lens), _run(llm, [p], max_tokens=a.decode_tokens)[0])
+            for r in _run(llm, ps, max_tokens=a.decode_tokens):
+                row(e2e_decode.PHASE, min(lens), {**r, "batch": a.decode_batch})
     if a.multi:
         # restores cost most when other requests decode beside them
         ps = [prompt(a.multi_len) for _ in range(a.multi)]
@@ -408,7 +409,7 @@ def _parent(a):
     out.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(a), "rows": [], "ref": {}, "verify": [], "info": {}, "rc": {}, "times": {}}
     e2e_kinds.check(a.kinds.split(","), KINDS)
-    e2e_decode.check(a.decode_tokens)
+    e2e_decode.check(a.decode_tokens, a.decode_batch)
     together = engine_children.together(a, len(a.kinds.split(",")))
     specs = [engine_children.Spec(
         kind=kind, cmd=[sys.executable, __file__, *sys.argv[1:], "--child", kind],

@@ -44,3 +44,28 @@ def test_decode_tokens_needs_two_or_none(n, ok):
     else:
         with pytest.raises(SystemExit, match="--decode-tokens 1"):
             e2e_decode.check(n)
+
+
+@pytest.mark.parametrize("b,ok", [(0, False), (-3, False), (1, True), (8, True)])
+def test_decode_batch_needs_one_or_more(b, ok):
+    if ok:
+        e2e_decode.check(4, b)
+    else:
+        with pytest.raises(SystemExit, match=f"--decode-batch {b}: expected at least 1"):
+            e2e_decode.check(4, b)
+
+
+def test_report_gives_one_line_per_decode_batch():
+    """Rows of a batched run (``batch``) get a line of their own that says how many requests
+    decoded at once; rows without ``batch`` are batch 1 (files written before the option)."""
+    def row(kind, t, batch=None):
+        r = dict(kind=kind, phase="decode", tokens=512, tpot_ms=t, out_tokens=[1] * 4)
+        return r if batch is None else {**r, "batch": batch}
+
+    rows = [row("xkv", 9.0), row("xkv", 12.0, 8), row("xkv", 14.0, 8), row("none", 7.0, 8),
+            row("none", 6.0, 1)]
+    one, eight = e2e_decode.report(rows)
+    assert one.endswith("512-token prompt, ms per output token after the first, median: "
+                        "xkv 9.00 (1 x 4 tokens); none 6.00 (1 x 4 tokens)")
+    assert eight.endswith("512-token prompt, 8 requests at once, ms per output token after the "
+                          "first, median: xkv 13.00 (2 x 4 tokens); none 7.00 (1 x 4 tokens)")

@@ -23,7 +23,7 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
             "--multi-len", "300", "--after-kill", "1", "--ref-chunks", "2", "--chunk-size", "128",
             "--vocab", "1024", "--card-gib", "0.25", "--max-batched", "2048", "--kv-gib", "0.25",
             "--child-timeout", "400", "--lookup-timeout-ms", "2000", "--start-together",
-            "--gpu-util", "0.1", "--ab-unverified", "--decode-tokens", "4"]
+            "--gpu-util", "0.1", "--ab-unverified", "--decode-tokens", "4", "--decode-batch", "2"]
     p = run_bench("e2e_ttft.py", args)
     res = json.loads((out / "e2e_ttft.json").read_text())
     assert res["rc"] == dict.fromkeys(kinds, 0), p.stdout[-3000:]
@@ -71,9 +71,11 @@ def test_e2e_ttft_engines_started_together(models, tmp_path):
         ok = [ln for ln in p.stdout.splitlines()
               if ln.startswith(f"first-token top-5 logprobs, {k} restored (cached ")]
         assert len(ok) == 1 and ok[0].endswith(": True"), p.stdout[-3000:]
-    # --decode-tokens: each kind's restored (GPU-hit) prompt generated 4 tokens, --reps times
+    # --decode-tokens / --decode-batch: each kind's two restored (GPU-hit) prompts generated 4
+    # tokens together, --reps times
     dec = [r for r in res["rows"] if r["phase"] == "decode"]
-    assert sorted(r["kind"] for r in dec) == sorted(k for k in kinds for _ in range(2))
-    assert all(len(r["out_tokens"]) == 4 and r["tpot_ms"] > 0 and r["cached"] > 0 for r in dec)
-    assert "decode after a restore (GPU hit for none), 300-token prompt, ms per output token" \
-        in p.stdout
+    assert sorted(r["kind"] for r in dec) == sorted(k for k in kinds for _ in range(2 * 2))
+    assert all(len(r["out_tokens"]) == 4 and r["tpot_ms"] > 0 and r["cached"] > 0
+               and r["batch"] == 2 for r in dec)
+    assert ("decode after a restore (GPU hit for none), 300-token prompt, 2 requests at once, "
+            "ms per output token") in p.stdout
