@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_tail_fence import NAMES, _expected, _setup, _transfer
+from test_tail_fence import NAMES, _expected, _flat, _setup, _transfer
 
 from xkv.connector import cuda_transfer, graph_waits, loads, worker
 
@@ -127,10 +127,6 @@ def test_capture_runs_the_hook_into_the_handler_and_skips_saves(monkeypatch):
 _SLEEP_CYCLES = 60_000_000  # ~35 ms at H100/H200 clocks: the copies start well after the replay
 
 
-def _flat(kv):
-    return kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(kv.shape[0], -1).cpu()
-
-
 def _capture(h, kvs, outs, names):
     """A graph that reads every layer's cache into ``outs`` (the forward's attention reads),
     each read after ``capture_wait`` of the layers in ``names``."""
@@ -158,9 +154,8 @@ def _restore(h, plan, card, gt, pools, kvs):
 
 def _graph_setup(seed, captured):
     """A CUDA handler with graph waits, caches, card, and a graph reading every layer into the
-    returned outputs, captured with waits for the layers in ``captured``."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    returned outputs, captured with waits for the layers in ``captured`` (the ``gpu`` marker
+    skips the tests without a CUDA device)."""
     kvs, pools, plan, card, obj = _setup("cuda", seed)
     h = cuda_transfer.CudaTransferHandler(torch.device("cuda"))
     assert h.enable_graph_waits(NAMES)

@@ -52,6 +52,11 @@ def _transfer(ids, first, last, objs, obj, tail):
                          lambda c: ChunkRef(b"k%d" % c, (objs[c] * obj,), (0,)), tail=tail)
 
 
+def _flat(kv):
+    """A cache's blocks as rows of bytes on the host (logical NHD order): uint8 [B, page bytes]."""
+    return kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(kv.shape[0], -1).cpu()
+
+
 def _expected(plan, card, gt, layer, i):
     """The card bytes block ``gt.block_ids[i]`` of ``layer`` must hold."""
     off = gt.chunks[gt.chunk_of[i]].offsets[0] + plan.object_offset(layer, gt.block_in_chunk[i])
@@ -100,7 +105,7 @@ def test_tail_goes_first_and_every_byte_is_the_cards(n, tail, two, fence, last, 
     calls = [[("before", tails)] if tails else [], [("layers", body)] if body else []]
     assert h.calls == (calls[1] + calls[0] if last else calls[0] + calls[1])
     for layer, kv in enumerate(kvs):
-        flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1)
+        flat = _flat(kv)
         for gt in gts:
             for i, b in enumerate(gt.block_ids):
                 assert torch.equal(flat[b], _expected(plan, card, gt, layer, i)), (layer, b)
@@ -156,7 +161,7 @@ def test_verified_restore_with_a_tail_in_either_order(last, flip):
         want[bad] = True
     np.testing.assert_array_equal(flags, want)
     for layer, kv in enumerate(kvs):
-        flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1)
+        flat = _flat(kv)
         for i, b in enumerate(gt.block_ids):
             assert torch.equal(flat[b], _expected(plan, card, gt, layer, i)), (layer, b)
 
@@ -213,7 +218,7 @@ def test_cuda_forward_write_after_tail_copy_wins(order, monkeypatch):
         torch.cuda.synchronize()
         for layer, kv in enumerate(kvs):
             assert bool((kv[n - 1, :, N - 1, :] == 1.5).all())
-            flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1).cpu()
+            flat = _flat(kv)
             for i in range(n - 1):
                 assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
 
@@ -244,7 +249,7 @@ def test_cuda_light_step_restores_in_layer_groups(light, mode, monkeypatch):
     h.sync_loads()
     torch.cuda.synchronize()
     for layer, kv in enumerate(kvs):
-        flat = kv.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(B, -1).cpu()
+        flat = _flat(kv)
         for i in range(n):
             assert torch.equal(flat[i], _expected(plan, card.cpu(), gt, layer, i))
 

@@ -223,8 +223,8 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         capture put a wait before every loaded layer (``graph_waits``,
         :meth:`WorkerSide.fence_full_graph_step`)."""
         assert self._worker is not None
-        meta = (self._get_connector_metadata()
-                if KVConnectorBase_V1.has_connector_metadata(self) else None)
+        # a bound step only (not the capture case of has_connector_metadata below)
+        meta = self._get_connector_metadata() if super().has_connector_metadata() else None
         loads = bool(isinstance(meta, FusIOnXConnectorMetadata) and meta.step.loads)
         if not self._handover.started():  # else issued when it was scheduled (XKV_EARLY_ISSUE)
             self._issue(meta.step.loads if loads else ())
