@@ -86,6 +86,15 @@ def test_full_graph_step_fences_only_what_the_graphs_do_not_wait_for(covered, ca
         assert "lack a layer's wait" in lines[0]
 
 
+def test_full_graph_step_without_graph_waits_is_fenced_and_says_why(caplog):
+    h = _Handler(False)
+    w = _Worker(h, ("l0", "l1"), graph_waits_on=False)
+    with caplog.at_level("INFO", logger="xkv.connector"):
+        w.fence_full_graph_step()
+    assert h.waited == ["l0", "l1"]
+    assert "graph waits off: full_cuda_graphs false or XKV_GRAPH_WAITS=0" in caplog.text
+
+
 def test_capture_runs_the_hook_into_the_handler_and_skips_saves(monkeypatch):
     """While a stream captures: ``capturing()`` is true only with graph waits on; the façade's
     hooks then put the wait into the capture and save nothing; a bound step's metadata is not

@@ -360,7 +360,7 @@ class WorkerSide:
         are waited for by the graph's own per-layer waits where every loaded layer has one
         (``graph_waits``), else the compute stream waits for every layer now, before the forward
         reads a page."""
-        waited = self.fanout is None and self.handler.graph_waited()
+        waited = self.handler.graph_waited()  # False unless enabled (never with the fan-out)
         if not waited:
             for plan in self.registry.groups:
                 for name in plan.group.layer_names:
@@ -371,8 +371,8 @@ class WorkerSide:
                 "the graph waits for each layer's copy (per-layer waits captured)" if waited else
                 "fenced before the forward (" + (
                     "the captured graphs lack a layer's wait" if self.graph_waits else
-                    "this torch has no external CUDA events" if self._full_graphs else
-                    "XKV_GRAPH_WAITS=0") + ")"))
+                    "no external CUDA events on this device and torch" if self._full_graphs else
+                    "graph waits off: full_cuda_graphs false or XKV_GRAPH_WAITS=0") + ")"))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.fanout is not None and layer_name in self.fanout.layers:
