@@ -31,6 +31,10 @@
 #                   every connector and the correctness checks (logprobs vs no connector, verify
 #                   child, gateway kill); qwen: bench/models/qwen3_8b (36 layers, 8 KV heads),
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
+#   graph_waits_llama / graph_waits_qwen  the deciding run for full_cuda_graphs' default (graph
+#                   waits, stop 52): e2e_ttft.py at 2k and 8k, 5 reps, decode ms per token, kinds
+#                   GW_KINDS (default none, xkv, xkv@full_cuda_graphs=true, offload), engines
+#                   together in waves that fit this GPU (22 GiB each)
 #   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
 #                   4-chunk ref prompt)
 #   shared_prefix   bench/shared_prefix.py on the Llama shape (issue 24 point 5): 16 prefixes of 8k in a
@@ -174,6 +178,12 @@ for spec in "$@"; do
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_hybrid_graphs) e2e "$step" "$secs" "${HYB[@]}" --mode graphs ${E2E_ARGS:-} ;;
+    graph_waits_llama|graph_waits_qwen)  # the full_cuda_graphs default's deciding run (stop 52)
+      if [ "$step" = graph_waits_llama ]; then M=("${LL[@]}"); else M=("${QW[@]}"); fi
+      e2e "$step" "$secs" "${M[@]}" --mode graphs --start-together --together-max "$(fit 22)" \
+        --kv-gib 4 --gpu-util 0.1 --card-gib 12 --lens 2048,8192 --reps 5 --cold-reps 1 --multi 0 \
+        --after-kill 0 --decode-tokens 32 --child-timeout $((secs - 20)) \
+        --kinds "${GW_KINDS:-none,xkv,xkv@full_cuda_graphs=true,offload}" ;;
     shared_prefix) d="$OUT/$step"; mkdir -p "$d"
       timeout "$secs" python3 bench/shared_prefix.py --model bench/models/llama8b --out "$d" \
         --kinds none,xkv,offload --gpu-util 0.55 ${SP_ARGS:-} > "$d/run.txt" 2>&1
