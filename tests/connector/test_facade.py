@@ -80,16 +80,17 @@ def test_stats_round_trip():
     assert b.is_empty()
 
 
-def test_piecewise_graphs_unless_full_cuda_graphs_asked_for_without_fanout():
-    """vLLM keeps full CUDA graphs (FULL_AND_PIECEWISE) only with ``full_cuda_graphs: true`` and
-    the NVLink fan-out off (its all-gathers run in the per-layer hooks)."""
+def test_full_cuda_graphs_by_default_piecewise_when_turned_off_or_with_fanout():
+    """vLLM keeps full CUDA graphs (FULL_AND_PIECEWISE) by default (``full_cuda_graphs: true``)
+    unless the NVLink fan-out is on (its all-gathers run in the per-layer hooks)."""
     from xkv.connector.config import ConnectorConfig
     from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
 
     ask = FusIOnXConnector.requires_piecewise_for_cudagraph
-    assert ask({}) is True and ask(None) is True
-    assert ConnectorConfig.from_extra({}, {"PYTHONHASHSEED": "0"}).full_cuda_graphs is False
+    assert ask({}) is False and ask(None) is False  # the default: full graphs kept
+    assert ConnectorConfig.from_extra({}, {"PYTHONHASHSEED": "0"}).full_cuda_graphs is True
     assert ask({"full_cuda_graphs": True}) is False
     assert ask({"full_cuda_graphs": True, "nvlink_fanout": True}) is True
+    assert ask({"nvlink_fanout": True}) is True
     assert ask({"full_cuda_graphs": False}) is True
     assert ask({"full_cuda_graphs": "yes"}) is True  # not a bool: refused at start, piecewise here

@@ -120,7 +120,8 @@ def test_piecewise_restores_need_full_cuda_graphs():
     from xkv.connector.config import ConfigError, ConnectorConfig
 
     with pytest.raises(ConfigError, match="needs full_cuda_graphs: true"):
-        ConnectorConfig.from_extra({"piecewise_restores_from": 1}, {"PYTHONHASHSEED": "0"})
+        ConnectorConfig.from_extra({"piecewise_restores_from": 1, "full_cuda_graphs": False},
+                                   {"PYTHONHASHSEED": "0"})
     with pytest.raises(ConfigError, match="piecewise_restores_from=-1: expected a token count"):
         ConnectorConfig.from_extra({"piecewise_restores_from": -1, "full_cuda_graphs": True},
                                    {"PYTHONHASHSEED": "0"})

@@ -68,7 +68,7 @@ OPTIONS: dict[str, Option] = {
     "reattach": Option(False, (bool,), "after a gateway restart, use the new gateway (re-attach)"),
     "load_mode": Option("sync", (str,), "restores: 'sync' (layer-wise), 'async' or 'auto'"),
     "full_hit_restore": Option(True, (bool,), "a full hit restores all but the last token (the step computes one)"),
-    "full_cuda_graphs": Option(False, (bool,), "let vLLM keep full CUDA graphs for decode-only batches (a restore in such a step is fenced before the forward); off: piecewise graphs only"),
+    "full_cuda_graphs": Option(True, (bool,), "let vLLM keep full CUDA graphs for decode-only batches (their captures wait for each layer's restore, XKV_GRAPH_WAITS; where a graph lacks a wait, such a step's restore is fenced before the forward); false: piecewise graphs only"),
     "piecewise_restores_from": Option(0, (int,), "with full_cuda_graphs, on a model of one attention cache group (not MLA): a synchronous whole-prompt restore of at least this many tokens leaves vLLM two tokens to compute, a step it runs with piecewise graphs, so the restore overlaps the forward layer by layer (shorter ones leave one: a full-graph step after the fenced restore); 0: never"),
     "checksum_pass": Option("copy", (str,), "verified restores: hash inside the copy ('copy'), each layer's pages in GPU memory after its copy ('hbm'), or every layer's at once after the last copy ('end')"),
     "save_mode": Option("step", (str,), "stores: 'step' (one launch per group after the forward) or 'layer' (one copy per save_kv_layer)"),
@@ -96,7 +96,7 @@ class ConnectorConfig:
     reattach: bool = False
     load_mode: str = "sync"
     full_hit_restore: bool = True
-    full_cuda_graphs: bool = False
+    full_cuda_graphs: bool = True
     piecewise_restores_from: int = 0
     save_mode: str = "step"
     checksum_pass: str = "copy"

@@ -292,16 +292,17 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True (vLLM then captures piecewise graphs only) unless ``full_cuda_graphs`` is on and
-        the NVLink fan-out is off. Restores overlap the forward layer by layer through the
-        per-layer hooks, which a full graph's replay skips; with ``full_cuda_graphs`` vLLM keeps
-        its full graphs for decode-only batches and such a step fences every restore before the
-        forward (:meth:`start_load_kv`; saves of layers without their hook run after the
-        forward; ``piecewise_restores_from`` makes long full hits compute two tokens, a step vLLM
-        runs piecewise, so their restores keep overlapping). The fan-out's all-gathers stay in
-        the hooks."""
+        """False (vLLM keeps its full CUDA graphs for decode-only batches) unless
+        ``full_cuda_graphs`` is false or the NVLink fan-out is on; True: piecewise graphs only.
+        A full graph's replay runs no per-layer hook: its capture put a wait on each layer's
+        restore into the graph (``graph_waits``), and a step whose graphs lack one fences every
+        restore before the forward (:meth:`start_load_kv`; saves of layers without their hook
+        run after the forward). The default since stop 53: on the H100 full graphs decoded at
+        the no-connector speed where piecewise ones cost up to 1.9 x per token (TRITON_ATTN),
+        with restores as fast or faster except Qwen-shaped 8k (+10 %; bench/RESULTS.md). The
+        fan-out's all-gathers stay in the hooks."""
         extra = extra_config or {}
-        return not (extra.get("full_cuda_graphs") is True and not extra.get("nvlink_fanout"))
+        return not (extra.get("full_cuda_graphs", True) is True and not extra.get("nvlink_fanout"))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
