@@ -31,10 +31,11 @@
 #                   every connector and the correctness checks (logprobs vs no connector, verify
 #                   child, gateway kill); qwen: bench/models/qwen3_8b (36 layers, 8 KV heads),
 #                   TRITON_ATTN, chunk 128 (the issue's second GQA family)
-#   graph_waits_llama / graph_waits_qwen  the deciding run for full_cuda_graphs' default (graph
-#                   waits, stop 52): e2e_ttft.py at 2k and 8k, 5 reps, decode ms per token, kinds
-#                   GW_KINDS (default none, xkv, xkv@full_cuda_graphs=true, offload), engines
-#                   together in waves that fit this GPU (22 GiB each)
+#   graph_waits_llama / graph_waits_qwen  full graphs with graph waits (xkv's default since stop
+#                   53) against piecewise graphs: e2e_ttft.py at 2k and 8k, 5 reps, decode ms per
+#                   token, kinds GW_KINDS (default none, xkv, xkv@full_cuda_graphs=false, offload;
+#                   stop 53 ran none, xkv, xkv@full_cuda_graphs=true, offload when xkv was
+#                   piecewise), engines together in waves that fit this GPU (22 GiB each)
 #   e2e_hybrid_graphs  the same on bench/models/nemotronh_small (Mamba2 hybrid, chunk = one block,
 #                   4-chunk ref prompt)
 #   shared_prefix   bench/shared_prefix.py on the Llama shape (issue 24 point 5): 16 prefixes of 8k in a
@@ -178,12 +179,12 @@ for spec in "$@"; do
     e2e_mla_graphs) e2e "$step" "$secs" "${MLA[@]}" --vocab 100000 --mode graphs ${E2E_ARGS:-} ;;
     e2e_qwen_graphs) e2e "$step" "$secs" "${QW[@]}" --mode graphs ${E2E_ARGS:-} ;;
     e2e_hybrid_graphs) e2e "$step" "$secs" "${HYB[@]}" --mode graphs ${E2E_ARGS:-} ;;
-    graph_waits_llama|graph_waits_qwen)  # the full_cuda_graphs default's deciding run (stop 52)
+    graph_waits_llama|graph_waits_qwen)  # full against piecewise graphs (stop 53's decision)
       if [ "$step" = graph_waits_llama ]; then M=("${LL[@]}"); else M=("${QW[@]}"); fi
       e2e "$step" "$secs" "${M[@]}" --mode graphs --start-together --together-max "$(fit 22)" \
         --kv-gib 4 --gpu-util 0.1 --card-gib 12 --lens 2048,8192 --reps 5 --cold-reps 1 --multi 0 \
         --after-kill 0 --decode-tokens 32 --child-timeout $((secs - 20)) \
-        --kinds "${GW_KINDS:-none,xkv,xkv@full_cuda_graphs=true,offload}" ;;
+        --kinds "${GW_KINDS:-none,xkv,xkv@full_cuda_graphs=false,offload}" ;;
     shared_prefix) d="$OUT/$step"; mkdir -p "$d"
       timeout "$secs" python3 bench/shared_prefix.py --model bench/models/llama8b --out "$d" \
         --kinds none,xkv,offload --gpu-util 0.55 ${SP_ARGS:-} > "$d/run.txt" 2>&1
@@ -225,6 +226,9 @@ for spec in "$@"; do
         --together-max "$(fit 25)" \
         > "$d/run.txt" 2>&1
       echo "=== $step/shared_prefix: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
+    # all_mla: vLLM 0.26's own full-graph capture of this model at 32k context died (stops 41, 42,
+    # 51), and xkv keeps full graphs by default since stop 53: --none-graphs piecewise and an
+    # xkv@full_cuda_graphs=false kind (E2E_ARGS / the e2e_mla_graphs step) where it dies again
     all_mla) allmodel "$step" "$secs" 34 4 "${MLA[@]}" --vocab 100000 ;;  # stop 40: two at 26 OOMed (37.7 GiB each)
     all_qwen) allmodel "$step" "$secs" 19 12 "${QW[@]}" ;;
     caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)

@@ -81,8 +81,9 @@ def test_stats_round_trip():
 
 
 def test_full_cuda_graphs_by_default_piecewise_when_turned_off_or_with_fanout():
-    """vLLM keeps full CUDA graphs (FULL_AND_PIECEWISE) by default (``full_cuda_graphs: true``)
-    unless the NVLink fan-out is on (its all-gathers run in the per-layer hooks)."""
+    """vLLM keeps full CUDA graphs (FULL_AND_PIECEWISE) by default (``full_cuda_graphs: true``);
+    piecewise graphs with ``full_cuda_graphs: false`` or the NVLink fan-out (its all-gathers run
+    in the per-layer hooks)."""
     from xkv.connector.config import ConnectorConfig
     from xkv_vllm_connector.fusionx_connector import FusIOnXConnector
 
