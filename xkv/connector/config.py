@@ -77,6 +77,17 @@ OPTIONS: dict[str, Option] = {
 }
 
 
+def keeps_full_graphs(extra: Mapping[str, Any] | None) -> bool:
+    """vLLM may keep its full CUDA graphs (``requires_piecewise_for_cudagraph`` false, the worker's
+    graph waits on): ``full_cuda_graphs`` true (its default from :data:`OPTIONS`) and the NVLink
+    fan-out off (its all-gathers run in the per-layer hooks). Reads the raw
+    ``kv_connector_extra_config`` because vLLM asks before the connector validates it: a value of
+    the wrong type gives False here and is refused at start."""
+    extra = extra or {}
+    return (extra.get("full_cuda_graphs", OPTIONS["full_cuda_graphs"].default) is True
+            and not extra.get("nvlink_fanout"))
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Validated settings. ``chunk_size`` None = pick from the block size (``resolve_chunk_size``)."""

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from xkv.connector import compat, early_issue, issue_profile, setup
+from xkv.connector.config import keeps_full_graphs
 from xkv.connector.metadata import StepMetadata, WorkerReport
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import PromMetricsMixin, StatsMixin
@@ -301,8 +302,7 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         the no-connector speed where piecewise ones cost up to 1.9 x per token (TRITON_ATTN),
         with restores as fast or faster except Qwen-shaped 8k (+10 %; bench/RESULTS.md). The
         fan-out's all-gathers stay in the hooks."""
-        extra = extra_config or {}
-        return not (extra.get("full_cuda_graphs", True) is True and not extra.get("nvlink_fanout"))
+        return not keeps_full_graphs(extra_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

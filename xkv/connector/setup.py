@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from xkv.connector import compat, vllm_specs
 from xkv.connector.async_loads import AsyncLoadWorker
-from xkv.connector.config import ConfigError, ConnectorConfig
+from xkv.connector.config import ConfigError, ConnectorConfig, keeps_full_graphs
 from xkv.connector.fanout_loads import FanoutLoads
 from xkv.connector.fences import HookPlan
 from xkv.connector.keys import fingerprint
@@ -147,7 +147,7 @@ def worker_side(s: Setup, vllm_config: Any, kv_cache_config: Any, tp_rank: int) 
         full_hit_restore=s.cfg.full_hit_restore,
         save_mode=mode, save_line=line,
         verify_checksums=s.cfg.verify_checksums,
-        full_graphs=s.cfg.full_cuda_graphs and not s.cfg.fanout.enabled,
+        full_graphs=keeps_full_graphs(s.cfg.extra),
     )
 
 
