@@ -27,7 +27,7 @@ path, each running every layer's hook once, so :meth:`GraphWaits.covers` asks th
 layer was captured, and the same number of times as every other captured layer; otherwise
 the worker fences as before (``worker.WorkerSide.fence_full_graph_step``).
 
-Measured (H100, stop 53, bench/RESULTS.md): full-graph restores with these waits took 17.8 / 34.0
+Measured (H100, stop 53, bench/RESULTS.md, raw bench/results/h100_2026-12-07_stop53/): full-graph restores with these waits took 17.8 / 34.0
 ms on the Llama shape (2k / 8k) against 17.9 / 33.9 with piecewise graphs, and decode after a
 restore 6.69 against 7.48 ms per token; the back-to-back GPU test passed.
 
