@@ -38,8 +38,16 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
     hash-only pages); ``checked``: every group of the step verified; ``pre_ms`` / ``sync_ms``
     None where the line has none (engines before those fields)."""
     out: dict = {}
+    for n, checked, ms, ln in _steps(lines, lens, bytes_per_token):
+        out.setdefault((n, checked), []).append((ms, *(field(ln, k) for k in _SIDE_FIELDS)))
+    return out
+
+
+def _steps(lines: list[str], lens: list[int], bytes_per_token: int):
+    """``(tokens, checked, copy_ms, line)`` of every ``XKV_TIMING restore`` line matched as
+    :func:`copy_times` matches them."""
     if not bytes_per_token:
-        return out
+        return
     for ln in lines:
         m = _TIMING.search(ln)
         if not m:
@@ -47,8 +55,23 @@ def copy_times(lines: list[str], lens: list[int], bytes_per_token: int) -> dict:
         nbytes, ms, ck, groups = int(m[1]), float(m[2]), int(m[3]), int(m[4])
         for n in lens:
             if abs(nbytes - n * bytes_per_token) <= 0.05 * n * bytes_per_token and groups:
-                out.setdefault((n, ck == groups), []).append(
-                    (ms, *(field(ln, k) for k in _SIDE_FIELDS)))
+                yield n, ck == groups, ms, ln
+
+
+#: the step's implicit synchronisations ``XKV_TIMING`` counts (only on a line when any)
+_SYNC_FIELDS = ("alloc_retries", "device_allocs", "pinned_allocs")
+
+
+def sync_steps(lines: list[str], n: int, bytes_per_token: int) -> dict:
+    """{checked: (steps, {field: steps with any})} of the ``n``-token restores' lines: how many
+    steps of each side allocated (a host wait for the device) inside the restore's window, so
+    an A/B whose sides differ in ``pre_ms`` (stop 43, stop 54) says whether such a wait is why."""
+    out: dict = {}
+    for _, checked, _, ln in _steps(lines, [n], bytes_per_token):
+        steps, hit = out.setdefault(checked, (0, dict.fromkeys(_SYNC_FIELDS, 0)))
+        for k in _SYNC_FIELDS:
+            hit[k] += int(bool(field(ln, k)))
+        out[checked] = (steps + 1, hit)
     return out
 
 
@@ -100,6 +123,13 @@ def report(rows: list[dict], lens: list[int], timing: dict | None = None,
                     if all(vals):
                         out[-1] += (f", {name} median {statistics.median(vals[0]):.2f} / "
                                     f"{statistics.median(vals[1]):.2f}")
+                ss = sync_steps((timing or {}).get(kind, []), n, bytes_per_token)
+                (c_n, c_hit), (u_n, u_hit) = ss[True], ss[False]
+                waits = [f"{k} {c_hit[k]} / {u_hit[k]}" for k in _SYNC_FIELDS
+                         if c_hit[k] or u_hit[k]]
+                if waits:
+                    out[-1] += (f"; steps that allocated, of {c_n} / {u_n}: "
+                                + ", ".join(waits))
     if out:
         out.insert(0, "")
     return out

@@ -110,6 +110,29 @@ def test_ab_report_adds_the_restores_copy_times_by_length_and_check():
     assert line.endswith("XKV_TIMING copy_ms median 16.00 / 15.75 (1.016, 2 / 2 steps)")
 
 
+def test_ab_report_counts_the_steps_that_allocated_on_each_side():
+    """``device_allocs`` / ``pinned_allocs`` / ``alloc_retries`` (only on a line when any): the
+    report says how many steps of each side had one, so a ``pre_ms`` gap between the sides
+    (stop 54) shows whether an implicit synchronisation is in it; none on any line: nothing."""
+    bpt = 18432
+    tl = lambda ck, more="": (  # noqa: E731
+        f"XKV_TIMING restore bytes={4096 * bpt} copy_ms=5.0 issue_ms=5.0 issue_cpu_ms=5.0 "
+        f"pre_ms=2.0 plan_ms=1.0 launches=5 checked={ck}/1 GBps=15.0{more} sync_ms=0.01")
+    lines = [tl(1), tl(0, " device_allocs=2"), tl(1, " pinned_allocs=1"),
+             tl(0, " device_allocs=1 pinned_allocs=3"), tl(0)]
+    assert e2e_ab.sync_steps(lines, 4096, bpt) == {
+        True: (2, {"alloc_retries": 0, "device_allocs": 0, "pinned_allocs": 1}),
+        False: (3, {"alloc_retries": 0, "device_allocs": 2, "pinned_allocs": 1})}
+    rows = [dict(kind="xkv", phase=p, tokens=4096, ttft_ms=20.0, engine_ms=16.0, cached=4095)
+            for p in ("restore", "restore_unverified")]
+    (_, line) = e2e_ab.report(rows, [4096], {"xkv": lines}, bpt)
+    assert line.endswith("sync_ms median 0.01 / 0.01; steps that allocated, of 2 / 3: "
+                         "device_allocs 0 / 2, pinned_allocs 1 / 1"), line
+    plain = [tl(1), tl(0)]
+    (_, line) = e2e_ab.report(rows, [4096], {"xkv": plain}, bpt)
+    assert line.endswith("sync_ms median 0.01 / 0.01"), line
+
+
 def test_a_decode_shaped_hit_is_one_token_past_a_block_boundary():
     assert e2e_ttft.decode_hit_len(2048, 16) == 2049
     assert e2e_ttft.decode_hit_len(300, 16) == 289

@@ -222,6 +222,63 @@ def test_allocator_retries_inside_the_step_are_counted():
     assert off.report() is None
 
 
+def test_sync_counters_that_grew_inside_the_step_are_on_the_line_in_order():
+    """``counters`` (the CUDA handler's ``device_allocs`` / ``pinned_allocs``): each count that
+    grew between ``begin`` and ``report`` is on the line as its delta, in the mapping's order,
+    after ``alloc_retries``; counts from before the step and unchanged ones are not; read before
+    the step's host clock starts (so reading them is not in ``pre_ms``); off: never read."""
+    counts = {"device_allocs": 40, "pinned_allocs": 3}
+    reads: list[int] = []
+
+    def read():
+        reads.append(1)
+        return dict(counts)
+
+    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: 5, counters=read)
+    t.begin("load")
+    FakeEvent.clock = 1.0
+    t.issued(1000, 1, "load")
+    counts["device_allocs"] += 2
+    counts["pinned_allocs"] += 1
+    line = t.report()
+    head, sep, tail = line.partition(" device_allocs=")
+    assert LINE.match(head) and sep and tail == "2 pinned_allocs=1", line
+    assert len(reads) == 2  # once at begin, once at report
+    t.begin("load")  # the next step starts from the counts it finds
+    FakeEvent.clock = 2.0
+    t.issued(1000, 1, "load")
+    counts["pinned_allocs"] += 4
+    line = t.report()
+    head, sep, tail = line.partition(" pinned_allocs=")
+    assert LINE.match(head) and sep and tail == "4", line
+    t.begin("load")
+    FakeEvent.clock = 3.0
+    t.issued(1000, 1, "load")
+    line = t.report()
+    assert LINE.match(line) and "allocs" not in line, line
+    off = LoadTiming(False, FakeEvent, counters=lambda: 1 / 0)  # off: never read
+    off.begin("load")
+    off.issued(1000, 1, "load")
+    assert off.report() is None
+
+
+def test_the_counters_are_read_before_the_steps_host_clock_starts(monkeypatch):
+    """``begin`` reads ``alloc_retries`` and ``counters`` before it takes the host time that
+    ``pre_ms`` and ``issue_ms`` count from: torch's memory stats cost host time per read."""
+    order: list[str] = []
+    real = time.perf_counter
+
+    def clock():
+        order.append("clock")
+        return real()
+
+    monkeypatch.setattr("xkv.connector.load_timing.time.perf_counter", clock)
+    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: order.append("retries") or 0,
+                   counters=lambda: order.append("counters") or {})
+    t.begin("load")
+    assert order[:3] == ["retries", "counters", "clock"], order
+
+
 def test_the_end_of_step_wait_for_the_loads_is_on_the_line():
     """``sync_ms``: the host time ``sync_loads`` waited for the step's loads, last on the line
     (after the optional fields bench/ reads by name); absent where the handler does not time it

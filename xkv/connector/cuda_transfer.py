@@ -58,13 +58,21 @@ class CudaTransferHandler(TransferHandler):
                                   lambda: torch.cuda.Event(enable_timing=True),
                                   watch=timing == "2", alloc_retries=lambda: int(
                                       torch.cuda.memory_stats(self.device).get(
-                                          "num_alloc_retries", 0)))
+                                          "num_alloc_retries", 0)),
+                                  counters=self._sync_counts)
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._graph: graph_waits.GraphWaits | None = None  # enable_graph_waits
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
 
     def set_light_step(self, light: bool) -> None:
         self.light_step = light
+
+    def _sync_counts(self) -> dict[str, int]:
+        """``XKV_TIMING``'s ``device_allocs`` / ``pinned_allocs`` so far (load_timing): torch's
+        ``cudaMalloc`` calls on this device and the pinned pool's allocations."""
+        return {"device_allocs": int(torch.cuda.memory_stats(self.device).get(
+                    "num_device_alloc", 0)),
+                "pinned_allocs": kernels.pinned.pool().allocations}
 
     def begin_loads(self) -> None:
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -27,6 +27,15 @@ the issue and the first layer while its copy ran, outside every hook: this count
 candidate, and stop 49's profile of that case (xkv's engine alone on an H100) found 0 retries
 (bench/RESULTS.md "stop 49").
 
+``device_allocs`` / ``pinned_allocs`` (only when any, and only where the handler passes
+counters: CUDA): ``cudaMalloc`` calls of torch's caching allocator (``num_device_alloc``) and
+page-locked buffers :mod:`xkv.kernels.pinned`'s pool allocated inside the same window. Both
+are implicit synchronisations (the host waits there for the work queued on the device), and
+both count as the engine thread's CPU time while it spins: stop 54's same-engine A/B found
+unverified restores spending 4.3-11.5 ms of CPU time before their first copy (``pre_ms``) in
+26 of 40 steps, against 0.8-3.6 for checked ones, with no xkv phase that differs enough to
+explain it (bench/RESULTS.md "stop 54"); these name such a wait if it is one.
+
 ``sync_ms`` (only where the handler times it: CUDA): host time the end of the step waited for
 the step's loads (``sync_loads``, after the forward): a restore whose load stream ends after the
 forward shows here. Stop 50's profile of the MLA model's 32k restore found vLLM's
@@ -53,7 +62,7 @@ import logging
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 WATCH_S = 0.1  # XKV_TIMING=2: launches slower than this dump every thread's stack
@@ -96,12 +105,18 @@ class LoadTiming:
     ``elapsed_time(other)`` in ms (``torch.cuda.Event(enable_timing=True)``)."""
 
     def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False,
-                 alloc_retries: Callable[[], int] | None = None) -> None:
+                 alloc_retries: Callable[[], int] | None = None,
+                 counters: Callable[[], Mapping[str, int]] | None = None) -> None:
         """``alloc_retries``: the caching allocator's retry count so far (``num_alloc_retries``
-        of ``torch.cuda.memory_stats``), read at ``begin`` and ``report``; None: not counted."""
+        of ``torch.cuda.memory_stats``), read at ``begin`` and ``report``; None: not counted.
+        ``counters``: more counts so far by field name (the CUDA handler's ``device_allocs``
+        and ``pinned_allocs``), read at the same two points; each one that grew in between is
+        on the line as ``name=delta``, in the mapping's order."""
         self.enabled, self._event, self._watch = enabled, event, enabled and watch
         self._retries = alloc_retries if enabled else None
         self._retries0 = 0
+        self._counters = counters if enabled else None
+        self._counts0: Mapping[str, int] = {}
         self._open = False
         self.gc_s = 0.0
         if enabled:
@@ -111,6 +126,11 @@ class LoadTiming:
         """A step's loads start on ``stream``."""
         if not self.enabled:
             return
+        # the counts first: reading torch's memory stats takes host time, kept out of pre_ms
+        if self._retries is not None:
+            self._retries0 = self._retries()
+        if self._counters is not None:
+            self._counts0 = dict(self._counters())
         self._start = self._event()
         self._start.record(stream)
         self._end = None
@@ -124,8 +144,6 @@ class LoadTiming:
         # a count, not a copy: a set of the engine's ~5000 module names cost 0.75 ms of each
         # restore's issue (stop 43's profile); imports only add keys, in order
         self._mods = len(sys.modules)
-        if self._retries is not None:
-            self._retries0 = self._retries()
         self._open = True
 
     def planned(self, seconds: float, started: float | None = None) -> None:
@@ -196,6 +214,10 @@ class LoadTiming:
         more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
         retries = self._retries() - self._retries0 if self._retries is not None else 0
         more += f" alloc_retries={retries}" if retries else ""
+        if self._counters is not None:
+            for name, n in self._counters().items():
+                d = n - self._counts0.get(name, 0)
+                more += f" {name}={d}" if d else ""
         more += f" sync_ms={self.sync_s * 1e3:.2f}" if self.sync_s is not None else ""
         return (f"XKV_TIMING restore bytes={self.nbytes} copy_ms={ms:.2f} "
                 f"issue_ms={(self._host1 - self._host0) * 1e3:.2f} "
