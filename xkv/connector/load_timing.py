@@ -29,12 +29,14 @@ candidate, and stop 49's profile of that case (xkv's engine alone on an H100) fo
 
 ``device_allocs`` / ``pinned_allocs`` (only when any, and only where the handler passes
 counters: CUDA): ``cudaMalloc`` calls of torch's caching allocator (``num_device_alloc``) and
-page-locked buffers :mod:`xkv.kernels.pinned`'s pool allocated inside the same window. Both
+page-locked buffers :mod:`xkv.kernels.pinned`'s pool allocated inside the same window as
+``alloc_retries`` (the forward included: a count does not say which phase allocated). Both
 are implicit synchronisations (the host waits there for the work queued on the device), and
 both count as the engine thread's CPU time while it spins: stop 54's same-engine A/B found
 unverified restores spending 4.3-11.5 ms of CPU time before their first copy (``pre_ms``) in
 26 of 40 steps, against 0.8-3.6 for checked ones, with no xkv phase that differs enough to
-explain it (bench/RESULTS.md "stop 54"); these name such a wait if it is one.
+explain it (bench/RESULTS.md "stop 54"); steps of one side that allocate where the other's do
+not would point at such a wait.
 
 ``sync_ms`` (only where the handler times it: CUDA): host time the end of the step waited for
 the step's loads (``sync_loads``, after the forward): a restore whose load stream ends after the
