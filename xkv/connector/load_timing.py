@@ -31,8 +31,8 @@ candidate, and stop 49's profile of that case (xkv's engine alone on an H100) fo
 counters: CUDA): ``cudaMalloc`` calls of torch's caching allocator (``num_device_alloc``) and
 page-locked buffers :mod:`xkv.kernels.pinned`'s pool allocated inside the same window as
 ``alloc_retries`` (the forward included: a count does not say which phase allocated). Both
-are implicit synchronisations (the host waits there for the work queued on the device), and
-both count as the engine thread's CPU time while it spins: stop 54's same-engine A/B found
+are implicit synchronisations (the host waits there for the work queued on the device), a wait
+that CUDA's default scheduling spends spinning, so as the engine thread's CPU time: stop 54's same-engine A/B found
 unverified restores spending 4.3-11.5 ms of CPU time before their first copy (``pre_ms``) in
 26 of 40 steps, against 0.8-3.6 for checked ones, with no xkv phase that differs enough to
 explain it (bench/RESULTS.md "stop 54"); steps of one side that allocate where the other's do
