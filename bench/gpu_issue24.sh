@@ -226,9 +226,10 @@ for spec in "$@"; do
         --together-max "$(fit 25)" \
         > "$d/run.txt" 2>&1
       echo "=== $step/shared_prefix: rc $?" | tee -a "$OUT/summary.txt"; tail -8 "$d/run.txt" >> "$OUT/summary.txt" ;;
-    # all_mla: vLLM 0.26's own full-graph capture of this model at 32k context died (stops 41, 42,
-    # 51), and xkv keeps full graphs by default since stop 53: --none-graphs piecewise and an
-    # xkv@full_cuda_graphs=false kind (E2E_ARGS / the e2e_mla_graphs step) where it dies again
+    # all_mla: vLLM 0.26's own full-graph capture of this model at 32k context died in the
+    # no-connector engine (stops 41, 42, 51); xkv's full-graph engine (its default since stop 53)
+    # captured and ran 32k at stop 54. Should it die: --none-graphs piecewise and an
+    # xkv@full_cuda_graphs=false kind (E2E_ARGS / the e2e_mla_graphs step)
     all_mla) allmodel "$step" "$secs" 34 4 "${MLA[@]}" --vocab 100000 ;;  # stop 40: two at 26 OOMed (37.7 GiB each)
     all_qwen) allmodel "$step" "$secs" 19 12 "${QW[@]}" ;;
     caches) d="$OUT/$step"; mkdir -p "$d"  # what a carried compile cache would weigh (run last)

@@ -204,7 +204,7 @@ def test_allocator_retries_inside_the_step_are_counted():
     """The caching allocator's retries between ``begin`` and ``report`` (each a device
     synchronisation) are on the line, those before the step are not; none: no field."""
     count = [7]  # retries before the step
-    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: count[0])
+    t = LoadTiming(True, FakeEvent, counters=lambda: {"alloc_retries": count[0]})
     t.begin("load")
     FakeEvent.clock = 1.0
     t.issued(1000, 1, "load")
@@ -216,25 +216,25 @@ def test_allocator_retries_inside_the_step_are_counted():
     FakeEvent.clock = 2.0
     t.issued(1000, 1, "load")
     assert "alloc_retries" not in t.report()
-    off = LoadTiming(False, FakeEvent, alloc_retries=lambda: 1 / 0)  # off: never read
+    off = LoadTiming(False, FakeEvent, counters=lambda: 1 / 0)  # off: never read
     off.begin("load")
     off.issued(1000, 1, "load")
     assert off.report() is None
 
 
 def test_sync_counters_that_grew_inside_the_step_are_on_the_line_in_order():
-    """``counters`` (the CUDA handler's ``device_allocs`` / ``pinned_allocs``): each count that
-    grew between ``begin`` and ``report`` is on the line as its delta, in the mapping's order,
-    after ``alloc_retries``; counts from before the step and unchanged ones are not; read before
-    the step's host clock starts (so reading them is not in ``pre_ms``); off: never read."""
-    counts = {"device_allocs": 40, "pinned_allocs": 3}
+    """``counters`` (the CUDA handler's ``alloc_retries`` / ``device_allocs`` /
+    ``pinned_allocs``): each count that grew between ``begin`` and ``report`` is on the line as
+    its delta, in the mapping's order; counts from before the step and unchanged ones are not;
+    one read at each end; off: never read."""
+    counts = {"alloc_retries": 5, "device_allocs": 40, "pinned_allocs": 3}
     reads: list[int] = []
 
     def read():
         reads.append(1)
         return dict(counts)
 
-    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: 5, counters=read)
+    t = LoadTiming(True, FakeEvent, counters=read)
     t.begin("load")
     FakeEvent.clock = 1.0
     t.issued(1000, 1, "load")
@@ -263,8 +263,8 @@ def test_sync_counters_that_grew_inside_the_step_are_on_the_line_in_order():
 
 
 def test_the_counters_are_read_before_the_steps_host_clock_starts(monkeypatch):
-    """``begin`` reads ``alloc_retries`` and ``counters`` before it takes the host time that
-    ``pre_ms`` and ``issue_ms`` count from: torch's memory stats cost host time per read."""
+    """``begin`` reads ``counters`` before it takes the host time that ``pre_ms`` and
+    ``issue_ms`` count from: torch's memory stats cost host time per read."""
     order: list[str] = []
     real = time.perf_counter
 
@@ -273,10 +273,9 @@ def test_the_counters_are_read_before_the_steps_host_clock_starts(monkeypatch):
         return real()
 
     monkeypatch.setattr("xkv.connector.load_timing.time.perf_counter", clock)
-    t = LoadTiming(True, FakeEvent, alloc_retries=lambda: order.append("retries") or 0,
-                   counters=lambda: order.append("counters") or {})
+    t = LoadTiming(True, FakeEvent, counters=lambda: order.append("counters") or {})
     t.begin("load")
-    assert order[:3] == ["retries", "counters", "clock"], order
+    assert order[:2] == ["counters", "clock"], order
 
 
 def test_the_end_of_step_wait_for_the_loads_is_on_the_line():

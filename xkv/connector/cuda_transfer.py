@@ -56,10 +56,7 @@ class CudaTransferHandler(TransferHandler):
         timing = os.environ.get("XKV_TIMING", "0")
         self._timing = LoadTiming(timing in ("1", "2"),
                                   lambda: torch.cuda.Event(enable_timing=True),
-                                  watch=timing == "2", alloc_retries=lambda: int(
-                                      torch.cuda.memory_stats(self.device).get(
-                                          "num_alloc_retries", 0)),
-                                  counters=self._sync_counts)
+                                  watch=timing == "2", counters=self._sync_counts)
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._graph: graph_waits.GraphWaits | None = None  # enable_graph_waits
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
@@ -68,10 +65,12 @@ class CudaTransferHandler(TransferHandler):
         self.light_step = light
 
     def _sync_counts(self) -> dict[str, int]:
-        """``XKV_TIMING``'s ``device_allocs`` / ``pinned_allocs`` so far (load_timing): torch's
-        ``cudaMalloc`` calls on this device and the pinned pool's allocations."""
-        return {"device_allocs": int(torch.cuda.memory_stats(self.device).get(
-                    "num_device_alloc", 0)),
+        """``XKV_TIMING``'s implicit synchronisations so far (load_timing): the caching
+        allocator's retries and ``cudaMalloc`` calls on this device (one memory-stats read),
+        the pinned pool's allocations."""
+        st = torch.cuda.memory_stats(self.device)
+        return {"alloc_retries": int(st.get("num_alloc_retries", 0)),
+                "device_allocs": int(st.get("num_device_alloc", 0)),
                 "pinned_allocs": kernels.pinned.pool().allocations}
 
     def begin_loads(self) -> None:

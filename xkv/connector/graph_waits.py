@@ -27,9 +27,11 @@ path, each running every layer's hook once, so :meth:`GraphWaits.covers` asks th
 layer was captured, and the same number of times as every other captured layer; otherwise
 the worker fences as before (``worker.WorkerSide.fence_full_graph_step``).
 
-Measured (H100, stop 53, bench/RESULTS.md, raw bench/results/h100_2026-12-07_stop53/): full-graph restores with these waits took 17.8 / 34.0
-ms on the Llama shape (2k / 8k) against 17.9 / 33.9 with piecewise graphs, and decode after a
-restore 6.69 against 7.48 ms per token; the back-to-back GPU test passed.
+Measured (H100, bench/RESULTS.md "stop 53" / "stop 54", raw
+bench/results/h100_2026-12-07_stop53/ and _stop54/c0/): full-graph restores with these waits
+took 17.8 / 34.0 ms on the Llama shape (2k / 8k) against 17.9 / 33.9 with piecewise graphs,
+21.2 / 51.1 ms on the MLA model (4k / 32k) against 27.1 / 52.3; decode after a restore 6.69
+against 7.48 ms per token (Llama), 5.79 against 12.01 (MLA); the back-to-back GPU test passed.
 
 ``XKV_GRAPH_WAITS=0`` turns it off (the fence, as before stop 52: an A/B switch).
 """

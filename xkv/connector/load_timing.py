@@ -18,7 +18,7 @@ restores verified by checksums of those issued; ``GBps`` = bytes / copy_ms;
 end (xkv's or vLLM's, the forward included): a first-time cost inside the step (a first restore
 once imported ``numpy.ma`` through ``np.unique``, ~8 ms; ``xkv.kernels._arrays``).
 
-``alloc_retries`` (only when any, and only where the handler passes a counter: CUDA): how often
+``alloc_retries`` (only when any, and only where the handler counts it: CUDA): how often
 torch's caching allocator, inside the window ``begin`` .. ``report`` (the forward included),
 found no free block, released its cached memory and retried ``cudaMalloc``; the release
 (``cudaFree``) synchronises the device, so the host waits there for every copy queued before
@@ -27,16 +27,16 @@ the issue and the first layer while its copy ran, outside every hook: this count
 candidate, and stop 49's profile of that case (xkv's engine alone on an H100) found 0 retries
 (bench/RESULTS.md "stop 49").
 
-``device_allocs`` / ``pinned_allocs`` (only when any, and only where the handler passes
-counters: CUDA): ``cudaMalloc`` calls of torch's caching allocator (``num_device_alloc``) and
-page-locked buffers :mod:`xkv.kernels.pinned`'s pool allocated inside the same window as
-``alloc_retries`` (the forward included: a count does not say which phase allocated). Both
-are implicit synchronisations (the host waits there for the work queued on the device), a wait
-that CUDA's default scheduling spends spinning, so as the engine thread's CPU time: stop 54's same-engine A/B found
-unverified restores spending 4.3-11.5 ms of CPU time before their first copy (``pre_ms``) in
-26 of 40 steps, against 0.8-3.6 for checked ones, with no xkv phase that differs enough to
-explain it (bench/RESULTS.md "stop 54"); steps of one side that allocate where the other's do
-not would point at such a wait.
+``device_allocs`` / ``pinned_allocs`` (only when any, CUDA, like ``alloc_retries``):
+``cudaMalloc`` calls of torch's caching allocator (``num_device_alloc``) and page-locked
+buffers that :mod:`xkv.kernels.pinned`'s pool allocated in the same window (the forward
+included: a count does not say which phase allocated). Both are implicit synchronisations: the
+host waits there for the work queued on the device, spinning under CUDA's default scheduling,
+so as the engine thread's CPU time. Stop 54's same-engine A/B found unverified restores
+spending 4.3-11.5 ms of CPU time before their first copy (``pre_ms``) in 26 of 40 steps,
+against 0.8-3.6 for checked ones, with no xkv phase that differs enough to explain it
+(bench/RESULTS.md "stop 54"): steps of one side that allocate where the other's do not would
+point at such a wait.
 
 ``sync_ms`` (only where the handler times it: CUDA): host time the end of the step waited for
 the step's loads (``sync_loads``, after the forward): a restore whose load stream ends after the
@@ -107,16 +107,12 @@ class LoadTiming:
     ``elapsed_time(other)`` in ms (``torch.cuda.Event(enable_timing=True)``)."""
 
     def __init__(self, enabled: bool, event: Callable[[], Any], watch: bool = False,
-                 alloc_retries: Callable[[], int] | None = None,
                  counters: Callable[[], Mapping[str, int]] | None = None) -> None:
-        """``alloc_retries``: the caching allocator's retry count so far (``num_alloc_retries``
-        of ``torch.cuda.memory_stats``), read at ``begin`` and ``report``; None: not counted.
-        ``counters``: more counts so far by field name (the CUDA handler's ``device_allocs``
-        and ``pinned_allocs``), read at the same two points; each one that grew in between is
-        on the line as ``name=delta``, in the mapping's order."""
+        """``counters``: counts so far by field name (the CUDA handler's ``alloc_retries``,
+        ``device_allocs`` and ``pinned_allocs``: one read of ``torch.cuda.memory_stats`` and
+        the pinned pool's count), read at ``begin`` and ``report``; each one that grew in
+        between is on the line as ``name=delta``, in the mapping's order. None: none counted."""
         self.enabled, self._event, self._watch = enabled, event, enabled and watch
-        self._retries = alloc_retries if enabled else None
-        self._retries0 = 0
         self._counters = counters if enabled else None
         self._counts0: Mapping[str, int] = {}
         self._open = False
@@ -129,8 +125,6 @@ class LoadTiming:
         if not self.enabled:
             return
         # the counts first: reading torch's memory stats takes host time, kept out of pre_ms
-        if self._retries is not None:
-            self._retries0 = self._retries()
         if self._counters is not None:
             self._counts0 = dict(self._counters())
         self._start = self._event()
@@ -214,8 +208,6 @@ class LoadTiming:
         new = sorted(list(sys.modules)[self._mods:]) if len(sys.modules) > self._mods else []
         more = f" imported={','.join(new)[:400]}" if new else ""
         more += f" gc_ms={self.gc_s * 1e3:.2f}" if self.gc_s else ""
-        retries = self._retries() - self._retries0 if self._retries is not None else 0
-        more += f" alloc_retries={retries}" if retries else ""
         if self._counters is not None:
             for name, n in self._counters().items():
                 d = n - self._counts0.get(name, 0)
