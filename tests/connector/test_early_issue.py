@@ -24,12 +24,53 @@ class Step:
 
 def test_the_switch_refuses_other_values(monkeypatch):
     monkeypatch.delenv(early_issue.ENV, raising=False)
-    assert not early_issue.enabled()
+    assert early_issue.mode() == "auto" and early_issue.enabled()  # the default
+    monkeypatch.setenv(early_issue.ENV, "0")
+    assert early_issue.mode() == "0" and not early_issue.enabled()
     monkeypatch.setenv(early_issue.ENV, "1")
-    assert early_issue.enabled()
-    monkeypatch.setenv(early_issue.ENV, "yes")
-    with pytest.raises(ValueError, match="XKV_EARLY_ISSUE='yes': expected 0 or 1"):
-        early_issue.enabled()
+    assert early_issue.mode() == "1" and early_issue.enabled()
+    for bad in ("yes", "AUTO", ""):
+        monkeypatch.setenv(early_issue.ENV, bad)
+        with pytest.raises(ValueError, match=f"XKV_EARLY_ISSUE='{bad}': expected 0, 1 or auto"):
+            early_issue.enabled()
+
+
+def test_auto_is_on_only_where_measured_faster():
+    why = early_issue.auto_off_reason
+    assert why(full_graphs=True, mla=False, copy_engine=False) == ""
+    assert why(full_graphs=False, mla=False, copy_engine=False) == (
+        "no full CUDA graphs with per-layer restore waits")
+    assert why(full_graphs=True, mla=True, copy_engine=False) == (
+        "an MLA model, not measured with full graphs")
+    assert why(full_graphs=True, mla=False, copy_engine=True) == (
+        "restores may take the copy engine")
+    # every combination with a condition missing is off
+    for fg in (False, True):
+        for mla in (False, True):
+            for ce in (False, True):
+                assert (why(full_graphs=fg, mla=mla, copy_engine=ce) == "") == (
+                    fg and not mla and not ce)
+
+
+def test_auto_registers_only_an_engine_that_qualifies(monkeypatch, caplog):
+    monkeypatch.delenv(early_issue.ENV, raising=False)
+
+    class W:
+        pass
+
+    on, off = W(), W()
+    with caplog.at_level("INFO", logger="xkv.connector"):
+        early_issue.register("a1", on, world_size=1, fanout=False, auto_why="")
+        early_issue.register("a2", off, world_size=1, fanout=False, auto_why="an MLA model")
+    assert early_issue.peer("a1") is on and early_issue.peer("a2") is None
+    assert early_issue.OFF_LINE.format(why="auto: an MLA model") in caplog.text
+    # "1" ignores auto's reasons (an explicit choice), never the single-worker rule
+    monkeypatch.setenv(early_issue.ENV, "1")
+    forced = W()
+    early_issue.register("a3", forced, world_size=1, fanout=False, auto_why="an MLA model")
+    assert early_issue.peer("a3") is forced
+    early_issue.register("a4", W(), world_size=2, fanout=False, auto_why="")
+    assert early_issue.peer("a4") is None
 
 
 def test_only_a_single_worker_without_fanout_registers(monkeypatch, caplog):

@@ -95,3 +95,32 @@ def test_full_cuda_graphs_by_default_piecewise_when_turned_off_or_with_fanout():
     assert ask({"nvlink_fanout": True}) is True
     assert ask({"full_cuda_graphs": False}) is True
     assert ask({"full_cuda_graphs": "yes"}) is True  # not a bool: refused at start, piecewise here
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_early_issue_auto_follows_the_engine(fake_gateway, llama_dir, monkeypatch, caplog, mla):
+    """``XKV_EARLY_ISSUE`` unset (``auto``): the CPU engine replays no CUDA graphs, so its
+    worker does not offer early issue and says why; a GPU engine's conditions (full graphs with
+    per-layer waits, the Triton kernel's restores, no MLA cache) turn it on, each one missing
+    turns it off with its reason."""
+    from xkv.connector import compat, early_issue
+
+    monkeypatch.delenv(early_issue.ENV, raising=False)
+    bs = 16 if mla else 32
+    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=bs, extra={"chunk_size": 64})
+    with caplog.at_level("INFO", logger="xkv.connector"):
+        conn, _ = H.make_worker_caches(vc, H.attention_cache_config(block_size=bs, mla=mla),
+                                       layout="LBNHC" if mla else "LBHNC")
+    assert early_issue.peer(conn._engine_id) is None
+    assert early_issue.OFF_LINE.format(
+        why="auto: no full CUDA graphs with per-layer restore waits") in caplog.text
+    assert not compat.replays_full_graphs(vc)  # what the CPU engine resolved
+    # a GPU engine's state after register_kv_caches
+    monkeypatch.setattr(compat, "replays_full_graphs", lambda _vc: True)
+    conn._worker.graph_waits, conn._worker.copy_engine_restores = True, False
+    mla_why = "an MLA model, not measured with full graphs"
+    assert conn._early_auto_why() == (mla_why if mla else "")
+    conn._worker.copy_engine_restores = True
+    assert conn._early_auto_why() == (mla_why if mla else "restores may take the copy engine")
+    conn._worker.graph_waits = False
+    assert conn._early_auto_why() == "no full CUDA graphs with per-layer restore waits"

@@ -72,3 +72,27 @@ def test_auto_probes_the_first_cache_that_fits_a_slot_and_logs_the_verdict(calls
 def test_auto_without_a_card_does_not_probe(calls):
     got, _ = calls
     assert choose("auto", card=None) is None and got == [("reserve", "cuda:0")]
+
+
+def test_which_restores_may_take_the_copy_engine(monkeypatch):
+    """``XKV_EARLY_ISSUE``'s auto asks this after the probe: only the Triton kernel's restores
+    count as not taking the copy engine (``triton``, or ``auto`` whose probe kept the kernel
+    at every size and no calibration installed)."""
+    from xkv.connector.warmup import restores_may_take_copy_engine as may
+    from xkv.kernels import ring_choice
+
+    dev = "cpu"  # the records are per device index; no GPU needed
+    monkeypatch.setattr(ring_choice, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "calibration", lambda d: None)
+    assert not may(NS(), dev)  # the CPU handler: no engines
+    assert not may(NS(load_engine="triton"), dev)
+    for engine in ("staged", "copy_engine", "reference"):
+        assert may(NS(load_engine=engine), dev)
+    assert may(NS(load_engine="auto"), dev)  # no probe ran: auto takes the ring
+    ring_choice.set_choice(Probe(50.8, 54.0, 64 << 20), dev)  # kept the kernel
+    assert not may(NS(load_engine="auto"), dev)
+    monkeypatch.setattr(kernels, "calibration", lambda d: object())
+    assert may(NS(load_engine="auto"), dev)  # a calibration decides per fragment size
+    monkeypatch.setattr(kernels, "calibration", lambda d: None)
+    ring_choice.set_choice(Probe(30.0, 53.0, 64 << 20), dev)  # chose the ring
+    assert may(NS(load_engine="auto"), dev)

@@ -1,7 +1,7 @@
 """``XKV_EARLY_ISSUE=1`` on vLLM's CPU engine with a real gateway (xkv/connector/early_issue.py):
 the scheduler side hands each step with restores to its engine's worker when it builds it, the
 worker binds it and issues the copies then, and the step's own hooks do not issue them again.
-The same scenario with the switch off is the oracle: the same restored tokens and pages (every
+The same scenario with the default (``auto``, off on the CPU engine: no CUDA graphs) is the oracle: the same restored tokens and pages (every
 restored page checked against its card bytes when its layer is waited for, ``verify``), the same
 number of restored block-layers (a step issued twice would count twice), greedy tokens equal to
 the no-connector run."""
@@ -42,9 +42,12 @@ def _scenario(models, gateway, env, namespace):
 
 
 def test_early_issue_restores_the_same_pages_once(models, gateway):
-    plain, plain_log = _scenario(models, gateway, {"XKV_EARLY_ISSUE": "0"}, "plain")
+    # the default (auto) on the CPU engine, which replays no CUDA graphs: not early
+    plain, plain_log = _scenario(models, gateway, {}, "plain")
     early, early_log = _scenario(models, gateway, {"XKV_EARLY_ISSUE": "1"}, "early")
     assert early_issue.LINE in early_log and early_issue.LINE not in plain_log
+    assert early_issue.OFF_LINE.format(
+        why="auto: no full CUDA graphs with per-layer restore waits") in plain_log
     # both restore steps went early (P1 alone: one load job; Q1 and Q2 together: two), every
     # load job once; none without the switch
     marks = [json.loads(ln.split(MARK, 1)[1]) for ln in early_log.splitlines() if MARK in ln]

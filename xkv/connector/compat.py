@@ -260,6 +260,16 @@ def parallel_sizes(vllm_config: Any) -> tuple[int, int, int]:
     return tp, pp, int(getattr(p, "world_size", tp * pp))
 
 
+def replays_full_graphs(vllm_config: Any) -> bool:
+    """vLLM captures and replays full CUDA graphs for some batches: its resolved
+    ``compilation_config.cudagraph_mode`` has a full mode (``FULL``, ``FULL_DECODE_ONLY``,
+    ``FULL_AND_PIECEWISE``). ``enforce_eager`` resolves it to ``NONE``; the connector's
+    ``requires_piecewise_for_cudagraph`` to ``PIECEWISE``; the CPU engine captures none."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    return bool(has_full()) if callable(has_full) else False
+
+
 def tp_rank() -> int:
     """This worker's tensor-parallel rank (0 when no process group exists, e.g. unit tests)."""
     from vllm.distributed import parallel_state as ps

@@ -14,14 +14,21 @@ for the compute stream's queued work first), and the step's own ``bind_connector
 without hooks, async loads).
 
 Conditions, each checked for every step (otherwise the step runs as without the switch):
-the switch is on; the worker of the same engine (``kv_transfer_config.engine_id``) registered in
+the switch is on (``1``, or ``auto`` for an engine that qualifies); the worker of the same engine (``kv_transfer_config.engine_id``) registered in
 this process with a world size of 1 and no NVLink fan-out; the call comes on the thread that ran
 that worker's last step (a thread-local CUDA stream and no concurrent step); the worker is
 between steps (its last metadata cleared); the step has synchronous restores.
 
-Off by default: on its one GPU run (stop 49, an H100 whose probe chose the ring) it made 2k
-restores 30 % slower and 4k 5.7 % faster (docs/configuration.md, bench/RESULTS.md "stop 49");
-not yet run where the probe keeps the Triton kernel.
+``auto`` (the default) turns it on only where it was measured faster (:func:`auto_off_reason`):
+vLLM replays full CUDA graphs whose captures wait for each layer's restore (``graph_waits``),
+the restores run on the Triton kernel (not the copy engine's ring), and the model has no MLA
+cache. Measured on H100s (bench/RESULTS.md): with full graphs the Qwen shape (TRITON_ATTN)
+restored 7.3 / 6.0 % faster at 2k / 8k (stop 55), the Llama shape (FLASH_ATTN) 4-9 % at 2k-8k
+(stop 51); with piecewise graphs the Qwen shape and the MLA model lost 10-47 % (stop 51: every
+host phase of the early restores ~1.7 x slower, the early issue queued behind the previous
+step's launch-heavy piecewise forward; a full graph's replay is one launch), and on a host whose
+probe chose the ring a 2k restore lost 30 % (stop 49). The MLA model with full graphs is not
+measured yet: off there until it is.
 """
 
 from __future__ import annotations
@@ -42,21 +49,44 @@ OFF_LINE = ("XKV: XKV_EARLY_ISSUE has no effect here ({why}): restores are issue
 _PEERS: dict[str, weakref.ref] = {}  # engine id -> the worker-role façade of that engine
 
 
+def mode() -> str:
+    """The switch: ``auto`` (unset: the default), ``1`` on, ``0`` off; anything else refuses to
+    start."""
+    v = os.environ.get(ENV, "auto")
+    if v not in ("0", "1", "auto"):
+        raise ValueError(f"{ENV}={v!r}: expected 0, 1 or auto")
+    return v
+
+
 def enabled() -> bool:
-    """The switch: ``1`` on, ``0`` or unset off; anything else refuses to start."""
-    v = os.environ.get(ENV, "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV}={v!r}: expected 0 or 1")
-    return v == "1"
+    """Whether an engine may issue early (``1``, or ``auto`` subject to :func:`auto_off_reason`
+    at registration)."""
+    return mode() != "0"
 
 
-def register(engine_id: str, worker: Any, world_size: int, fanout: bool) -> None:
-    """The worker-role façade of ``engine_id`` offers early issue (when the switch is on and it
-    is the engine's only worker); says once why not otherwise."""
-    if not enabled():
+def auto_off_reason(*, full_graphs: bool, mla: bool, copy_engine: bool) -> str:
+    """Why ``auto`` leaves early issue off for an engine ('' = on). ``full_graphs``: vLLM
+    replays full CUDA graphs with per-layer restore waits captured (the worker's
+    ``graph_waits`` and a full ``cudagraph_mode``); ``mla``: a cache group holds an MLA latent;
+    ``copy_engine``: a restore may run on the copy engine instead of the Triton kernel
+    (``warmup.restores_may_take_copy_engine``: the ring where the start-up probe chose it).
+    Each condition is where it was measured slower or not measured (the module's docstring)."""
+    return ("no full CUDA graphs with per-layer restore waits" if not full_graphs else
+            "an MLA model, not measured with full graphs" if mla else
+            "restores may take the copy engine" if copy_engine else "")
+
+
+def register(engine_id: str, worker: Any, world_size: int, fanout: bool, *,
+             auto_why: str = "") -> None:
+    """The worker-role façade of ``engine_id`` offers early issue (when the switch is on, or
+    ``auto`` and ``auto_why`` is empty, and it is the engine's only worker); says once why not
+    otherwise."""
+    m = mode()
+    if m == "0":
         return
     why = (f"world size {world_size}" if world_size != 1 else
-           "the NVLink fan-out exchanges every restore" if fanout else "")
+           "the NVLink fan-out exchanges every restore" if fanout else
+           f"auto: {auto_why}" if m == "auto" and auto_why else "")
     if why:
         log.info(OFF_LINE.format(why=why))
         return

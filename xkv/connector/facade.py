@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from xkv.connector import compat, early_issue, issue_profile, setup
 from xkv.connector.config import keeps_full_graphs
 from xkv.connector.metadata import StepMetadata, WorkerReport
+from xkv.connector.registry import REPLICATED_KINDS
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import PromMetricsMixin, StatsMixin
 from xkv.connector.worker import WorkerSide
@@ -175,8 +176,18 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
                 log.debug(line)
         if self._early:
             early_issue.register(self._engine_id, self, compat.parallel_sizes(self._vllm_config)[2],
-                                 fanout=self._worker.fanout is not None)
+                                 fanout=self._worker.fanout is not None,
+                                 auto_why=self._early_auto_why())
             self._handover.note_thread()
+
+    def _early_auto_why(self) -> str:
+        """``XKV_EARLY_ISSUE=auto``: why this engine does not issue early ('' = it does); after
+        :meth:`register_kv_caches` (the graph waits and the ring probe are settled)."""
+        assert self._worker is not None
+        return early_issue.auto_off_reason(
+            full_graphs=self._worker.graph_waits and compat.replays_full_graphs(self._vllm_config),
+            mla=any(p.group.kind in REPLICATED_KINDS for p in self._registry.groups),
+            copy_engine=self._worker.copy_engine_restores)
 
     def _issue_at_scheduling(self, step: StepMetadata) -> None:
         """``XKV_EARLY_ISSUE``: the scheduler side of this engine built ``step`` on this thread:

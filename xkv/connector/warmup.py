@@ -21,6 +21,7 @@ from xkv.connector import light_steps
 from xkv.connector.checksums import unverified_reason
 from xkv.connector.registry import Registry
 from xkv.connector.saves import save_groups
+from xkv.kernels import ring_choice
 from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
@@ -53,6 +54,22 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
             f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
             f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x and where its "
             f"copy saves {kernels.RING_EXTRA_S * 1e3:g} ms)")
+
+
+def restores_may_take_copy_engine(handler: Any, device: Any) -> bool:
+    """Whether a restore of this rank may run on the copy engine (the ring, or copy-engine
+    fragments) instead of the Triton kernel, after :func:`choose_restore_path`: False for
+    ``load_engine`` ``triton`` and for ``auto`` where the start-up probe kept the kernel at
+    every size (``ring_from_bytes`` None) and no calibration is installed; True for every other
+    engine, and for ``auto`` where the probe chose the ring or none ran. False for a handler
+    without engines (the CPU one)."""
+    engine = getattr(handler, "load_engine", None)
+    if engine is None or engine == "triton":
+        return False
+    if engine != "auto" or kernels.calibration(device) is not None:
+        return True
+    p = ring_choice.choice(device)
+    return p is None or p.ring_from_bytes is not None
 
 
 def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torch.Tensor | None,

@@ -49,7 +49,12 @@ from xkv.connector.setup import worker_parts
 from xkv.connector.stats import ConnectorStats
 from xkv.connector.transfer import SyncTransferHandler, TransferHandler
 from xkv.connector.turnoff import OffPath, record_fences
-from xkv.connector.warmup import check_lines, choose_restore_path, compile_copies
+from xkv.connector.warmup import (
+    check_lines,
+    choose_restore_path,
+    compile_copies,
+    restores_may_take_copy_engine,
+)
 from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
@@ -123,6 +128,7 @@ class WorkerSide:
         self.verify_checksums = verify_checksums
         self._full_graphs = full_graphs and graph_waits.enabled()
         self.graph_waits = False  # the handler keeps per-layer events for full graphs' captures
+        self.copy_engine_restores = False  # some restore may skip the Triton kernel (warmup.py)
         self._graph_logged = False  # the first full-graph step with loads logged its fence
         self.session = GatewaySession(
             gateway_factory,
@@ -211,6 +217,8 @@ class WorkerSide:
             compile_copies(self.registry, self.pools, self.session.card, self.handler,
                            self.session.check_words, tp_rank=self.tp_rank,
                            save_mode=self._save_mode, tails=self._warm_tails)
+        # the probe's verdict, for XKV_EARLY_ISSUE's auto (early_issue.auto_off_reason)
+        self.copy_engine_restores = cuda and restores_may_take_copy_engine(self.handler, device)
         if self._full_graphs and cuda and self.fanout is None:
             self.graph_waits = self.handler.enable_graph_waits(
                 [n for p in self.registry.groups for n in p.group.layer_names])
