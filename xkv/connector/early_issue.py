@@ -14,10 +14,11 @@ for the compute stream's queued work first), and the step's own ``bind_connector
 without hooks, async loads).
 
 Conditions, each checked for every step (otherwise the step runs as without the switch):
-the switch is on (``1``, or ``auto`` for an engine that qualifies); the worker of the same engine (``kv_transfer_config.engine_id``) registered in
-this process with a world size of 1 and no NVLink fan-out; the call comes on the thread that ran
-that worker's last step (a thread-local CUDA stream and no concurrent step); the worker is
-between steps (its last metadata cleared); the step has synchronous restores.
+the switch is on (``1``, or ``auto`` for an engine that qualifies); the worker of the same
+engine (``kv_transfer_config.engine_id``) registered in this process with a world size of 1 and
+no NVLink fan-out; the call comes on the thread that ran that worker's last step (a
+thread-local CUDA stream and no concurrent step); the worker is between steps (its last
+metadata cleared); the step has synchronous restores.
 
 ``auto`` (the default) turns it on only where it was measured faster (:func:`auto_off_reason`):
 vLLM replays full CUDA graphs whose captures wait for each layer's restore (``graph_waits``),
