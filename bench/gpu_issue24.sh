@@ -114,6 +114,9 @@ e2e() {  # name seconds args...
   sed -n '/^TTFT, ms/,$p' "$d/run.txt" >> "$OUT/summary.txt"
   # each xkv engine's start-up verdict on the ring (xkv.kernels.ring_choice) and long collections
   grep -H -o 'XKV: restores [^(]*([^)]*)' "$d"/*.log 2>/dev/null | sed "s#^$d/##" >> "$OUT/summary.txt"
+  # XKV_EARLY_ISSUE's auto: where it stays off, the reason (early_issue.OFF_LINE)
+  grep -H -o 'XKV: XKV_EARLY_ISSUE has no effect here ([^)]*)' "$d"/*.log 2>/dev/null \
+    | sed "s#^$d/##" >> "$OUT/summary.txt"
   grep -H -c 'XKV_TIMING gc' "$d"/*.log 2>/dev/null | grep -v ':0$' | sed "s#^$d/#gc lines >= 2 ms: #" >> "$OUT/summary.txt"
   profile_lines "$d"  # with XKV_PROFILE_ISSUE in the environment
   rm -f "$d"/*.png
