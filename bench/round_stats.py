@@ -39,26 +39,50 @@ class RoundCopies:
                 self.rounds.setdefault(kind, []).append([cur[0], round(cur[1], 2)])
 
 
-def engine_counts(metrics) -> dict[str, int]:
-    """:data:`ENGINE_METRICS` in one ``LLM.get_metrics()`` snapshot (0 where absent)."""
+#: where a finished request's time went, vLLM's per-request histograms read as their sums (ms;
+#: their observation count is ``requests``): queued (arrival to first scheduled, which includes
+#: an asynchronous restore's wait), prefill (scheduled to first token: a synchronous restore's
+#: step included), decode (first to last token). Why a round is longer than another's.
+ENGINE_TIMES = {"queue_ms": "vllm:request_queue_time_seconds",
+                "prefill_ms": "vllm:request_prefill_time_seconds",
+                "decode_ms": "vllm:request_decode_time_seconds"}
+
+
+def engine_counts(metrics) -> dict[str, float]:
+    """:data:`ENGINE_METRICS`, :data:`ENGINE_TIMES` and ``requests`` (the queue histogram's
+    observations) in one ``LLM.get_metrics()`` snapshot (0 where absent)."""
     by_name = {v: k for k, v in ENGINE_METRICS.items()}
-    out = dict.fromkeys(ENGINE_METRICS, 0)
+    times = {v: k for k, v in ENGINE_TIMES.items()}
+    out: dict[str, float] = dict.fromkeys([*ENGINE_METRICS, *ENGINE_TIMES, "requests"], 0)
     for m in metrics:
         key = by_name.get(m.name)
         if key is not None:
             out[key] += int(m.value if hasattr(m, "value") else m.count)
+        key = times.get(m.name)
+        if key is not None:
+            out[key] += float(m.sum) * 1e3
+            if key == "queue_ms":
+                out["requests"] += int(m.count)
     return out
 
 
-def engine_line(rows: list[dict[str, int]]) -> str | None:
-    """The report line of one kind's ``--engine-stats`` rows (one per timed round): means."""
+def engine_line(rows: list[dict[str, float]]) -> str | None:
+    """The report line of one kind's ``--engine-stats`` rows (one per timed round): means, and
+    per finished request the mean of each :data:`ENGINE_TIMES` phase (rows without them, or
+    without finished requests: none)."""
     if not rows:
         return None
     mean = {k: statistics.mean(r.get(k, 0) for r in rows) for k in ENGINE_METRICS}
-    return (f"per round (mean of {len(rows)}): {mean['steps']:.1f} engine steps, "
+    line = (f"per round (mean of {len(rows)}): {mean['steps']:.1f} engine steps, "
             f"{mean['preemptions']:.1f} preemptions, GPU prefix-cache hits "
             f"{mean['gpu_hit_tokens']:.0f} tokens, connector hits "
             f"{mean['connector_hit_tokens']:.0f} tokens")
+    requests = sum(r.get("requests", 0) for r in rows)
+    if requests:
+        per = {k: sum(r.get(k, 0) for r in rows) / requests for k in ENGINE_TIMES}
+        line += (f"; per request ({requests:.0f}): queued {per['queue_ms']:.1f} ms, prefill "
+                 f"{per['prefill_ms']:.1f} ms, decode {per['decode_ms']:.1f} ms")
+    return line
 
 
 def hidden_floor(round_ms: list[float], copies: list[list[float]], off_mean: float) -> str | None:

@@ -33,7 +33,8 @@ not beat even with every copy hidden (``round_stats.hidden_floor``: a round take
 minus its copy time; stop 49: 0.76 against the target's 0.80). ``--engine-stats`` turns vLLM's
 stats on in every kind's engine and reports, per kind, the mean engine steps, preemptions and
 prefix-cache hits (GPU and connector) of a timed round (``round_stats.ENGINE_METRICS``): whether a
-``load_mode`` costs steps or preempts requests.
+``load_mode`` costs steps or preempts requests; and per finished request its mean time queued,
+in prefill and in decode (``round_stats.ENGINE_TIMES``): where a longer round's time went.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _args(argv=None):
     ap.add_argument("--child-timeout", type=float, default=400.0)
     ap.add_argument("--engine-stats", action="store_true",
                     help="vLLM's stats on (disable_log_stats=False) and, per round and kind, its "
-                         "engine steps, preemptions and prefix-cache hits (ENGINE_METRICS)")
+                         "engine steps, preemptions and prefix-cache hits (ENGINE_METRICS), "
+                         "and each request's time queued / in prefill / in decode (ENGINE_TIMES)")
     e2e_models.add_args(ap)
     engine_children.add_args(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a kind of --kinds
@@ -145,7 +147,7 @@ def _child(a):
         t = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
         ms = (time.perf_counter() - t) * 1e3
-        engine = {k: v - before[k] for k, v in counts().items()}
+        engine = {k: round(v - before[k], 3) for k, v in counts().items()}
         if r:
             out["round_ms"].append(round(ms, 2))
             out["outputs"].append([list(o.outputs[0].token_ids) for o in res])

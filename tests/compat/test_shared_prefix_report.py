@@ -74,10 +74,15 @@ def test_engine_counts_sum_counters_over_labels_and_count_histogram_observations
     snap = [NS(name="vllm:num_preemptions", value=2), NS(name="vllm:num_preemptions", value=1),
             NS(name="vllm:iteration_tokens_total", count=17, sum=4000.0),
             NS(name="vllm:prefix_cache_hits", value=512),
+            NS(name="vllm:request_queue_time_seconds", count=3, sum=0.25),
+            NS(name="vllm:request_prefill_time_seconds", count=3, sum=0.0625),
+            NS(name="vllm:request_decode_time_seconds", count=2, sum=1.5),
             NS(name="vllm:generation_tokens", value=99)]  # not read
     assert round_stats.engine_counts(snap) == {
-        "steps": 17, "preemptions": 3, "gpu_hit_tokens": 512, "connector_hit_tokens": 0}
-    assert round_stats.engine_counts([]) == dict.fromkeys(round_stats.ENGINE_METRICS, 0)
+        "steps": 17, "preemptions": 3, "gpu_hit_tokens": 512, "connector_hit_tokens": 0,
+        "queue_ms": 250.0, "prefill_ms": 62.5, "decode_ms": 1500.0, "requests": 3}
+    assert round_stats.engine_counts([]) == dict.fromkeys(
+        [*round_stats.ENGINE_METRICS, *round_stats.ENGINE_TIMES, "requests"], 0)
 
 
 def test_engine_line_means_and_its_place_in_the_report():
@@ -87,6 +92,12 @@ def test_engine_line_means_and_its_place_in_the_report():
         "per round (mean of 2): 11.5 engine steps, 1.5 preemptions, GPU prefix-cache hits 50 "
         "tokens, connector hits 4096 tokens")
     assert round_stats.engine_line([]) is None
+    # with the request phases: per finished request over every round
+    timed = [dict(rows[0], queue_ms=300.0, prefill_ms=40.0, decode_ms=900.0, requests=3),
+             dict(rows[1], queue_ms=100.0, prefill_ms=20.0, decode_ms=300.0, requests=1)]
+    assert round_stats.engine_line(timed).endswith(
+        "connector hits 4096 tokens; per request (4): queued 100.0 ms, prefill 15.0 ms, "
+        "decode 300.0 ms")
     res = {"rc": {}, "kinds": {
         "none": {"round_ms": [1.0, 1.0], "outputs": [], "cached": [], "engine": rows},
         "xkv": {"round_ms": [1.0, 1.0], "outputs": [], "cached": []}}}

@@ -58,3 +58,6 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
         conn = sum(r["connector_hit_tokens"] for r in rows)
         assert conn == 0 if kind == "none" else conn > 0, (kind, rows)
         assert f"{kind}: per round (mean of 2): " in p.stdout, p.stdout[-3000:]
+        # and where each finished request's time went (vLLM's request-phase histograms)
+        assert sum(r["requests"] for r in rows) > 0 and all(
+            r["decode_ms"] >= 0 and r["queue_ms"] >= 0 for r in rows), (kind, rows)
