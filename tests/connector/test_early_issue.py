@@ -56,7 +56,7 @@ def test_auto_registers_only_an_engine_that_qualifies(monkeypatch, caplog):
     monkeypatch.delenv(early_issue.ENV, raising=False)
 
     class W:
-        pass
+        """A worker-role façade stand-in (weakly referenced, as the registry holds them)."""
 
     on, off = W(), W()
     with caplog.at_level("INFO", logger="xkv.connector"):

@@ -59,5 +59,6 @@ def test_shared_prefix_runs_a_variant_kind_beside_plain_xkv(models, tmp_path):
         assert conn == 0 if kind == "none" else conn > 0, (kind, rows)
         assert f"{kind}: per round (mean of 2): " in p.stdout, p.stdout[-3000:]
         # and where each finished request's time went (vLLM's request-phase histograms)
-        assert sum(r["requests"] for r in rows) > 0 and all(
-            r["decode_ms"] >= 0 and r["queue_ms"] >= 0 for r in rows), (kind, rows)
+        # (2 output tokens: every finished request spent time in prefill and in decode)
+        assert all(sum(r[k] for r in rows) > 0 for k in ("requests", "prefill_ms", "decode_ms")), (
+            kind, rows)

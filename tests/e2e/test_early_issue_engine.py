@@ -1,10 +1,10 @@
 """``XKV_EARLY_ISSUE=1`` on vLLM's CPU engine with a real gateway (xkv/connector/early_issue.py):
 the scheduler side hands each step with restores to its engine's worker when it builds it, the
 worker binds it and issues the copies then, and the step's own hooks do not issue them again.
-The same scenario with the default (``auto``, off on the CPU engine: no CUDA graphs) is the oracle: the same restored tokens and pages (every
-restored page checked against its card bytes when its layer is waited for, ``verify``), the same
-number of restored block-layers (a step issued twice would count twice), greedy tokens equal to
-the no-connector run."""
+The same scenario with the default (``auto``, off on the CPU engine: no CUDA graphs) is the oracle:
+the same restored tokens and pages (every restored page checked against its card bytes when its
+layer is waited for, ``verify``), the same number of restored block-layers (a step issued twice
+would count twice), greedy tokens equal to the no-connector run."""
 
 import json
 
