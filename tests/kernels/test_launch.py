@@ -154,30 +154,41 @@ def test_per_layer_launches_equal_one_layer_copies(job, budget):
 
 def test_checked_restores_default_to_their_own_budget(monkeypatch):
     """A restore that checks checksums runs with ``VERIFIED_RESTORE_PROGRAMS`` when the caller
-    names no budget (hashing lengthens each program: 4 programs halve the H200's restore rate);
-    saves, unchecked restores and an explicit or ``XKV_MAX_PROGRAMS`` budget are unchanged."""
+    names no budget (hashing lengthens each program: 4 programs halve the H200's restore rate),
+    and so does a checked save of pages whose shortest run is below ``SMALL_CHECKED_RUN_BYTES``
+    (stop 56: 4 KiB checked saves at 4 programs 0.78 x the unchecked ones); other saves,
+    unchecked restores and an explicit or ``XKV_MAX_PROGRAMS`` budget are unchanged."""
     from pools import random_bytes
 
     from xkv.kernels.page_copy import check_engine
 
     monkeypatch.delenv("XKV_MAX_PROGRAMS", raising=False)
-    g = Geometry(8, 4096, ((0, 4096),))
-    pool = pool_over(random_bytes(g.extent, 1), 0, g)
-    card = torch.zeros(4096 * 8, dtype=torch.uint8)
-    offs = offsets_arg(np.arange(3, dtype=np.int64) * 4096, 1, "o")
+    small = _launch.SMALL_CHECKED_RUN_BYTES
 
-    def budget(save, checked, max_programs=None):
+    def budget(save, checked, max_programs=None, runs=((0, 8192),)):
+        bb = sum(n for _, n in runs)
+        g = Geometry(8, max(o + n for o, n in runs), runs)
+        pool = pool_over(random_bytes(g.extent, 1), 0, g)
+        card = torch.zeros(bb * 8, dtype=torch.uint8)
+        offs = offsets_arg(np.arange(3, dtype=np.int64) * bb, 1, "o")
         exp = None if save else np.zeros((1, 1), np.uint32)
         checks = K.Checks(np.zeros(3, np.int64), np.arange(3), 1, expected=exp) if checked else None
         job = build_job([pool], np.arange(3), card, offs, save=save, checks=checks)
         return check_engine(job, "reference", max_programs)[1]
 
-    assert _launch.VERIFIED_RESTORE_PROGRAMS > _launch.DEFAULT_PROGRAMS
-    assert budget(False, True) == _launch.VERIFIED_RESTORE_PROGRAMS == K.default_programs(True)
-    assert budget(False, False) == budget(True, True) == budget(True, False) == _launch.DEFAULT_PROGRAMS
-    assert budget(False, True, 3) == 3
+    V, D = _launch.VERIFIED_RESTORE_PROGRAMS, _launch.DEFAULT_PROGRAMS
+    assert V > D and small == 8192
+    assert budget(False, True) == V == K.default_programs(True)
+    assert budget(False, False) == budget(True, True) == budget(True, False) == D
+    # a page of 8 KiB in two 4 KiB runs (K and V of one head): its rows are 4 KiB
+    two_runs = ((0, 4096), (8192, 4096))
+    assert budget(True, True, runs=two_runs) == budget(True, True, runs=((0, 4096),)) == V
+    assert budget(True, True, runs=((0, small - 4),)) == V
+    assert budget(True, True, runs=((0, small),)) == D
+    assert budget(True, False, runs=two_runs) == budget(False, False, runs=two_runs) == D
+    assert budget(True, True, 3, runs=two_runs) == budget(False, True, 3) == 3
     monkeypatch.setenv("XKV_MAX_PROGRAMS", "6")
-    assert budget(False, True) == budget(True, False) == 6
+    assert budget(False, True) == budget(True, False) == budget(True, True, runs=two_runs) == 6
 
 
 def test_min_even_row_env(monkeypatch):

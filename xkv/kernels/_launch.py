@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,6 +34,7 @@ from xkv.layout import PagePool
 
 __all__ = [
     "DEFAULT_PROGRAMS",
+    "SMALL_CHECKED_RUN_BYTES",
     "WHOLE_HASH_PROGRAMS",
     "Launch",
     "LaunchConfig",
@@ -44,6 +46,7 @@ __all__ = [
     "geometry_groups",
     "light_restore_programs",
     "launch_config",
+    "min_run_bytes",
     "launches",
     "plan",
     "resized",
@@ -58,6 +61,13 @@ DEFAULT_PROGRAMS = 4  # restore reaches the host-read plateau with 4 programs wh
 #: (2026-12-03): 4 programs reach 0.46-0.63 x the unverified restore, 16 reach 0.74-0.93 (>= 16 KiB
 #: fragments: 0.87-0.93). Checked saves hash what they read from HBM: 4 programs suffice (0.99-1.0).
 VERIFIED_RESTORE_PROGRAMS = 16
+#: Checked saves (and hashes) of pages whose smallest contiguous run is below this many bytes take
+#: :data:`VERIFIED_RESTORE_PROGRAMS` instead of :data:`DEFAULT_PROGRAMS`: each run is a tile row
+#: whose checksum terms cost the same however short it is. H100, bench/page_mover.py --checksums
+#: (bench/RESULTS.md "stop 56"): a checked save of 4 KiB pages at 4 programs copied at 0.78-0.82 x
+#: the unchecked one (40.8 of 52.2 GB/s), at 16 programs 0.999; 8-32 KiB pages at 4 programs
+#: 0.979-0.998. 4 KiB runs: a Llama-3-8B-shaped model at tensor parallel 8 (one KV head per rank).
+SMALL_CHECKED_RUN_BYTES = 8 << 10
 #: A light step's verified restore (``xkv.connector.light_steps``: a full hit computes one token,
 #: so its short forward cannot hide the copy): more programs keep more host reads in flight while
 #: each hashes, but the forward still runs beside them. H200, bench/page_mover.py --checksums (2026-12-04): at 32 programs
@@ -142,12 +152,23 @@ def _env_programs(name: str, v: str) -> int:
     return n
 
 
-def copy_programs(max_programs: int | None, *, save: bool, check: bool) -> int:
+def copy_programs(max_programs: int | None, *, save: bool, check: bool,
+                  run_bytes: int | None = None) -> int:
     """The SM budget of one copy: ``max_programs``, or the default for its kind (a checked
-    restore has its own, :func:`default_programs`). The one rule launches and warmup share."""
+    restore has its own, :func:`default_programs`, and so has a checked save whose pages'
+    smallest contiguous run, ``run_bytes``, is below :data:`SMALL_CHECKED_RUN_BYTES`). The one
+    rule launches and warmup share."""
     if max_programs is not None:
         return int(max_programs)
-    return default_programs(verified_restore=check and not save)
+    small = run_bytes is not None and 0 < run_bytes < SMALL_CHECKED_RUN_BYTES
+    return default_programs(verified_restore=check and (not save or small))
+
+
+def min_run_bytes(pools: Sequence[PagePool]) -> int | None:
+    """The shortest contiguous run of a page of ``pools`` (bytes; None: no pools): the row a
+    copy's tile hashes (:func:`copy_programs`)."""
+    runs = [n for p in pools for _, n in p.runs]
+    return min(runs) if runs else None
 
 
 def checked_restore_tile(max_programs: int) -> int:

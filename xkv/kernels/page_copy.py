@@ -134,7 +134,8 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         not isinstance(max_programs, (int, np.integer)) or max_programs < 1
     ):
         raise ValueError(f"max_programs must be a positive int, got {max_programs!r}")
-    budget = _launch.copy_programs(max_programs, save=job.save, check=job.checks is not None)
+    budget = _launch.copy_programs(max_programs, save=job.save, check=job.checks is not None,
+                                   run_bytes=_launch.min_run_bytes(job.pools))
     if not job.pools:
         return ("reference" if engine == "auto" else engine), budget
     dev = job.pools[0].device

@@ -138,8 +138,9 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     flat = probe.flat
     check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
 
-    def budget(save: bool, check: bool) -> int:  # what check_engine gives each copy
-        return _launch.copy_programs(max_programs, save=save, check=check)
+    def budget(save: bool, check: bool, grp: list[PagePool]) -> int:  # what check_engine gives
+        return _launch.copy_programs(max_programs, save=save, check=check,
+                                     run_bytes=_launch.min_run_bytes(grp))
 
     tables = _launch.Tables()
     zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
@@ -154,11 +155,11 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         for save in (False, True):
             for g in sorted({min(16, offset_alignment << k) for k in range(5)}):
                 for check in variants:
-                    for p in _samples([pool], flat, save, g, budget(save, check), check):
+                    for p in _samples([pool], flat, save, g, budget(save, check, [pool]), check):
                         warmed.setdefault(p.key, p)
         if hashes:  # a hash job's flat offsets are multiples of block_bytes (4-byte words)
             for g in (4, 8, 16):
-                for p in _samples([pool], null_flat(dev), True, g, budget(True, True), True,
+                for p in _samples([pool], null_flat(dev), True, g, budget(True, True, [pool]), True,
                                   store=False):
                     warmed.setdefault(p.key, p)
     for idx in hash_groups:  # store-free checked launches of one geometry at their own budget
@@ -167,7 +168,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             continue
         # one launch over a whole hash job: its null flat side needs no offset table
         for p in _samples(grp, null_flat(dev), True, 0,
-                          _launch.copy_programs(hash_programs, save=True, check=True), True,
+                          _launch.copy_programs(hash_programs, save=True, check=True,
+                                                run_bytes=_launch.min_run_bytes(grp)), True,
                           store=False, has_flat_off=False):
             warmed.setdefault(p.key, p)
     seen_groups = set()
@@ -176,7 +178,7 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
         if not grp or len(_launch.geometry_groups(grp)) != 1:
             continue
         # (check, budget) pairs; a single layer's at the default budgets are warmed above
-        runs = [(c, budget(save, c)) for c in variants] if len(grp) > 1 else []
+        runs = [(c, budget(save, c, grp)) for c in variants] if len(grp) > 1 else []
         if checks and not save and light_programs is not None:
             runs.append((True, int(light_programs)))
         key = (save, len(grp), grp[0].block_stride, grp[0].runs,
