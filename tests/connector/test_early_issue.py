@@ -37,19 +37,14 @@ def test_the_switch_refuses_other_values(monkeypatch):
 
 def test_auto_is_on_only_where_measured_faster():
     why = early_issue.auto_off_reason
-    assert why(full_graphs=True, mla=False, copy_engine=False) == ""
-    assert why(full_graphs=False, mla=False, copy_engine=False) == (
+    assert why(full_graphs=True, copy_engine=False) == ""
+    assert why(full_graphs=False, copy_engine=False) == (
         "no full CUDA graphs with per-layer restore waits")
-    assert why(full_graphs=True, mla=True, copy_engine=False) == (
-        "an MLA model, not measured with full graphs")
-    assert why(full_graphs=True, mla=False, copy_engine=True) == (
-        "restores may take the copy engine")
+    assert why(full_graphs=True, copy_engine=True) == "restores may take the copy engine"
     # every combination with a condition missing is off
     for fg in (False, True):
-        for mla in (False, True):
-            for ce in (False, True):
-                assert (why(full_graphs=fg, mla=mla, copy_engine=ce) == "") == (
-                    fg and not mla and not ce)
+        for ce in (False, True):
+            assert (why(full_graphs=fg, copy_engine=ce) == "") == (fg and not ce)
 
 
 def test_auto_registers_only_an_engine_that_qualifies(monkeypatch, caplog):

@@ -21,15 +21,15 @@ thread-local CUDA stream and no concurrent step); the worker is between steps (i
 metadata cleared); the step has synchronous restores.
 
 ``auto`` (the default) turns it on only where it was measured faster (:func:`auto_off_reason`):
-vLLM replays full CUDA graphs whose captures wait for each layer's restore (``graph_waits``),
-the restores run on the Triton kernel (not the copy engine's ring), and the model has no MLA
-cache. Measured on H100s (bench/RESULTS.md): with full graphs the Qwen shape (TRITON_ATTN)
-restored 7.3 / 6.0 % faster at 2k / 8k (stop 55), the Llama shape (FLASH_ATTN) 4-9 % at 2k-8k
-(stop 51); with piecewise graphs the Qwen shape and the MLA model lost 10-47 % (stop 51: every
-host phase of the early restores ~1.7 x slower, the early issue queued behind the previous
-step's launch-heavy piecewise forward; a full graph's replay is one launch), and on a host whose
-probe chose the ring a 2k restore lost 30 % (stop 49). The MLA model with full graphs is not
-measured yet: off there until it is.
+vLLM replays full CUDA graphs whose captures wait for each layer's restore (``graph_waits``) and
+the restores run on the Triton kernel (not the copy engine's ring). Measured on H100s
+(bench/RESULTS.md): with full graphs the Qwen shape (TRITON_ATTN) restored 7.3 / 6.0 % faster at
+2k / 8k (stop 55) and 3.4 / 3.2 % (stop 56, the default against ``0``), the Llama shape
+(FLASH_ATTN) 4-9 % at 2k-8k (stop 51) and 3.3-14.6 % at 2k-8k, equal at 32k (stop 56), the MLA
+model (TRITON_MLA) 1.8 / 6.6 % at 4k / 32k (stop 56); with piecewise graphs the Qwen shape and
+the MLA model lost 10-47 % (stop 51: every host phase of the early restores ~1.7 x slower, the
+early issue queued behind the previous step's launch-heavy piecewise forward), and on a host
+whose probe chose the ring a 2k restore lost 30 % (stop 49).
 """
 
 from __future__ import annotations
@@ -65,15 +65,14 @@ def enabled() -> bool:
     return mode() != "0"
 
 
-def auto_off_reason(*, full_graphs: bool, mla: bool, copy_engine: bool) -> str:
+def auto_off_reason(*, full_graphs: bool, copy_engine: bool) -> str:
     """Why ``auto`` leaves early issue off for an engine ('' = on). ``full_graphs``: vLLM
     replays full CUDA graphs with per-layer restore waits captured (the worker's
-    ``graph_waits`` and a full ``cudagraph_mode``); ``mla``: a cache group holds an MLA latent;
-    ``copy_engine``: a restore may run on the copy engine instead of the Triton kernel
-    (``warmup.restores_may_take_copy_engine``: the ring where the start-up probe chose it).
-    Each condition is where it was measured slower or not measured (the module's docstring)."""
+    ``graph_waits`` and a full ``cudagraph_mode``); ``copy_engine``: a restore may run on the
+    copy engine instead of the Triton kernel (``warmup.restores_may_take_copy_engine``: the ring
+    where the start-up probe chose it). Each condition is where it was measured slower (the
+    module's docstring)."""
     return ("no full CUDA graphs with per-layer restore waits" if not full_graphs else
-            "an MLA model, not measured with full graphs" if mla else
             "restores may take the copy engine" if copy_engine else "")
 
 

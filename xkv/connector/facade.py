@@ -27,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from xkv.connector import compat, early_issue, issue_profile, setup
 from xkv.connector.config import keeps_full_graphs
 from xkv.connector.metadata import StepMetadata, WorkerReport
-from xkv.connector.registry import REPLICATED_KINDS
 from xkv.connector.scheduler import SchedulerSide
 from xkv.connector.stats import PromMetricsMixin, StatsMixin
 from xkv.connector.worker import WorkerSide
@@ -186,7 +185,6 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return early_issue.auto_off_reason(
             full_graphs=self._worker.graph_waits and compat.replays_full_graphs(self._vllm_config),
-            mla=any(p.group.kind in REPLICATED_KINDS for p in self._registry.groups),
             copy_engine=self._worker.copy_engine_restores)
 
     def _issue_at_scheduling(self, step: StepMetadata) -> None:
