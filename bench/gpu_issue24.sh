@@ -21,8 +21,8 @@
 #                   issue 24 point 4): cold prefill with stores (and restores) in both store modes,
 #                   LENS (default 4096,16384)
 #   checksums       bench/page_mover.py --checksums: Triton restore/save GB/s with vs without checksums at 4-32 programs
-#   kernel_ab       bench/page_mover.py --checksums (pages AB_SIZES KiB, default 4,8,18,32; budgets 4, 16,
-#                   64) three times: XKV_CHECK_SPLIT=1 (the default), =8 (partial checksum sums), and
+#   kernel_ab       bench/page_mover.py --checksums (pages AB_SIZES KiB, default 4,8,18,32; budgets 4 and
+#                   CHECK_BUDGETS, default 16,64) three times: XKV_CHECK_SPLIT=1 (the default), =8 (partial checksum sums), and
 #                   XKV_MIN_EVEN_ROW_BYTES=65536 (the masked rows 18 KiB pages had before stop 39)
 #   gputests        pytest -m gpu of the tail fence, the CUDA transfer handler (every checksum pass),
 #                   prepared copies, warmup, the two-pass restore, the card in pieces and the async
@@ -173,7 +173,7 @@ for spec in "$@"; do
     kernel_ab) mkdir -p "$OUT/$step"  # stop 39's two kernel switches, each against its default
       for ab in "XKV_CHECK_SPLIT=1" "XKV_CHECK_SPLIT=8" "XKV_MIN_EVEN_ROW_BYTES=65536"; do
         env "$ab" timeout $((secs / 3)) python3 bench/page_mover.py --checksums --connector-budget 4 \
-          --check-budgets 16,64 --check-sizes "${AB_SIZES:-4,8,18,32}" --out "$OUT/$step/$ab" \
+          --check-budgets "${CHECK_BUDGETS:-16,64}" --check-sizes "${AB_SIZES:-4,8,18,32}" --out "$OUT/$step/$ab" \
           > "$OUT/$step/$ab.txt" 2>&1
         echo "=== $step $ab: rc $?" | tee -a "$OUT/summary.txt"; grep -v '^{' "$OUT/$step/$ab.txt" >> "$OUT/summary.txt"
       done ;;

@@ -123,3 +123,39 @@ def test_early_issue_auto_follows_the_engine(fake_gateway, llama_dir, monkeypatc
     assert conn._early_auto_why() == "restores may take the copy engine"
     conn._worker.graph_waits = False
     assert conn._early_auto_why() == "no full CUDA graphs with per-layer restore waits"
+
+
+def test_early_issue_leaves_a_restore_the_copy_engine_may_take_to_start_load_kv(
+        fake_gateway, llama_dir, monkeypatch):
+    """``XKV_EARLY_ISSUE=1``: a step is issued when it is scheduled only while its restore is
+    smaller than the worker's ``copy_engine_from`` (early issue was measured with the Triton
+    kernel's restores; a ring restore issued early lost 30 %, stop 49); at or above it the step
+    is left to ``start_load_kv``, and the next small step is issued early again."""
+    from xkv.connector import early_issue
+    from xkv.connector.metadata import ChunkRef, GroupTransfer, StepMetadata, TransferJob
+
+    monkeypatch.setenv(early_issue.ENV, "1")
+    vc = H.make_vllm_config(llama_dir, policy="recompute", block_size=32, extra={"chunk_size": 64})
+    conn, _ = H.make_worker_caches(vc, H.attention_cache_config(block_size=32), layout="LBHNC")
+    assert early_issue.peer(conn._engine_id) is conn
+    issued = []
+    monkeypatch.setattr(conn._worker, "bind", lambda step: issued.append(step))
+    monkeypatch.setattr(conn, "_issue", lambda loads: None)
+
+    def step(job_id, n):
+        gt = GroupTransfer(0, tuple(range(n)), tuple(i // 2 for i in range(n)),
+                           tuple(i % 2 for i in range(n)),
+                           tuple(ChunkRef(bytes([c]) * 8, (c * 4096,), (1,))
+                                 for c in range((n + 1) // 2)))
+        return StepMetadata(loads=(TransferJob(job_id, f"r{job_id}", (gt,), n * 32),))
+
+    w = conn._worker
+    per_block = w.registry.groups[0].group.bytes_all_layers
+    big, small = step(1, 5), step(2, 3)
+    assert w.restore_bytes(big.loads) == 5 * per_block > 0
+    assert w.copy_engine_from is None and not w.may_take_copy_engine(big.loads)  # the CPU engine
+    w.copy_engine_from = 4 * per_block  # restores of 4 blocks and more may take the copy engine
+    conn._issue_at_scheduling(big)
+    assert issued == [] and conn._handover.pending is None  # start_load_kv issues it
+    conn._issue_at_scheduling(small)
+    assert issued == [small] and conn._handover.pending == early_issue.key(small)

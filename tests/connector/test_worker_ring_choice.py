@@ -96,3 +96,34 @@ def test_which_restores_may_take_the_copy_engine(monkeypatch):
     monkeypatch.setattr(kernels, "calibration", lambda d: None)
     ring_choice.set_choice(Probe(30.0, 53.0, 64 << 20), dev)  # chose the ring
     assert may(NS(load_engine="auto"), dev)
+
+
+def test_a_lower_ring_gain_gives_the_ring_only_large_restores(monkeypatch):
+    """``XKV_RING_MIN_GAIN=1`` on a host whose SMs read host memory nearly as fast as the copy
+    engine (stop 56's probe: ring 52.6, kernel 49.9 GB/s): the ring takes restores of about 2
+    GB and more (``copy_engine_from_bytes``), while ``restores_may_take_copy_engine`` (early
+    issue's engine-wide condition) still says no: only those large steps skip early issue."""
+    from xkv.connector.warmup import copy_engine_from_bytes as start
+    from xkv.connector.warmup import restores_may_take_copy_engine as may
+    from xkv.kernels import ring_choice
+
+    dev = "cpu"
+    monkeypatch.setattr(ring_choice, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "calibration", lambda d: None)
+    monkeypatch.delenv(ring_choice.GAIN_ENV, raising=False)
+    assert start(NS(), dev) is None and start(NS(load_engine="triton"), dev) is None
+    for engine in ("staged", "copy_engine", "reference"):
+        assert start(NS(load_engine=engine), dev) == 0
+    assert start(NS(load_engine="auto"), dev) == kernels.staged.STAGED_MIN_BYTES  # unprobed
+    stop56 = Probe(49.9, 52.6, 63 << 20)
+    ring_choice.set_choice(stop56, dev)
+    assert start(NS(load_engine="auto"), dev) is None and not may(NS(load_engine="auto"), dev)
+    monkeypatch.setenv(ring_choice.GAIN_ENV, "1")
+    big = start(NS(load_engine="auto"), dev)
+    assert big == stop56.ring_from_bytes and 1.9e9 < big < 2.0e9
+    assert not may(NS(load_engine="auto"), dev)  # not a ring host by the default's margin
+    assert ring_choice.takes_ring(dev, big) and not ring_choice.takes_ring(dev, big - 1)
+    ring_choice.set_choice(Probe(30.0, 53.0, 64 << 20), dev)  # a ring host either way
+    assert may(NS(load_engine="auto"), dev) and start(NS(load_engine="auto"), dev) < 140 << 20
+    monkeypatch.setattr(kernels, "calibration", lambda d: object())
+    assert start(NS(load_engine="auto"), dev) == 0

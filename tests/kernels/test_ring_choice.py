@@ -30,6 +30,41 @@ def test_the_ring_wins_from_min_gain_times_the_triton_rate():
     assert not Probe(triton_gbps=1.0, ring_gbps=99.0, nbytes=1, error="RuntimeError: x").ring_wins
 
 
+def test_the_gain_can_be_lowered_and_the_size_rule_still_decides(monkeypatch):
+    """``XKV_RING_MIN_GAIN`` replaces ``MIN_GAIN`` (a number >= 1, anything else refuses,
+    naming the variable); at 1 a ring a few percent faster wins, from the size where its copy
+    saves ``RING_EXTRA_S``; equal rates never take the ring (no division by zero)."""
+    monkeypatch.delenv(ring_choice.GAIN_ENV, raising=False)
+    assert ring_choice.min_gain() == MIN_GAIN
+    p = Probe(triton_gbps=49.9, ring_gbps=52.6, nbytes=1)  # stop 56's H100
+    assert not p.ring_wins and p.ring_from_bytes is None and p.wins_at(1.05)
+    monkeypatch.setenv(ring_choice.GAIN_ENV, "1")
+    assert ring_choice.min_gain() == 1.0 and p.ring_wins
+    saved = (1 / 49.9 - 1 / 52.6) / 1e9  # seconds per byte
+    assert p.ring_from_bytes == int(np.ceil(ring_choice.RING_EXTRA_S / saved))
+    assert 1.9e9 < p.ring_from_bytes < 2.0e9
+    assert Probe(50.0, 50.0, 1).ring_wins and Probe(50.0, 50.0, 1).ring_from_bytes is None
+    assert not Probe(50.0, 49.9, 1).ring_wins
+    monkeypatch.setenv(ring_choice.GAIN_ENV, "1.5")
+    assert not Probe(30.0, 44.0, 1).ring_wins and Probe(30.0, 45.0, 1).ring_wins
+    for bad in ("0.9", "x", "", "nan", "inf", "-1"):
+        monkeypatch.setenv(ring_choice.GAIN_ENV, bad)
+        with pytest.raises(ValueError, match=f"XKV_RING_MIN_GAIN='{bad}': expected a number >= 1"):
+            ring_choice.min_gain()
+
+
+def test_ring_from_names_the_smallest_restore_takes_ring_gives_the_ring(monkeypatch):
+    monkeypatch.delenv(ring_choice.GAIN_ENV, raising=False)
+    monkeypatch.setattr(ring_choice, "_CHOICE", {})
+    assert ring_choice.ring_from("cpu") == staged.STAGED_MIN_BYTES  # unprobed: the ring
+    ring_choice.set_choice(Probe(30.0, 53.0, 1), "cpu")
+    start = ring_choice.ring_from("cpu")
+    assert start == Probe(30.0, 53.0, 1).ring_from_bytes
+    assert ring_choice.takes_ring("cpu", start) and not ring_choice.takes_ring("cpu", start - 1)
+    ring_choice.set_choice(Probe(50.8, 54.0, 1), "cpu")
+    assert ring_choice.ring_from("cpu") is None and not ring_choice.takes_ring("cpu", 1 << 62)
+
+
 class _Host:
     """A virtual clock and copies whose duration triples while a load beside them runs (until
     ``busy_until``): what one engine's probe saw while another engine started (stop 42)."""

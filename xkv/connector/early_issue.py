@@ -18,7 +18,10 @@ the switch is on (``1``, or ``auto`` for an engine that qualifies); the worker o
 engine (``kv_transfer_config.engine_id``) registered in this process with a world size of 1 and
 no NVLink fan-out; the call comes on the thread that ran that worker's last step (a
 thread-local CUDA stream and no concurrent step); the worker is between steps (its last
-metadata cleared); the step has synchronous restores.
+metadata cleared); the step has synchronous restores, fewer bytes than the copy engine may take
+(``WorkerSide.may_take_copy_engine``: early issue was measured faster with the Triton kernel's
+restores only; a ring restore issued early lost 30 % at stop 49, and with ``XKV_RING_MIN_GAIN``
+a Triton-path host gives the ring its large restores only).
 
 ``auto`` (the default) turns it on only where it was measured faster (:func:`auto_off_reason`):
 vLLM replays full CUDA graphs whose captures wait for each layer's restore (``graph_waits``) and

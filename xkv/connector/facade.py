@@ -189,9 +189,12 @@ class FusIOnXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _issue_at_scheduling(self, step: StepMetadata) -> None:
         """``XKV_EARLY_ISSUE``: the scheduler side of this engine built ``step`` on this thread:
-        bind it and issue its restores now, if the worker is between steps (early_issue.py)."""
+        bind it and issue its restores now, if the worker is between steps and the restore is
+        too small for the copy engine to take it (early issue was measured with the Triton
+        kernel's restores only: a larger one is issued by ``start_load_kv``; early_issue.py)."""
         assert self._worker is not None
-        if self._handover.may_issue(step, between_steps=not self._worker.in_step):
+        if self._handover.may_issue(step, between_steps=not self._worker.in_step) and not (
+                self._worker.may_take_copy_engine(step.loads)):
             self._worker.bind(step)
             self._issue(step.loads)
             self._handover.issued(step)

@@ -38,6 +38,7 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
     engine = getattr(handler, "load_engine", None)
     if engine not in ("auto", "staged"):
         return None
+    gain = ring_choice.min_gain()  # XKV_RING_MIN_GAIN: a bad value refuses to start, here
     kernels.reserve_staging(next(iter(pools.values())).device)
     fit = [p for p in pools.values() if p.block_bytes <= kernels.RING_PAGE_BYTES]
     if engine != "auto" or card is None or not fit:
@@ -52,23 +53,42 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
     return (f"XKV: restores of >= {size} through the copy engine and the ring: "
             f"{'yes' if start is not None else 'no, the Triton kernel'} (start-up probe of "
             f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
-            f"{p.triton_gbps:.1f} GB/s; the ring from {kernels.RING_MIN_GAIN}x and where its "
+            f"{p.triton_gbps:.1f} GB/s; the ring from {gain:g}x and where its "
             f"copy saves {kernels.RING_EXTRA_S * 1e3:g} ms)")
 
 
 def restores_may_take_copy_engine(handler: Any, device: Any) -> bool:
-    """Whether a restore of this rank may run on the copy engine (the ring, or copy-engine
-    fragments) instead of the Triton kernel, after :func:`choose_restore_path`: False for
-    ``load_engine`` ``triton`` and for ``auto`` where the start-up probe kept the kernel at
-    every size (``ring_from_bytes`` None) and no calibration is installed; True for every other
-    engine, and for ``auto`` where the probe chose the ring or none ran. False for a handler
-    without engines (the CPU one)."""
+    """Whether restores of this rank may run on the copy engine (the ring, or copy-engine
+    fragments) instead of the Triton kernel at ordinary sizes, after
+    :func:`choose_restore_path`: False for ``load_engine`` ``triton`` and for ``auto`` where the
+    start-up probe kept the kernel at every size or where the ring won only by less than
+    ``ring_choice.MIN_GAIN`` (the default's margin; ``XKV_RING_MIN_GAIN`` below it gives such a
+    host's ring only large restores, :func:`copy_engine_from_bytes`) and no calibration is
+    installed; True for every other engine, and for ``auto`` where the probe chose the ring by
+    the default's margin or none ran. False for a handler without engines (the CPU one)."""
     engine = getattr(handler, "load_engine", None)
     if engine is None or engine == "triton":
         return False
     if engine != "auto" or kernels.calibration(device) is not None:
         return True
-    return ring_choice.takes_ring(device, 1 << 62)  # auto's own rule, at a size beyond any restore
+    p = ring_choice.choice(device)
+    # auto's own rule, at a size beyond any restore, on a host that is a ring host by default
+    return ring_choice.takes_ring(device, 1 << 62) and (p is None or p.wins_at(
+        ring_choice.MIN_GAIN))
+
+
+def copy_engine_from_bytes(handler: Any, device: Any) -> int | None:
+    """The smallest restore (bytes, a step's whole restore) that may run on the copy engine on
+    this rank, after :func:`choose_restore_path`: None where none does (``triton``, ``auto``
+    whose probe kept the kernel at every size, a handler without engines), 0 where any may
+    (``copy_engine`` / ``staged``, a calibration installed), else ``auto``'s
+    ``ring_choice.ring_from``. ``XKV_EARLY_ISSUE`` issues a step early only below it."""
+    engine = getattr(handler, "load_engine", None)
+    if engine is None or engine == "triton":
+        return None
+    if engine != "auto" or kernels.calibration(device) is not None:
+        return 0
+    return ring_choice.ring_from(device)
 
 
 def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torch.Tensor | None,

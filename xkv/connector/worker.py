@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ from xkv.connector.warmup import (
     check_lines,
     choose_restore_path,
     compile_copies,
+    copy_engine_from_bytes,
     restores_may_take_copy_engine,
 )
 from xkv.layout import PagePool
@@ -129,6 +130,7 @@ class WorkerSide:
         self._full_graphs = full_graphs and graph_waits.enabled()
         self.graph_waits = False  # the handler keeps per-layer events for full graphs' captures
         self.copy_engine_restores = False  # some restore may skip the Triton kernel (warmup.py)
+        self.copy_engine_from: int | None = None  # restores of >= this many bytes may (warmup.py)
         self._graph_logged = False  # the first full-graph step with loads logged its fence
         self.session = GatewaySession(
             gateway_factory,
@@ -219,6 +221,7 @@ class WorkerSide:
                            save_mode=self._save_mode, tails=self._warm_tails)
         # the probe's verdict, for XKV_EARLY_ISSUE's auto (early_issue.auto_off_reason)
         self.copy_engine_restores = cuda and restores_may_take_copy_engine(self.handler, device)
+        self.copy_engine_from = copy_engine_from_bytes(self.handler, device) if cuda else None
         if self._full_graphs and cuda and self.fanout is None:
             self.graph_waits = self.handler.enable_graph_waits(
                 [n for p in self.registry.groups for n in p.group.layer_names])
@@ -287,6 +290,18 @@ class WorkerSide:
     def in_step(self) -> bool:
         """A step's metadata is bound and not yet cleared."""
         return self._meta is not None
+
+    def restore_bytes(self, loads: Iterable[TransferJob]) -> int:
+        """Bytes this rank's restore of ``loads`` copies (every layer of every block)."""
+        return sum(len(gt.block_ids) * self.registry.groups[gt.group].group.bytes_all_layers
+                   for job in loads for gt in job.groups)
+
+    def may_take_copy_engine(self, loads: Iterable[TransferJob]) -> bool:
+        """Whether the restore of ``loads`` (one step's) is large enough that a copy of it may
+        run on the copy engine (:attr:`copy_engine_from`; the kernels decide per cache group,
+        on no more bytes than these)."""
+        start = self.copy_engine_from
+        return start is not None and self.restore_bytes(loads) >= start
 
     def start_load_kv(self) -> None:
         meta = self._meta

@@ -14,18 +14,28 @@ ring (1.02-1.13x): the probe kept the Triton kernel, and the ring forced was 15 
 :func:`probe` times both paths' copies on one restore of real pages (a layer's cache, before
 serving) from the card, as the page mover does (bench/page_mover.py: prepared launches), and
 records the result per GPU; ``auto`` follows its verdict (:attr:`Probe.ring_wins`): the ring
-when it copied at least :data:`MIN_GAIN` x the Triton kernel's rate, the Triton kernel otherwise.
+when it copied at least :func:`min_gain` x the Triton kernel's rate (:data:`MIN_GAIN`, or
+``XKV_RING_MIN_GAIN``), the Triton kernel otherwise.
 Unprobed (no worker start, e.g. tests and the page mover) the ring is taken, as before the probe.
 
 A ring that copies faster still costs more host time per restore than the kernel (its plan, each
 chunk's batched copy, events and unpack issued by Python): :data:`RING_EXTRA_S`. So even where
 the ring wins the probe, :func:`takes_ring` gives it only restores large enough for the faster
 copy to pay that back (:attr:`Probe.ring_from_bytes`); smaller ones stay on the kernel.
+
+``XKV_RING_MIN_GAIN=1`` (an A/B switch until a GPU measures it) drops the gain's margin and lets
+the size rule alone decide: on a host whose SMs read host memory nearly as fast as the copy
+engine (stop 56's H100: ring 52.6, kernel 49.9 GB/s) the ring then takes only restores of about
+2 GB and more, where its faster copy is worth tens of milliseconds (8 x 16k restores: 17.2 GB in
+347 ms at the kernel's 49.5 GB/s, 310 ms at the copy engine's 55.5; stop 41's H200 at 1.05-1.07 x:
+the ring forced was 3-4 % faster at Llama 16k / 32k, 10 % slower at a 36-layer Qwen shape's 32k,
+before the ring's plan got cheaper at stops 44-45).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,12 +46,13 @@ from xkv.kernels.calibrate import copy_rates, device_index
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
 
-__all__ = ["MIN_GAIN", "PROBE_BYTES", "RING_EXTRA_S", "Probe", "choice", "probe", "set_choice",
-           "takes_ring"]
+__all__ = ["GAIN_ENV", "MIN_GAIN", "PROBE_BYTES", "RING_EXTRA_S", "Probe", "choice", "min_gain",
+           "probe", "ring_from", "set_choice", "takes_ring"]
 
 #: the ring's rate over the Triton kernel's from which ``auto`` takes the ring: above stop 41's
 #: H200 (1.05-1.07, where the ring lost end to end), below stop 40's H100 (~1.6, where it won)
 MIN_GAIN = 1.15
+GAIN_ENV = "XKV_RING_MIN_GAIN"
 #: bytes one probe restores per path (~1.3 ms at 50 GB/s): a whole ring's worth of chunks
 PROBE_BYTES = 64 << 20
 #: seconds of engine time a restore through the ring costs beyond one through the Triton kernel
@@ -54,6 +65,22 @@ PROBE_BYTES = 64 << 20
 RING_EXTRA_S = 2.0e-3
 
 
+def min_gain() -> float:
+    """The ring's rate over the kernel's from which ``auto`` may take it: ``XKV_RING_MIN_GAIN``
+    (a number >= 1), else :data:`MIN_GAIN`; anything else refuses with a clear error."""
+    v = os.environ.get(GAIN_ENV)
+    if v is None:
+        return MIN_GAIN
+    try:
+        g = float(v)
+    except ValueError:
+        g = math.nan
+    if not (math.isfinite(g) and g >= 1.0):
+        raise ValueError(f"{GAIN_ENV}={v!r}: expected a number >= 1 (the ring's copy rate over "
+                         f"the Triton kernel's from which auto may take it; default {MIN_GAIN})")
+    return g
+
+
 @dataclass(frozen=True)
 class Probe:
     """Rates of one probe restore (GB/s, best of its repetitions; each path planned beforehand)."""
@@ -63,9 +90,13 @@ class Probe:
     nbytes: int
     error: str = ""  # the probe raised: the ring is not taken
 
+    def wins_at(self, gain: float) -> bool:
+        """The ring copied at least ``gain`` x the Triton kernel's rate (and the probe ran)."""
+        return not self.error and self.ring_gbps >= gain * self.triton_gbps
+
     @property
     def ring_wins(self) -> bool:
-        return not self.error and self.ring_gbps >= MIN_GAIN * self.triton_gbps
+        return self.wins_at(min_gain())
 
     @property
     def ring_from_bytes(self) -> int | None:
@@ -75,6 +106,8 @@ class Probe:
         if not self.ring_wins:
             return None
         saved_per_byte = (1.0 / self.triton_gbps - 1.0 / self.ring_gbps) / 1e9  # seconds
+        if saved_per_byte <= 0:  # equal rates (a gain of 1): the ring's copy saves nothing
+            return None
         return max(staged.STAGED_MIN_BYTES, math.ceil(RING_EXTRA_S / saved_per_byte))
 
 
@@ -92,6 +125,14 @@ def set_choice(p: Probe | None, device: torch.device | int | None = None) -> Non
         _CHOICE.pop(device_index(device), None)
     else:
         _CHOICE[device_index(device)] = p
+
+
+def ring_from(device) -> int | None:
+    """The smallest restore (bytes) :func:`takes_ring` gives the ring on ``device``: the probe's
+    :attr:`~Probe.ring_from_bytes`, ``staged.STAGED_MIN_BYTES`` where no probe ran, None where
+    the ring takes none."""
+    p = _CHOICE.get(device_index(device))
+    return staged.STAGED_MIN_BYTES if p is None else p.ring_from_bytes
 
 
 def takes_ring(device, nbytes: int) -> bool:
