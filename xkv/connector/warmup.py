@@ -81,7 +81,8 @@ def copy_engine_from_bytes(handler: Any, device: Any) -> int | None:
     """The smallest restore (bytes, a step's whole restore) that may run on the copy engine on
     this rank, after :func:`choose_restore_path`: None where none does (``triton``, ``auto``
     whose probe kept the kernel at every size, a handler without engines), 0 where any may
-    (``copy_engine`` / ``staged``, a calibration installed), else ``auto``'s
+    (every other engine, as :func:`restores_may_take_copy_engine` counts them, or a calibration
+    installed), else ``auto``'s
     ``ring_choice.ring_from``. ``XKV_EARLY_ISSUE`` issues a step early only below it."""
     engine = getattr(handler, "load_engine", None)
     if engine is None or engine == "triton":

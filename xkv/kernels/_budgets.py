@@ -51,7 +51,7 @@ SMALL_CHECKED_RUN_BYTES = 8 << 10
 #: (64 programs of 128 KiB: 46.5-48.7). ``XKV_LIGHT_PROGRAMS`` overrides it (an A/B switch).
 LIGHT_VERIFIED_RESTORE_PROGRAMS = 32
 #: Host bytes a verified restore keeps in flight, split over its programs
-#: (:func:`checked_restore_tile`): 1 MiB. Stop 43, H100, bench/checked_interference.py (512 MiB
+#: (``_launch.checked_restore_tile``): 1 MiB. Stop 43, H100, bench/checked_interference.py (512 MiB
 #: of 64 and 16 KiB pages beside a one-token forward of the Llama-3-8B shape): 16 programs x 64
 #: KiB and 32 x 32 KiB copied at 50.5-50.8 GB/s beside the forward and slowed it 1.13-1.15 x;
 #: 16 x 128 KiB (the former tile) 36-39 GB/s, 1.17 x; 2 MiB in flight (32 x 64 KiB, 64 x 32
