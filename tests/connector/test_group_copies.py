@@ -20,7 +20,7 @@ def _captured(monkeypatch) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("env,want", [(None, K._launch.LIGHT_VERIFIED_RESTORE_PROGRAMS),
+@pytest.mark.parametrize("env,want", [(None, K._budgets.LIGHT_VERIFIED_RESTORE_PROGRAMS),
                                       ("9", 9)])
 def test_light_step_verified_restore_takes_the_light_budget(env, want, monkeypatch):
     if env is None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pools import Geometry, layer_jobs, layers_buffer_size, pool_over, pools_over
 
 import xkv.kernels as K
-from xkv.kernels import _launch
+from xkv.kernels import _budgets, _launch
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.layout import PagePool
 
@@ -60,7 +60,7 @@ def test_launch_config_properties(run, rows, budget, word, tile):
 def test_word_and_default_programs(monkeypatch):
     assert [_launch.word_bytes(a) for a in (0, 16, 12, 6, 3)] == [8, 8, 4, 2, 1]
     monkeypatch.delenv("XKV_MAX_PROGRAMS", raising=False)
-    assert K.default_programs() == _launch.DEFAULT_PROGRAMS
+    assert K.default_programs() == _budgets.DEFAULT_PROGRAMS
     monkeypatch.setenv("XKV_MAX_PROGRAMS", "7")
     assert K.default_programs() == 7
     monkeypatch.setenv("XKV_MAX_PROGRAMS", "0")
@@ -163,7 +163,7 @@ def test_checked_restores_default_to_their_own_budget(monkeypatch):
     from xkv.kernels.page_copy import check_engine
 
     monkeypatch.delenv("XKV_MAX_PROGRAMS", raising=False)
-    small = _launch.SMALL_CHECKED_RUN_BYTES
+    small = _budgets.SMALL_CHECKED_RUN_BYTES
 
     def budget(save, checked, max_programs=None, runs=((0, 8192),)):
         bb = sum(n for _, n in runs)
@@ -176,7 +176,7 @@ def test_checked_restores_default_to_their_own_budget(monkeypatch):
         job = build_job([pool], np.arange(3), card, offs, save=save, checks=checks)
         return check_engine(job, "reference", max_programs)[1]
 
-    V, D = _launch.VERIFIED_RESTORE_PROGRAMS, _launch.DEFAULT_PROGRAMS
+    V, D = _budgets.VERIFIED_RESTORE_PROGRAMS, _budgets.DEFAULT_PROGRAMS
     assert V > D and small == 8192
     assert budget(False, True) == V == K.default_programs(True)
     assert budget(False, False) == budget(True, True) == budget(True, False) == D
@@ -241,7 +241,7 @@ def test_resized_keeps_the_variant_and_gives_the_counts_of_a_plan_of_that_size()
 def test_checked_restore_tile_keeps_one_mib_in_flight():
     """A verified restore's programs share ``CHECKED_RESTORE_IN_FLIGHT`` of host reads: the tile
     is the largest power of two that fits the share, between 4 KiB and the restore tile."""
-    assert _launch.CHECKED_RESTORE_IN_FLIGHT == 1 << 20
+    assert _budgets.CHECKED_RESTORE_IN_FLIGHT == 1 << 20
     assert [_launch.checked_restore_tile(p) for p in (1, 4, 8, 16, 32, 48, 64, 256, 1000)] == [
         131072, 131072, 131072, 65536, 32768, 16384, 16384, 4096, 4096]
     for p in range(1, 300):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pools import POISON, Geometry, geometries, pool_over, random_bytes
 
 import xkv.kernels as K
-from xkv.kernels import _launch
+from xkv.kernels import _budgets, _launch
 from xkv.kernels.jobs import build_job, offsets_arg
 from xkv.kernels.page_copy import check_engine
 
@@ -343,7 +343,7 @@ def test_whole_hash_after_warmup_compiles_nothing_new(L, monkeypatch):
     """``checksum_pass`` "end" hashes every layer of a group in one launch at its own budget
     (``WHOLE_HASH_PROGRAMS``): ``hash_groups`` warms those variants, per-layer hashes do not."""
     pools, card = _layers(L)
-    every, budget = [list(range(L))], _launch.WHOLE_HASH_PROGRAMS
+    every, budget = [list(range(L))], _budgets.WHOLE_HASH_PROGRAMS
     keys = K.warmup(pools, card, engine="triton", checks=True, hashes=True, hash_groups=every,
                     hash_programs=budget)
     per_layer = K.warmup(pools, card, engine="triton", checks=True, hashes=True)

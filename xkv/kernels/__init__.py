@@ -34,13 +34,8 @@ Triton; the first GPU (or interpreted) launch does.
 """
 
 from xkv.kernels import pinned
-from xkv.kernels._launch import (
-    WHOLE_HASH_PROGRAMS,
-    LaunchConfig,
-    default_programs,
-    launch_config,
-    light_restore_programs,
-)
+from xkv.kernels._budgets import WHOLE_HASH_PROGRAMS, default_programs, light_restore_programs
+from xkv.kernels._launch import LaunchConfig, launch_config
 from xkv.kernels.calibrate import Calibration, calibrate, calibration, set_calibration
 from xkv.kernels.hashed_restore import (
     HashedRestore,

@@ -28,39 +28,18 @@ import numpy as np
 import torch
 
 from xkv.kernels import _compile_watch, pinned
-from xkv.kernels._budgets import (  # the SM budgets: one home (_budgets.py), names kept here
-    CHECKED_RESTORE_IN_FLIGHT,
-    DEFAULT_PROGRAMS,
-    LIGHT_VERIFIED_RESTORE_PROGRAMS,
-    SMALL_CHECKED_RUN_BYTES,
-    VERIFIED_RESTORE_PROGRAMS,
-    WHOLE_HASH_PROGRAMS,
-    copy_programs,
-    default_programs,
-    light_restore_programs,
-    min_run_bytes,
-)
+from xkv.kernels._budgets import CHECKED_RESTORE_IN_FLIGHT
 from xkv.kernels.jobs import Job
 from xkv.layout import PagePool
 
 __all__ = [
-    "CHECKED_RESTORE_IN_FLIGHT",
-    "DEFAULT_PROGRAMS",
-    "LIGHT_VERIFIED_RESTORE_PROGRAMS",
-    "SMALL_CHECKED_RUN_BYTES",
-    "VERIFIED_RESTORE_PROGRAMS",
-    "WHOLE_HASH_PROGRAMS",
     "Launch",
     "LaunchConfig",
     "LaunchPlan",
     "Tables",
     "checked_restore_tile",
-    "copy_programs",
-    "default_programs",
     "geometry_groups",
-    "light_restore_programs",
     "launch_config",
-    "min_run_bytes",
     "launches",
     "plan",
     "resized",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xkv.kernels import _launch, copy_engine, staged
+from xkv.kernels import _budgets, _launch, copy_engine, staged
 from xkv.kernels.jobs import Job, build_job, offsets_arg
 
 __all__ = ["Calibration", "auto_engine", "calibrate", "calibration", "copy_gbps", "copy_rates",
@@ -146,7 +146,7 @@ def calibrate(
         return None
     idx = device_index(device)
     dev = torch.device("cuda", idx)
-    budget = _launch.default_programs() if max_programs is None else int(max_programs)
+    budget = _budgets.default_programs() if max_programs is None else int(max_programs)
     engines = [e for e in engines if e != "copy_engine" or copy_engine.available()]
     from xkv.layout import describe_cache
 

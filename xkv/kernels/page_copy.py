@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from xkv.kernels import _launch, _torch, copy_engine, staged
+from xkv.kernels import _budgets, _launch, _torch, copy_engine, staged
 from xkv.kernels.calibrate import auto_engine
 from xkv.kernels.jobs import IndexLike, Job, build_job, offsets_arg, pools_arg
 from xkv.kernels.verify import Checks, CheckWords
@@ -134,8 +134,8 @@ def check_engine(job: Job, engine: str, max_programs: int | None) -> tuple[str, 
         not isinstance(max_programs, (int, np.integer)) or max_programs < 1
     ):
         raise ValueError(f"max_programs must be a positive int, got {max_programs!r}")
-    budget = _launch.copy_programs(max_programs, save=job.save, check=job.checks is not None,
-                                   run_bytes=_launch.min_run_bytes(job.pools))
+    budget = _budgets.copy_programs(max_programs, save=job.save, check=job.checks is not None,
+                                   run_bytes=_budgets.min_run_bytes(job.pools))
     if not job.pools:
         return ("reference" if engine == "auto" else engine), budget
     dev = job.pools[0].device

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from xkv.kernels import _compile_watch, _launch
+from xkv.kernels import _budgets, _compile_watch, _launch
 from xkv.kernels.hashing import null_flat
 from xkv.kernels.jobs import build_job, pools_arg
 from xkv.kernels.page_copy import ENGINES, check_engine
@@ -139,8 +139,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
     check_engine(probe, "triton", max_programs)  # interpreter / budget refusals
 
     def budget(save: bool, check: bool, grp: list[PagePool]) -> int:  # what check_engine gives
-        return _launch.copy_programs(max_programs, save=save, check=check,
-                                     run_bytes=_launch.min_run_bytes(grp))
+        return _budgets.copy_programs(max_programs, save=save, check=check,
+                                     run_bytes=_budgets.min_run_bytes(grp))
 
     tables = _launch.Tables()
     zeros = tables.add(np.zeros(4, np.int64))  # stand-in tables, never read
@@ -168,8 +168,8 @@ def warmup(pools: Sequence[PagePool], flat: torch.Tensor | None = None, *,
             continue
         # one launch over a whole hash job: its null flat side needs no offset table
         for p in _samples(grp, null_flat(dev), True, 0,
-                          _launch.copy_programs(hash_programs, save=True, check=True,
-                                                run_bytes=_launch.min_run_bytes(grp)), True,
+                          _budgets.copy_programs(hash_programs, save=True, check=True,
+                                                run_bytes=_budgets.min_run_bytes(grp)), True,
                           store=False, has_flat_off=False):
             warmed.setdefault(p.key, p)
     seen_groups = set()
