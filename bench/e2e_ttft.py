@@ -538,7 +538,8 @@ def _report(res, out):
                           f"{f(_median(rows, 'none', 'gpu_hit', n, 'engine_ms'))}, xkv restore "
                           f"{f(_median(rows, 'xkv', 'restore', n, 'engine_ms'))}, Offloading restore "
                           f"{f(_median(rows, 'offload', 'restore', n, 'engine_ms'))}" for n in lens)]
-    for kind in ("none", "xkv", "offload"):
+    # every kind that ran the multi case, variants included (in the order they ran)
+    for kind in dict.fromkeys(r["kind"] for r in rows if r["phase"] == "multi"):
         m = [r for r in rows if r["kind"] == kind and r["phase"] == "multi"]
         if m:
             t = [r["ttft_ms"] for r in m]

@@ -159,6 +159,7 @@ for spec in "$@"; do
         tests/kernels/test_hash_pages.py tests/kernels/test_verify.py tests/kernels/test_page_copy.py \
         tests/kernels/test_staged.py tests/kernels/test_staged_restore.py tests/kernels/test_fault_injection.py \
         tests/kernels/test_ring_choice.py tests/connector/test_async_worker.py tests/connector/test_graph_waits.py \
+        tests/kernels/test_stream_reserve.py \
         > "$OUT/$step/pytest.txt" 2>&1
       echo "=== $step: rc $? $(tail -1 "$OUT/$step/pytest.txt")" | tee -a "$OUT/summary.txt"
       # unmarked tests whose `device` fixture is the GPU here: a full hit's tail under the forced ring

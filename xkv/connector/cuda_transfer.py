@@ -19,6 +19,7 @@ from xkv.connector import graph_waits, handler_settings, light_steps
 from xkv.connector import group_copies as copies
 from xkv.connector.load_timing import LoadTiming
 from xkv.connector.transfer import TransferHandler, page_verifier
+from xkv.kernels.stream_reserve import StreamReserve
 
 log = logging.getLogger("xkv.connector")
 
@@ -60,6 +61,7 @@ class CudaTransferHandler(TransferHandler):
         self._preps: list = []  # this step's prepared loads (see load_group)
         self._graph: graph_waits.GraphWaits | None = None  # enable_graph_waits
         self._unordered: torch.cuda.Event | None = None  # fence_saves_deferred's, not yet waited
+        self._reserve = StreamReserve()  # hold_stream_memory: the copy streams' device blocks
 
     def set_light_step(self, light: bool) -> None:
         self.light_step = light
@@ -73,7 +75,17 @@ class CudaTransferHandler(TransferHandler):
                 "device_allocs": int(st.get("num_device_alloc", 0)),
                 "pinned_allocs": kernels.pinned.pool().allocations}
 
+    def hold_stream_memory(self, large_bytes: int) -> None:
+        """At the worker's start: device blocks held for the copy streams until the first copy
+        step, when they go to those streams' caches (``kernels.stream_reserve``: no step calls
+        ``cudaMalloc``, an implicit synchronisation between the copies and the forward). The load
+        and save streams get ``large_bytes`` (a step that moves every block), the tail and check
+        streams small blocks only."""
+        self._reserve.hold([self.load_stream, self.save_stream], large_bytes)
+        self._reserve.hold([self.tail_stream, self.check_stream], 0)
+
     def begin_loads(self) -> None:
+        self._reserve.release()
         self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._timing.begin(self.load_stream)
 
@@ -87,6 +99,7 @@ class CudaTransferHandler(TransferHandler):
         event, the readback after the last hash, and the load stream waits for it; "end": one
         hash of every layer on the load stream after the last copy (the layers' events come
         before it: the forward never waits for the hash), then the readback."""
+        self._reserve.release()  # async loads come here without begin_loads
         t0, groups = time.perf_counter(), None
         checked = checks is not None
         hashed = checked and self.checksum_pass == "hbm"
@@ -219,6 +232,7 @@ class CudaTransferHandler(TransferHandler):
     def prepare_saves(self, pools, block_ids, card, offsets, checks=None):
         """A group's saves for one step (``offsets`` int64 ``[L, n]``, host): validated once,
         tables uploaded once on the save stream, where every :meth:`save_prepared` launches."""
+        self._reserve.release()
         with torch.cuda.stream(self.save_stream):
             return copies.prepare_by_size(lambda ps, offs, ck: kernels.prepare_save(
                 ps, block_ids, card, offs, engine=self.save_engine, checks=ck), pools, offsets,
@@ -265,6 +279,7 @@ class CudaTransferHandler(TransferHandler):
         """One launch per page size (:func:`group_copies.save_all`; with ``checks`` the words
         too, and its prepared copies returned) on the save stream, after the compute stream's
         work so far (the forward that wrote the pages)."""
+        self._reserve.release()
         self.save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.save_stream):
             prep = copies.save_all(pools, block_ids, card, offsets, self.save_engine, checks)

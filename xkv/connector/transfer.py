@@ -80,6 +80,12 @@ class TransferHandler(abc.ABC):
             raise ValueError(f"checksum_pass={mode!r}: expected one of {CHECKSUM_PASSES}")
         self.checksum_pass = mode
 
+    def hold_stream_memory(self, large_bytes: int) -> None:
+        """At the worker's start, after warmup: reserve the device memory a copy step's tables,
+        words and flags need (``large_bytes`` for a step that moves every block) so that no step
+        allocates it; a handler without streams of its own has nothing to reserve."""
+        return None
+
     @abc.abstractmethod
     def set_light_step(self, light: bool) -> None:
         """Before a step's :meth:`begin_loads`: whether the step computes few tokens

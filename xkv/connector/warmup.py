@@ -26,6 +26,10 @@ from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
 
+#: large page-locked buffers reserved for copy steps (``pinned.reserve_for``'s count: a restore's
+#: two table uploads, its words, its readback and the previous step's still in flight)
+STAGING_COUNT = 6
+
 
 def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
                         card: torch.Tensor | None) -> str | None:
@@ -99,7 +103,8 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
     light-step layer groups (``tails``: the all-layer tail launch of full hits), ``save_mode``
     step's save groups, the checked variants where a group has ``check_words``, the hash launches
     of ``checksum_pass`` ``hbm`` / ``end``; then reserve the page-locked staging of the copies'
-    tables, words and flags (an allocation inside a step would make the host wait for the
+    tables, words and flags and the device memory they go to on the copy streams (an allocation
+    inside a step is an implicit synchronisation: the host or the forward would wait for the
     copies queued before it)."""
     t0 = time.perf_counter()
     align = min(p.slot_alignment for p in registry.groups)
@@ -121,7 +126,9 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
                               light_programs=kernels.light_restore_programs())
     log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
              time.perf_counter() - t0)
-    kernels.pinned.reserve_for(max(p.num_blocks for p in pools.values()), len(pools))
+    large = kernels.pinned.reserve_for(max(p.num_blocks for p in pools.values()), len(pools),
+                                       count=STAGING_COUNT)
+    handler.hold_stream_memory(STAGING_COUNT * large)  # the device side of those buffers
 
 
 def check_lines(registry: Registry, check_words: list[int], verify: bool,
