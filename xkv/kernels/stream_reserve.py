@@ -20,8 +20,9 @@ every block needs: the pinned pool's large buffers' worth, ``pinned.reserve_for`
 small ones (the allocator serves requests up to 1 MiB from 2 MiB segments of their own), holds
 them through vLLM's capture and frees them into those streams' caches at the first copy step
 (:meth:`~StreamReserve.release`), where that step's allocations and every later one find them.
-Not covered: an allocation larger than the large block, and the allocator's own release of every
-cached block when an allocation fails (``XKV_TIMING``'s ``alloc_retries``).
+Not covered: an allocation larger than the large block, the allocator's own release of every
+cached block when an allocation fails (``XKV_TIMING``'s ``alloc_retries``), the NVLink fan-out's
+own copy stream (``xkv.fanout``), and vLLM's allocations on the compute stream.
 """
 
 from __future__ import annotations
