@@ -141,3 +141,23 @@ def test_a_decode_shaped_hit_is_one_token_past_a_block_boundary():
     for bad in (0, -16):
         with pytest.raises(ValueError, match=f"block_size {bad}"):
             e2e_ttft.decode_hit_len(2048, bad)
+
+
+def test_the_report_lists_the_multi_case_of_every_kind_variants_included(tmp_path, capsys):
+    """Stop 56's 8 x 16k call (committed JSON): ``xkv@load_mode=auto`` ran the multi case too,
+    and the report names it beside the plain kinds, in the order the kinds ran."""
+    import json
+    import tarfile
+
+    tar = ROOT / "bench/results/h100_2026-12-08_stop56/c2/e2e_llama_graphs.tar.xz"
+    with tarfile.open(tar) as t:
+        res = json.load(t.extractfile("e2e_llama_graphs/e2e_ttft.json"))
+    res["args"]["model"] = str(ROOT / "bench/models/llama8b")
+    e2e_ttft._report(res, tmp_path)
+    multi = [ln for ln in (tmp_path / "table.md").read_text().splitlines()
+             if ln.startswith("multi (")]
+    assert [ln.split(")")[0][len("multi ("):] for ln in multi] == [
+        "xkv", "none", "xkv@load_mode=auto", "offload"]
+    auto = next(ln for ln in multi if ln.startswith("multi (xkv@load_mode=auto)"))
+    assert "median 451.5 ms" in auto and "cached tokens [16383," in auto
+    capsys.readouterr()
