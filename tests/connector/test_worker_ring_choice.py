@@ -62,6 +62,9 @@ def test_auto_probes_the_first_cache_that_fits_a_slot_and_logs_the_verdict(calls
     assert "where its copy saves 2 ms" in line
     result["probe"] = Probe(50.8, 54.0, 64 << 20)
     assert "ring: no, the Triton kernel" in choose("auto")
+    result["probe"] = Probe(50.8, 54.0, 64 << 20, gain=1.0)  # XKV_RING_MIN_GAIN=1's probe
+    line = choose("auto")
+    assert "restores of >= 1" in line and "the ring from 1x" in line and ": yes" in line
     result["probe"] = Probe(0.0, 0.0, 64 << 20, error="RuntimeError: boom")
     assert choose("auto") == ("XKV: restores stay on the Triton kernel (ring probe: "
                               "RuntimeError: boom)")
@@ -110,15 +113,14 @@ def test_a_lower_ring_gain_gives_the_ring_only_large_restores(monkeypatch):
     dev = "cpu"
     monkeypatch.setattr(ring_choice, "_CHOICE", {})
     monkeypatch.setattr(kernels, "calibration", lambda d: None)
-    monkeypatch.delenv(ring_choice.GAIN_ENV, raising=False)
     assert start(NS(), dev) is None and start(NS(load_engine="triton"), dev) is None
     for engine in ("staged", "copy_engine", "reference"):
         assert start(NS(load_engine=engine), dev) == 0
     assert start(NS(load_engine="auto"), dev) == kernels.staged.STAGED_MIN_BYTES  # unprobed
-    stop56 = Probe(49.9, 52.6, 63 << 20)
-    ring_choice.set_choice(stop56, dev)
+    ring_choice.set_choice(Probe(49.9, 52.6, 63 << 20), dev)  # stop 56's probe, the default
     assert start(NS(load_engine="auto"), dev) is None and not may(NS(load_engine="auto"), dev)
-    monkeypatch.setenv(ring_choice.GAIN_ENV, "1")
+    stop56 = Probe(49.9, 52.6, 63 << 20, gain=1.0)  # the same probe under XKV_RING_MIN_GAIN=1
+    ring_choice.set_choice(stop56, dev)
     big = start(NS(load_engine="auto"), dev)
     assert big == stop56.ring_from_bytes and 1.9e9 < big < 2.0e9
     assert not may(NS(load_engine="auto"), dev)  # not a ring host by the default's margin
@@ -127,3 +129,12 @@ def test_a_lower_ring_gain_gives_the_ring_only_large_restores(monkeypatch):
     assert may(NS(load_engine="auto"), dev) and start(NS(load_engine="auto"), dev) < 140 << 20
     monkeypatch.setattr(kernels, "calibration", lambda d: object())
     assert start(NS(load_engine="auto"), dev) == 0
+
+
+def test_a_bad_ring_gain_refuses_to_start_before_the_probe(calls, monkeypatch):
+    got, _ = calls
+    monkeypatch.setenv("XKV_RING_MIN_GAIN", "0.5")
+    with pytest.raises(ValueError, match="XKV_RING_MIN_GAIN='0.5': expected a number >= 1"):
+        choose("auto")
+    assert got == []  # nothing reserved or probed
+    assert choose("triton") is None  # an engine that never takes the ring does not read it

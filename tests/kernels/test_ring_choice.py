@@ -32,21 +32,26 @@ def test_the_ring_wins_from_min_gain_times_the_triton_rate():
 
 def test_the_gain_can_be_lowered_and_the_size_rule_still_decides(monkeypatch):
     """``XKV_RING_MIN_GAIN`` replaces ``MIN_GAIN`` (a number >= 1, anything else refuses,
-    naming the variable); at 1 a ring a few percent faster wins, from the size where its copy
-    saves ``RING_EXTRA_S``; equal rates never take the ring (no division by zero)."""
+    naming the variable); a probe keeps the gain it was made with (``gain``: the environment is
+    read once, not at every restore); at 1 a ring a few percent faster wins, from the size
+    where its copy saves ``RING_EXTRA_S``; equal rates never take the ring (no division by
+    zero)."""
     monkeypatch.delenv(ring_choice.GAIN_ENV, raising=False)
     assert ring_choice.min_gain() == MIN_GAIN
     p = Probe(triton_gbps=49.9, ring_gbps=52.6, nbytes=1)  # stop 56's H100
-    assert not p.ring_wins and p.ring_from_bytes is None and p.wins_at(1.05)
+    assert p.gain == MIN_GAIN and not p.ring_wins and p.ring_from_bytes is None
     monkeypatch.setenv(ring_choice.GAIN_ENV, "1")
-    assert ring_choice.min_gain() == 1.0 and p.ring_wins
+    assert ring_choice.min_gain() == 1.0
+    assert not p.ring_wins  # made before: its gain stays
+    p = Probe(triton_gbps=49.9, ring_gbps=52.6, nbytes=1, gain=ring_choice.min_gain())
+    assert p.ring_wins
     saved = (1 / 49.9 - 1 / 52.6) / 1e9  # seconds per byte
     assert p.ring_from_bytes == int(np.ceil(ring_choice.RING_EXTRA_S / saved))
     assert 1.9e9 < p.ring_from_bytes < 2.0e9
-    assert Probe(50.0, 50.0, 1).ring_wins and Probe(50.0, 50.0, 1).ring_from_bytes is None
-    assert not Probe(50.0, 49.9, 1).ring_wins
-    monkeypatch.setenv(ring_choice.GAIN_ENV, "1.5")
-    assert not Probe(30.0, 44.0, 1).ring_wins and Probe(30.0, 45.0, 1).ring_wins
+    even = Probe(50.0, 50.0, 1, gain=1.0)
+    assert even.ring_wins and even.ring_from_bytes is None
+    assert not Probe(50.0, 49.9, 1, gain=1.0).ring_wins
+    assert not Probe(30.0, 44.0, 1, gain=1.5).ring_wins and Probe(30.0, 45.0, 1, gain=1.5).ring_wins
     for bad in ("0.9", "x", "", "nan", "inf", "-1"):
         monkeypatch.setenv(ring_choice.GAIN_ENV, bad)
         with pytest.raises(ValueError, match=f"XKV_RING_MIN_GAIN='{bad}': expected a number >= 1"):
@@ -229,7 +234,7 @@ def test_a_probe_restores_the_cards_bytes_and_auto_follows_its_verdict():
     try:
         p = K.probe_ring(pool_gpu, card, K.light_restore_programs(), nbytes=256 * 65536)
         assert p is not None and p.nbytes == 256 * 65536
-        assert p.triton_gbps > 0 and p.ring_gbps > 0
+        assert p.triton_gbps > 0 and p.ring_gbps > 0 and p.gain == ring_choice.min_gain()
         assert ring_choice.choice(dev) is p
         torch.cuda.synchronize()
         got = raw_gpu.cpu()[: 256 * g.block_stride]

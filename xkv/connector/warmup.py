@@ -26,10 +26,6 @@ from xkv.layout import PagePool
 
 log = logging.getLogger("xkv.connector")
 
-#: large page-locked buffers reserved for copy steps (``pinned.reserve_for``'s count: a restore's
-#: two table uploads, its words, its readback and the previous step's still in flight)
-STAGING_COUNT = 6
-
 
 def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
                         card: torch.Tensor | None) -> str | None:
@@ -42,7 +38,7 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
     engine = getattr(handler, "load_engine", None)
     if engine not in ("auto", "staged"):
         return None
-    gain = ring_choice.min_gain()  # XKV_RING_MIN_GAIN: a bad value refuses to start, here
+    ring_choice.min_gain()  # XKV_RING_MIN_GAIN: a bad value refuses to start, here
     kernels.reserve_staging(next(iter(pools.values())).device)
     fit = [p for p in pools.values() if p.block_bytes <= kernels.RING_PAGE_BYTES]
     if engine != "auto" or card is None or not fit:
@@ -57,37 +53,31 @@ def choose_restore_path(handler: Any, pools: Mapping[str, PagePool],
     return (f"XKV: restores of >= {size} through the copy engine and the ring: "
             f"{'yes' if start is not None else 'no, the Triton kernel'} (start-up probe of "
             f"{p.nbytes >> 20} MiB: ring {p.ring_gbps:.1f} GB/s, Triton kernel "
-            f"{p.triton_gbps:.1f} GB/s; the ring from {gain:g}x and where its "
+            f"{p.triton_gbps:.1f} GB/s; the ring from {p.gain:g}x and where its "
             f"copy saves {kernels.RING_EXTRA_S * 1e3:g} ms)")
 
 
 def restores_may_take_copy_engine(handler: Any, device: Any) -> bool:
     """Whether restores of this rank may run on the copy engine (the ring, or copy-engine
     fragments) instead of the Triton kernel at ordinary sizes, after
-    :func:`choose_restore_path`: False for ``load_engine`` ``triton`` and for ``auto`` where the
-    start-up probe kept the kernel at every size or where the ring won only by less than
-    ``ring_choice.MIN_GAIN`` (the default's margin; ``XKV_RING_MIN_GAIN`` below it gives such a
-    host's ring only large restores, :func:`copy_engine_from_bytes`) and no calibration is
-    installed; True for every other engine, and for ``auto`` where the probe chose the ring by
-    the default's margin or none ran. False for a handler without engines (the CPU one)."""
-    engine = getattr(handler, "load_engine", None)
-    if engine is None or engine == "triton":
+    :func:`choose_restore_path`: where :func:`copy_engine_from_bytes` says some restore may,
+    except on a host whose probe found the ring faster only by less than
+    ``ring_choice.MIN_GAIN`` (the default's margin: ``XKV_RING_MIN_GAIN`` below it gives such a
+    host's ring its large restores only)."""
+    start = copy_engine_from_bytes(handler, device)
+    if start is None:
         return False
-    if engine != "auto" or kernels.calibration(device) is not None:
-        return True
     p = ring_choice.choice(device)
-    # auto's own rule, at a size beyond any restore, on a host that is a ring host by default
-    return ring_choice.takes_ring(device, 1 << 62) and (p is None or p.wins_at(
-        ring_choice.MIN_GAIN))
+    return start == 0 or p is None or p.wins_at(ring_choice.MIN_GAIN)
 
 
 def copy_engine_from_bytes(handler: Any, device: Any) -> int | None:
     """The smallest restore (bytes, a step's whole restore) that may run on the copy engine on
-    this rank, after :func:`choose_restore_path`: None where none does (``triton``, ``auto``
-    whose probe kept the kernel at every size, a handler without engines), 0 where any may
-    (every other engine, as :func:`restores_may_take_copy_engine` counts them, or a calibration
-    installed), else ``auto``'s
-    ``ring_choice.ring_from``. ``XKV_EARLY_ISSUE`` issues a step early only below it."""
+    this rank, after :func:`choose_restore_path`: None where none does (``load_engine``
+    ``triton``, ``auto`` whose probe kept the kernel at every size, a handler without engines:
+    the CPU one), 0 where any may (every other engine, or a calibration installed: it decides
+    per fragment size), else ``auto``'s ``ring_choice.ring_from``. ``XKV_EARLY_ISSUE`` issues a
+    step early only below it."""
     engine = getattr(handler, "load_engine", None)
     if engine is None or engine == "triton":
         return None
@@ -126,9 +116,9 @@ def compile_copies(registry: Registry, pools: Mapping[str, PagePool], card: torc
                               light_programs=kernels.light_restore_programs())
     log.info("XKV: %d copy-kernel variants compiled in %.1f s", len(variants),
              time.perf_counter() - t0)
-    large = kernels.pinned.reserve_for(max(p.num_blocks for p in pools.values()), len(pools),
-                                       count=STAGING_COUNT)
-    handler.hold_stream_memory(STAGING_COUNT * large)  # the device side of those buffers
+    large = kernels.pinned.reserve_for(max(p.num_blocks for p in pools.values()), len(pools))
+    # the device side of those buffers
+    handler.hold_stream_memory(kernels.pinned.RESERVE_COUNT * large)
 
 
 def check_lines(registry: Registry, check_words: list[int], verify: bool,

@@ -23,9 +23,11 @@ import weakref
 
 import torch
 
-__all__ = ["MIN_BYTES", "PinnedPool", "pool", "record_event", "upload"]
+__all__ = ["MIN_BYTES", "RESERVE_COUNT", "PinnedPool", "pool", "record_event", "upload"]
 
 MIN_BYTES = 64 * 1024  # smallest buffer allocated: small requests share a few buffers
+#: large buffers :func:`reserve_for` keeps by default (its docstring says why six)
+RESERVE_COUNT = 6
 
 
 def _round(nbytes: int) -> int:
@@ -135,7 +137,7 @@ def upload(numel: int, dtype: torch.dtype, device: torch.device, fill) -> torch.
     return out
 
 
-def reserve_for(num_blocks: int, num_layers: int, *, count: int = 6,
+def reserve_for(num_blocks: int, num_layers: int, *, count: int = RESERVE_COUNT,
                 cap_bytes: int = 256 << 20) -> int:
     """Reserve (:meth:`PinnedPool.reserve`) what copy steps over caches of ``num_layers`` layers
     of ``num_blocks`` blocks use at once: 8 buffers of :data:`MIN_BYTES` (small steps) and

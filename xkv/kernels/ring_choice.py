@@ -15,7 +15,7 @@ ring (1.02-1.13x): the probe kept the Triton kernel, and the ring forced was 15 
 serving) from the card, as the page mover does (bench/page_mover.py: prepared launches), and
 records the result per GPU; ``auto`` follows its verdict (:attr:`Probe.ring_wins`): the ring
 when it copied at least :func:`min_gain` x the Triton kernel's rate (:data:`MIN_GAIN`, or
-``XKV_RING_MIN_GAIN``), the Triton kernel otherwise.
+``XKV_RING_MIN_GAIN`` as the probe read it, :attr:`Probe.gain`), the Triton kernel otherwise.
 Unprobed (no worker start, e.g. tests and the page mover) the ring is taken, as before the probe.
 
 A ring that copies faster still costs more host time per restore than the kernel (its plan, each
@@ -89,6 +89,9 @@ class Probe:
     ring_gbps: float
     nbytes: int
     error: str = ""  # the probe raised: the ring is not taken
+    #: the gain ``auto`` asks of this probe's ring (:func:`min_gain` when :func:`probe` ran: the
+    #: environment is read once, not at every restore)
+    gain: float = MIN_GAIN
 
     def wins_at(self, gain: float) -> bool:
         """The ring copied at least ``gain`` x the Triton kernel's rate (and the probe ran)."""
@@ -96,7 +99,7 @@ class Probe:
 
     @property
     def ring_wins(self) -> bool:
-        return self.wins_at(min_gain())
+        return self.wins_at(self.gain)
 
     @property
     def ring_from_bytes(self) -> int | None:
@@ -181,6 +184,6 @@ def probe(pool: PagePool, flat: torch.Tensor, max_programs: int, *,
         p = Probe(0.0, 0.0, n * bb, error=f"{type(e).__name__}: {e}"[:300])
         set_choice(p, dev)
         return p
-    p = Probe(triton_gbps=rates[0], ring_gbps=rates[1], nbytes=n * bb)
+    p = Probe(triton_gbps=rates[0], ring_gbps=rates[1], nbytes=n * bb, gain=min_gain())
     set_choice(p, dev)
     return p
